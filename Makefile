@@ -1,0 +1,40 @@
+# The two commands of the README: `make bench` and `make test`. Everything else is set-up.
+SHELL := /bin/bash
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+# the first Python >= 3.12 found: PATH, then pyenv's versions
+PYTHON ?= $(shell for p in python3.13 python3.12 python3 $$HOME/.pyenv/versions/3.1[2-9]*/bin/python3; do \
+	  c=$$(command -v $$p 2>/dev/null) || continue; \
+	  $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$c; break; }; done)
+
+.PHONY: all sysdeps venv build test bench clean
+
+all: build
+
+sysdeps:
+	@if ! pkg-config --exists libfabric 2>/dev/null || ! command -v fi_info >/dev/null; then \
+	  echo "installing libfabric-dev libfabric-bin"; \
+	  SUDO=$$( [ $$(id -u) -eq 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libfabric-dev libfabric-bin pkg-config iproute2; \
+	fi
+
+$(VENV)/.stamp: pyproject.toml setup.py | sysdeps
+	@test -n "$(PYTHON)" || { echo "need Python >= 3.12 (python3.12 or pyenv)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q Cython numpy setuptools wheel
+	touch $@
+
+venv: $(VENV)/.stamp
+
+build: venv
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+
+test: build
+	$(PY) -m pytest -q tests
+
+bench: build
+	$(VENV)/bin/kvxfer-bench bw
+
+clean:
+	rm -rf build kvxfer/_fabric.c kvxfer/_fabric*.so *.egg-info

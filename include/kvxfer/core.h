@@ -1,0 +1,164 @@
+/* core.h: the native engine. One RDM endpoint per engine, one CQ, one progress thread.
+ *
+ * Ownership: the engine owns fabric/domain/av/cq/ep, the progress thread, the immediate
+ * counter table, the posted receive buffers and the message queue. A kx_xfer is shared by
+ * its Python owner and the in-flight operations (refcount); a kx_counter likewise by its
+ * Python owner and the table entry that will complete it.
+ *
+ * Threads: posting threads (Python callers, GIL released) call fi_writemsg and, on
+ * -FI_EAGAIN, progress the CQ themselves; the progress thread polls or waits on the CQ.
+ * Neither ever touches a Python object. All shared bookkeeping is under e->lock; state
+ * changes that a waiter cares about broadcast e->cond. */
+#ifndef KVXFER_CORE_H
+#define KVXFER_CORE_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvxfer/compat.h"
+
+#define KX_MAX_IOV 16          /* upper bound on iovecs per message we ever build */
+#define KX_RX_BUFS 32          /* posted receive buffers for control messages */
+#define KX_MSG_MAX 65536       /* largest control message */
+#define KX_CQ_BATCH 64
+
+enum { KX_OP_WRITE = 1, KX_OP_SEND = 2, KX_OP_RECV = 3 };
+
+typedef struct kx_engine kx_engine;
+
+/* Every context handed to libfabric starts with this header; the fi_context2 scratch space
+ * comes first because providers in FI_CONTEXT(2) mode own it until the completion is read. */
+typedef struct kx_op {
+    struct fi_context2 fi;
+    int kind;
+    void *owner;           /* kx_xfer*, kx_sendbuf* or kx_rxbuf* */
+} kx_op;
+
+typedef struct kx_xfer {
+    kx_op shared_op;       /* used for every write when the provider needs no per-op context */
+    kx_op *ops;            /* per-op contexts when it does */
+    int64_t planned;       /* messages the plan contains */
+    int64_t posted;        /* messages posted so far */
+    int64_t completed;     /* completions read (success or error) */
+    int posting_done;      /* the posting call has returned */
+    int done;
+    int error;             /* first positive errno seen, 0 if none */
+    int refs;              /* Python owner + in-flight */
+    struct kx_xfer *prev, *next;   /* the engine's in-flight list */
+} kx_xfer;
+
+typedef struct kx_counter {
+    uint32_t imm;
+    uint64_t count;
+    uint64_t arrived;      /* arrivals credited to this expectation */
+    int done;
+    int error;
+    int want_callback;
+    int refs;              /* Python owner + table entry / callback queue */
+    struct kx_counter *next_done;
+} kx_counter;
+
+typedef struct kx_centry {
+    uint32_t imm;
+    int used;
+    uint64_t arrived;      /* arrivals not yet consumed by an expectation */
+    kx_counter *active;    /* the expectation waiting on this imm, if any */
+} kx_centry;
+
+typedef struct kx_ctable {
+    kx_centry *slots;
+    size_t cap;            /* power of two */
+    size_t len;
+} kx_ctable;
+
+typedef struct kx_rxbuf {
+    kx_op op;
+    char *data;
+} kx_rxbuf;
+
+typedef struct kx_msg {
+    struct kx_msg *next;
+    size_t len;
+    char data[];
+} kx_msg;
+
+typedef struct kx_sendbuf {
+    kx_op op;
+    size_t len;
+    char data[];
+} kx_sendbuf;
+
+struct kx_engine {
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_av *av;
+    struct fid_cq *cq;
+    struct fid_ep *ep;
+
+    uint64_t mr_mode;
+    uint64_t caps;
+    size_t iov_limit;      /* min(iov_limit, rma_iov_limit, KX_MAX_IOV) */
+    size_t max_msg_size;
+    size_t inject_size;
+    size_t cq_data_size;
+    int need_ctx;          /* provider asked for FI_CONTEXT / FI_CONTEXT2 */
+    int has_wait;          /* the CQ has a wait object usable with fi_cq_sread */
+    uint64_t next_key;
+
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+
+    /* progress */
+    pthread_t thread;
+    int thread_started;
+    volatile int stop;
+    int spin;              /* busy-poll instead of blocking */
+    int posting;           /* threads inside a posting call (atomic) */
+    int64_t outstanding;   /* tx operations posted and not completed (atomic) */
+    int64_t last_activity_ns;
+    cpu_set_t cpus;
+    int pin;
+    int sleeping;          /* progress thread is blocked; posts must wake it */
+
+    kx_xfer *inflight;     /* transfers with operations outstanding */
+    kx_ctable table;
+    kx_counter *done_head, *done_tail;   /* counters with callbacks, for the dispatcher */
+    int dispatch_stop;
+
+    kx_rxbuf rx[KX_RX_BUFS];
+    kx_msg *msg_head, *msg_tail;
+    size_t nmsgs;
+
+    uint64_t stat_imm;     /* immediates received */
+    uint64_t stat_rx_err;  /* error completions not tied to a transfer */
+    uint64_t stat_writes;  /* messages posted */
+    int last_error;
+    char last_error_call[48];
+};
+
+static inline int64_t kx_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline void kx_deadline(struct timespec *ts, int64_t ns)
+{
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    ts->tv_sec += ns / 1000000000LL;
+    ts->tv_nsec += ns % 1000000000LL;
+    if (ts->tv_nsec >= 1000000000L) { ts->tv_sec++; ts->tv_nsec -= 1000000000L; }
+}
+
+#endif

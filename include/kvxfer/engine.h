@@ -1,0 +1,461 @@
+/* engine.h: opening and closing an engine, memory registration, addresses, control
+ * messages and the waits the Python face blocks in (always without the GIL). */
+#ifndef KVXFER_ENGINE_H
+#define KVXFER_ENGINE_H
+
+#include "kvxfer/core.h"
+#include "kvxfer/counters.h"
+#include "kvxfer/progress.h"
+#include "kvxfer/post.h"
+
+#define KX_CHECK(call, name)                                                        \
+    do {                                                                            \
+        int _r = (int)(call);                                                       \
+        if (_r) {                                                                   \
+            snprintf(errcall, errcall_len, "%s", name);                             \
+            kx_engine_destroy(e);                                                   \
+            return _r;                                                              \
+        }                                                                           \
+    } while (0)
+
+static void kx_engine_teardown(kx_engine *e);
+
+static void kx_engine_destroy(kx_engine *e)
+{
+    kx_engine_teardown(e);
+    pthread_mutex_destroy(&e->lock);
+    pthread_cond_destroy(&e->cond);
+    free(e->table.slots);
+    free(e);
+}
+
+static char *kx_rx_slab(kx_engine *e) { return e->rx[0].data; }
+
+/* Open fabric, domain, CQ, AV and one RDM endpoint on `prov` (NULL: libfabric's first
+ * choice), bound to `node` when given. On failure returns -errno and names the call. */
+static int kx_engine_open(const char *prov, const char *node, int hmem, int spin,
+                          kx_engine **out, char *errcall, size_t errcall_len)
+{
+    kx_engine *e = calloc(1, sizeof(*e));
+    if (!e)
+        return -FI_ENOMEM;
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&e->cond, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_mutex_init(&e->lock, NULL);
+    e->spin = spin;
+    e->next_key = 1;
+    e->last_activity_ns = kx_now_ns();
+    if (kx_ctable_init(&e->table)) {
+        free(e);
+        return -FI_ENOMEM;
+    }
+
+    struct fi_info *hints = fi_allocinfo();
+    if (!hints) {
+        kx_engine_destroy(e);
+        return -FI_ENOMEM;
+    }
+    hints->caps = FI_MSG | FI_RMA | (hmem ? FI_HMEM : 0);
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY |
+                                  FI_MR_ENDPOINT | FI_MR_RAW | (hmem ? FI_MR_HMEM : 0);
+    hints->domain_attr->threading = FI_THREAD_SAFE;
+    if (prov)
+        hints->fabric_attr->prov_name = strdup(prov);
+    int ret = fi_getinfo(KX_FI_API_VERSION, node, NULL, node ? FI_SOURCE : 0, hints, &e->info);
+    fi_freeinfo(hints);
+    if (ret) {
+        snprintf(errcall, errcall_len, "fi_getinfo");
+        kx_engine_destroy(e);
+        return ret;
+    }
+    struct fi_info *fi = e->info;
+    e->mr_mode = fi->domain_attr->mr_mode;
+    e->caps = fi->caps;
+    e->need_ctx = (fi->mode & (FI_CONTEXT | FI_CONTEXT2)) != 0;
+    size_t iovl = fi->tx_attr->iov_limit, rl = fi->tx_attr->rma_iov_limit;
+    e->iov_limit = iovl < rl ? iovl : rl;
+    if (e->iov_limit > KX_MAX_IOV)
+        e->iov_limit = KX_MAX_IOV;
+    if (e->iov_limit < 1)
+        e->iov_limit = 1;
+    e->max_msg_size = fi->ep_attr->max_msg_size;
+    e->inject_size = fi->tx_attr->inject_size;
+    e->cq_data_size = fi->domain_attr->cq_data_size;
+
+    KX_CHECK(fi_fabric(fi->fabric_attr, &e->fabric, NULL), "fi_fabric");
+    KX_CHECK(fi_domain(e->fabric, fi, &e->domain, NULL), "fi_domain");
+
+    struct fi_cq_attr cqa;
+    memset(&cqa, 0, sizeof(cqa));
+    cqa.format = FI_CQ_FORMAT_DATA;
+    cqa.size = fi->tx_attr->size + fi->rx_attr->size;
+    cqa.wait_obj = spin ? FI_WAIT_NONE : FI_WAIT_UNSPEC;
+    ret = fi_cq_open(e->domain, &cqa, &e->cq, NULL);
+    if (ret && cqa.wait_obj != FI_WAIT_NONE) {
+        cqa.wait_obj = FI_WAIT_NONE;
+        ret = fi_cq_open(e->domain, &cqa, &e->cq, NULL);
+    }
+    KX_CHECK(ret, "fi_cq_open");
+    e->has_wait = cqa.wait_obj != FI_WAIT_NONE;
+
+    struct fi_av_attr ava;
+    memset(&ava, 0, sizeof(ava));
+    ava.type = FI_AV_TABLE;
+    KX_CHECK(fi_av_open(e->domain, &ava, &e->av, NULL), "fi_av_open");
+    KX_CHECK(fi_endpoint(e->domain, fi, &e->ep, NULL), "fi_endpoint");
+    KX_CHECK(fi_ep_bind(e->ep, &e->cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+    KX_CHECK(fi_ep_bind(e->ep, &e->av->fid, 0), "fi_ep_bind(av)");
+    KX_CHECK(fi_enable(e->ep), "fi_enable");
+
+    /* one slab for the posted receive buffers */
+    char *slab = malloc((size_t)KX_RX_BUFS * KX_MSG_MAX);
+    if (!slab) {
+        kx_engine_destroy(e);
+        return -FI_ENOMEM;
+    }
+    for (int i = 0; i < KX_RX_BUFS; i++) {
+        e->rx[i].op.kind = KX_OP_RECV;
+        e->rx[i].op.owner = &e->rx[i];
+        e->rx[i].data = slab + (size_t)i * KX_MSG_MAX;
+    }
+    for (int i = 0; i < KX_RX_BUFS; i++)
+        KX_CHECK(kx_post_recv(e, &e->rx[i]), "fi_recv");
+    *out = e;
+    return 0;
+}
+
+static int kx_engine_start(kx_engine *e, const int *cpus, int ncpus)
+{
+    CPU_ZERO(&e->cpus);
+    for (int i = 0; i < ncpus; i++)
+        CPU_SET(cpus[i], &e->cpus);
+    e->pin = ncpus > 0;
+    int ret = pthread_create(&e->thread, NULL, kx_progress_main, e);
+    if (ret)
+        return -ret;
+    e->thread_started = 1;
+    return 0;
+}
+
+/* Stop the thread (with a deadline) and close every fid, children first. Idempotent.
+ * Transfers and counters still pending fail with ECANCELED; the struct itself lives on
+ * until kx_engine_free so late releases from Python stay safe. */
+static void kx_engine_teardown(kx_engine *e)
+{
+    e->stop = 1;
+    if (e->thread_started) {
+        if (e->has_wait && e->cq)
+            fi_cq_signal(e->cq);
+        pthread_mutex_lock(&e->lock);
+        pthread_cond_broadcast(&e->cond);
+        pthread_mutex_unlock(&e->lock);
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += 5;
+        if (pthread_timedjoin_np(e->thread, NULL, &ts) != 0)
+            pthread_detach(e->thread);  /* stuck in the provider: leak it rather than crash */
+        e->thread_started = 0;
+    }
+    if (e->ep) { fi_close(&e->ep->fid); e->ep = NULL; }
+    if (e->av) { fi_close(&e->av->fid); e->av = NULL; }
+    if (e->cq) { fi_close(&e->cq->fid); e->cq = NULL; }
+    if (e->domain) { fi_close(&e->domain->fid); e->domain = NULL; }
+    if (e->fabric) { fi_close(&e->fabric->fid); e->fabric = NULL; }
+    if (e->info) { fi_freeinfo(e->info); e->info = NULL; }
+    if (e->rx[0].data) { free(kx_rx_slab(e)); e->rx[0].data = NULL; }
+    pthread_mutex_lock(&e->lock);
+    while (e->inflight) {
+        kx_xfer *x = e->inflight;
+        if (!x->error)
+            x->error = FI_ECANCELED;
+        x->posting_done = 1;
+        x->completed = x->posted;
+        kx_xfer_check_done_locked(e, x);
+    }
+    for (size_t i = 0; i < e->table.cap; i++) {
+        kx_centry *s = &e->table.slots[i];
+        if (s->used && s->active) {
+            kx_counter *c = s->active;
+            s->active = NULL;
+            c->error = FI_ECANCELED;
+            c->done = 1;
+            kx_counter_release_locked(c);
+        }
+    }
+    while (e->msg_head) {
+        kx_msg *m = e->msg_head;
+        e->msg_head = m->next;
+        free(m);
+    }
+    e->msg_tail = NULL;
+    e->nmsgs = 0;
+    while (e->done_head) {
+        kx_counter *c = e->done_head;
+        e->done_head = c->next_done;
+        kx_counter_release_locked(c);
+    }
+    e->done_tail = NULL;
+    e->dispatch_stop = 1;
+    pthread_cond_broadcast(&e->cond);
+    pthread_mutex_unlock(&e->lock);
+}
+
+static void kx_engine_free(kx_engine *e)
+{
+    kx_engine_teardown(e);
+    pthread_mutex_destroy(&e->lock);
+    pthread_cond_destroy(&e->cond);
+    free(e->table.slots);
+    free(e);
+}
+
+/* ---- memory registration ---------------------------------------------------------- */
+
+static int kx_mr_reg(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd,
+                     struct fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
+                     const char **call)
+{
+    struct iovec iov = {buf, len};
+    struct fi_mr_attr attr;
+    memset(&attr, 0, sizeof(attr));
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    pthread_mutex_lock(&e->lock);
+    attr.requested_key = e->next_key++;
+    pthread_mutex_unlock(&e->lock);
+    attr.iface = (enum fi_hmem_iface)iface;
+    if (iface == FI_HMEM_CUDA)
+        attr.device.cuda = device;
+    uint64_t flags = 0;
+#if KX_HAVE_DMABUF
+    struct fi_mr_dmabuf dmabuf;
+    if (dmabuf_fd >= 0) {
+        memset(&dmabuf, 0, sizeof(dmabuf));
+        dmabuf.fd = dmabuf_fd;
+        dmabuf.offset = 0;
+        dmabuf.len = len;
+        dmabuf.base_addr = buf;
+        attr.dmabuf = &dmabuf;
+        flags |= FI_MR_DMABUF;
+    }
+#else
+    if (dmabuf_fd >= 0) {
+        *call = "fi_mr_regattr(FI_MR_DMABUF)";
+        return -FI_ENOSYS;
+    }
+#endif
+    *call = "fi_mr_regattr";
+    int ret = fi_mr_regattr(e->domain, &attr, flags, mr);
+    if (ret)
+        return ret;
+    if (e->mr_mode & FI_MR_ENDPOINT) {
+        *call = "fi_mr_bind";
+        ret = fi_mr_bind(*mr, &e->ep->fid, 0);
+        if (!ret) {
+            *call = "fi_mr_enable";
+            ret = fi_mr_enable(*mr);
+        }
+        if (ret) {
+            fi_close(&(*mr)->fid);
+            *mr = NULL;
+            return ret;
+        }
+    }
+    *key = fi_mr_key(*mr);
+    *desc = fi_mr_desc(*mr);
+    *rawlen = 0;
+    if (e->mr_mode & FI_MR_RAW) {
+        uint64_t base = 0;
+        size_t n = 64;
+        *call = "fi_mr_raw_attr";
+        ret = fi_mr_raw_attr(*mr, &base, raw, &n, 0);
+        if (ret) {
+            fi_close(&(*mr)->fid);
+            *mr = NULL;
+            return ret;
+        }
+        *rawlen = n;
+    }
+    return 0;
+}
+
+/* ---- control messages ------------------------------------------------------------- */
+
+static int kx_send(kx_engine *e, fi_addr_t peer, const char *data, size_t len)
+{
+    kx_sendbuf *s = malloc(sizeof(kx_sendbuf) + (len ? len : 1));
+    if (!s)
+        return -FI_ENOMEM;
+    memset(&s->op, 0, sizeof(s->op));
+    s->op.kind = KX_OP_SEND;
+    s->op.owner = s;
+    s->len = len;
+    memcpy(s->data, data, len);
+    __atomic_add_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
+    ssize_t ret;
+    for (;;) {
+        ret = fi_send(e->ep, s->data, len, NULL, peer, &s->op.fi);
+        if (ret != -FI_EAGAIN || e->stop)
+            break;
+        if (kx_poll(e) == 0)
+            sched_yield();
+    }
+    __atomic_sub_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
+    if (ret) {
+        __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
+        free(s);
+        return (int)ret;
+    }
+    kx_wake(e);
+    return 0;
+}
+
+/* ---- waits (all without the GIL; slice_ns bounds each so Python can check signals) -- */
+
+/* 1: a message was taken (copied into *out, caller frees), 0: none within the slice */
+static int kx_recv_wait(kx_engine *e, int64_t slice_ns, kx_msg **out)
+{
+    struct timespec ts;
+    kx_deadline(&ts, slice_ns);
+    pthread_mutex_lock(&e->lock);
+    while (!e->msg_head && !e->stop) {
+        if (pthread_cond_timedwait(&e->cond, &e->lock, &ts) == ETIMEDOUT)
+            break;
+    }
+    kx_msg *m = e->msg_head;
+    if (m) {
+        e->msg_head = m->next;
+        if (!e->msg_head)
+            e->msg_tail = NULL;
+        e->nmsgs--;
+    }
+    pthread_mutex_unlock(&e->lock);
+    *out = m;
+    return m != NULL;
+}
+
+static int kx_xfer_wait(kx_engine *e, kx_xfer *x, int64_t slice_ns)
+{
+    struct timespec ts;
+    kx_deadline(&ts, slice_ns);
+    pthread_mutex_lock(&e->lock);
+    while (!x->done) {
+        if (pthread_cond_timedwait(&e->cond, &e->lock, &ts) == ETIMEDOUT)
+            break;
+    }
+    int done = x->done;
+    pthread_mutex_unlock(&e->lock);
+    return done;
+}
+
+static int kx_counter_wait(kx_engine *e, kx_counter *c, int64_t slice_ns)
+{
+    struct timespec ts;
+    kx_deadline(&ts, slice_ns);
+    pthread_mutex_lock(&e->lock);
+    while (!c->done) {
+        if (pthread_cond_timedwait(&e->cond, &e->lock, &ts) == ETIMEDOUT)
+            break;
+    }
+    int done = c->done;
+    pthread_mutex_unlock(&e->lock);
+    return done;
+}
+
+/* the callback dispatcher: pops the next finished counter that wants a callback;
+ * returns 1 with *out set, 0 on slice timeout, -1 once the engine is closing */
+static int kx_next_done(kx_engine *e, int64_t slice_ns, kx_counter **out)
+{
+    struct timespec ts;
+    kx_deadline(&ts, slice_ns);
+    pthread_mutex_lock(&e->lock);
+    while (!e->done_head && !e->dispatch_stop) {
+        if (pthread_cond_timedwait(&e->cond, &e->lock, &ts) == ETIMEDOUT)
+            break;
+    }
+    kx_counter *c = e->done_head;
+    int ret = 0;
+    if (c) {
+        e->done_head = c->next_done;
+        if (!e->done_head)
+            e->done_tail = NULL;
+        ret = 1;
+    } else if (e->dispatch_stop) {
+        ret = -1;
+    }
+    pthread_mutex_unlock(&e->lock);
+    *out = c;
+    return ret;
+}
+
+static void kx_counter_unref(kx_engine *e, kx_counter *c)
+{
+    pthread_mutex_lock(&e->lock);
+    kx_counter_release_locked(c);
+    pthread_mutex_unlock(&e->lock);
+}
+
+static void kx_xfer_drop(kx_engine *e, kx_xfer *x)
+{
+    pthread_mutex_lock(&e->lock);
+    kx_xfer_release_locked(x);
+    pthread_mutex_unlock(&e->lock);
+}
+
+static void kx_dispatch_stop(kx_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    e->dispatch_stop = 1;
+    pthread_cond_broadcast(&e->cond);
+    pthread_mutex_unlock(&e->lock);
+}
+
+/* ---- addresses and remote keys ---------------------------------------------------- */
+
+static int kx_getname(kx_engine *e, void *buf, size_t *len)
+{
+    return fi_getname(&e->ep->fid, buf, len);
+}
+
+static int kx_av_insert(kx_engine *e, const void *addr, fi_addr_t *out)
+{
+    int n = fi_av_insert(e->av, addr, 1, out, 0, NULL);
+    return n == 1 ? 0 : (n < 0 ? n : -FI_EINVAL);
+}
+
+static int kx_av_remove(kx_engine *e, fi_addr_t a)
+{
+    return fi_av_remove(e->av, &a, 1, 0);
+}
+
+/* a peer's raw key (FI_MR_RAW providers) becomes a 64-bit key usable in RMA calls */
+static int kx_map_raw(kx_engine *e, uint64_t base, uint8_t *raw, size_t rawlen, uint64_t *key)
+{
+    return fi_mr_map_raw(e->domain, base, raw, rawlen, key, 0);
+}
+
+static int kx_unmap_key(kx_engine *e, uint64_t key)
+{
+    return fi_mr_unmap_key(e->domain, key);
+}
+
+static int kx_mr_close(struct fid_mr *mr)
+{
+    return fi_close(&mr->fid);
+}
+
+static const char *kx_prov_name(kx_engine *e) { return e->info->fabric_attr->prov_name; }
+static const char *kx_fabric_name(kx_engine *e) { return e->info->fabric_attr->name; }
+static const char *kx_domain_name(kx_engine *e) { return e->info->domain_attr->name; }
+static uint32_t kx_runtime_version(void) { return fi_version(); }
+static uint32_t kx_build_version(void) { return KX_FI_BUILD_VERSION; }
+static int kx_have_dmabuf(void) { return KX_HAVE_DMABUF; }
+
+#endif

@@ -1,0 +1,223 @@
+/* progress.h: reading the CQ and the progress thread.
+ *
+ * Both providers kvxfer is tested on progress data manually: nothing lands at a target, and
+ * no send finishes, unless someone reads the CQ. kx_poll() is that someone; the progress
+ * thread calls it in a loop, and posting threads call it when the provider says -FI_EAGAIN.
+ *
+ * Blocking mode (the default, for 2-core machines): while tx operations are outstanding, or
+ * for a short window after the last completion, the thread polls with sched_yield between
+ * empty reads; otherwise it blocks (fi_cq_sread on the CQ's wait object where the provider
+ * has one, else a condition-variable wait with an exponential back-off capped at 1 ms).
+ * Posting threads signal it so a new transfer never waits out a back-off. Spin mode never
+ * blocks. */
+#ifndef KVXFER_PROGRESS_H
+#define KVXFER_PROGRESS_H
+
+#include "kvxfer/core.h"
+#include "kvxfer/counters.h"
+
+#define KX_SPIN_WINDOW_NS   200000LL     /* keep polling 200 us after activity */
+#define KX_STALL_NS         200000000LL  /* outstanding but silent this long: back off */
+#define KX_MAX_BACKOFF_NS   1000000LL
+
+static void kx_xfer_release_locked(kx_xfer *x)
+{
+    if (--x->refs == 0) {
+        free(x->ops);
+        free(x);
+    }
+}
+
+static void kx_xfer_link_locked(kx_engine *e, kx_xfer *x)
+{
+    x->prev = NULL;
+    x->next = e->inflight;
+    if (e->inflight)
+        e->inflight->prev = x;
+    e->inflight = x;
+}
+
+static void kx_xfer_unlink_locked(kx_engine *e, kx_xfer *x)
+{
+    if (x->prev)
+        x->prev->next = x->next;
+    else
+        e->inflight = x->next;
+    if (x->next)
+        x->next->prev = x->prev;
+    x->prev = x->next = NULL;
+}
+
+static void kx_xfer_check_done_locked(kx_engine *e, kx_xfer *x)
+{
+    if (!x->done && x->posting_done && x->completed >= x->posted) {
+        x->done = 1;
+        pthread_cond_broadcast(&e->cond);
+        kx_xfer_unlink_locked(e, x);
+        kx_xfer_release_locked(x);  /* the in-flight reference */
+    }
+}
+
+static int kx_post_recv(kx_engine *e, kx_rxbuf *b)
+{
+    return (int)fi_recv(e->ep, b->data, KX_MSG_MAX, NULL, FI_ADDR_UNSPEC, &b->op.fi);
+}
+
+static void kx_complete_locked(kx_engine *e, void *context, uint64_t flags, uint64_t data,
+                               size_t len, int err)
+{
+    if ((flags & FI_REMOTE_CQ_DATA) && !err) {
+        kx_arrival_locked(e, (uint32_t)data);
+        if (!context || !(flags & FI_RECV))
+            return;
+    }
+    kx_op *op = (kx_op *)context;
+    if (!op) {
+        if (err)
+            e->stat_rx_err++;
+        return;
+    }
+    switch (op->kind) {
+    case KX_OP_WRITE: {
+        kx_xfer *x = (kx_xfer *)op->owner;
+        __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
+        x->completed++;
+        if (err && !x->error)
+            x->error = err;
+        kx_xfer_check_done_locked(e, x);
+        break;
+    }
+    case KX_OP_SEND: {
+        kx_sendbuf *s = (kx_sendbuf *)op->owner;
+        __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
+        if (err)
+            e->stat_rx_err++;
+        free(s);
+        break;
+    }
+    case KX_OP_RECV: {
+        kx_rxbuf *b = (kx_rxbuf *)op->owner;
+        if (!err) {
+            kx_msg *m = malloc(sizeof(kx_msg) + len);
+            if (m) {
+                m->next = NULL;
+                m->len = len;
+                memcpy(m->data, b->data, len);
+                if (e->msg_tail)
+                    e->msg_tail->next = m;
+                else
+                    e->msg_head = m;
+                e->msg_tail = m;
+                e->nmsgs++;
+                pthread_cond_broadcast(&e->cond);
+            }
+        } else {
+            e->stat_rx_err++;
+        }
+        if (!e->stop) {
+            /* repost outside the CQ lock's critical path is not needed: fi_recv never blocks */
+            int ret;
+            do {
+                ret = kx_post_recv(e, b);
+            } while (ret == -FI_EAGAIN && !e->stop);
+        }
+        break;
+    }
+    }
+}
+
+/* read up to one batch from the CQ; returns the number of entries handled, or <0 */
+static int kx_poll(kx_engine *e)
+{
+    struct fi_cq_data_entry ent[KX_CQ_BATCH];
+    ssize_t n = fi_cq_read(e->cq, ent, KX_CQ_BATCH);
+    if (n > 0) {
+        pthread_mutex_lock(&e->lock);
+        for (ssize_t i = 0; i < n; i++)
+            kx_complete_locked(e, ent[i].op_context, ent[i].flags, ent[i].data, ent[i].len, 0);
+        pthread_mutex_unlock(&e->lock);
+        e->last_activity_ns = kx_now_ns();
+        return (int)n;
+    }
+    if (n == -FI_EAGAIN)
+        return 0;
+    if (n == -FI_EAVAIL) {
+        struct fi_cq_err_entry err;
+        memset(&err, 0, sizeof(err));
+        ssize_t r = fi_cq_readerr(e->cq, &err, 0);
+        if (r == 1 || r == sizeof(err)) {
+            pthread_mutex_lock(&e->lock);
+            kx_complete_locked(e, err.op_context, err.flags, err.data, err.len, err.err ? err.err : FI_EIO);
+            pthread_mutex_unlock(&e->lock);
+            e->last_activity_ns = kx_now_ns();
+            return 1;
+        }
+        return 0;
+    }
+    return (int)n;
+}
+
+static void kx_wake(kx_engine *e)
+{
+    if (__atomic_load_n(&e->sleeping, __ATOMIC_ACQUIRE)) {
+        if (e->has_wait)
+            fi_cq_signal(e->cq);
+        pthread_mutex_lock(&e->lock);
+        pthread_cond_broadcast(&e->cond);
+        pthread_mutex_unlock(&e->lock);
+    }
+}
+
+static void *kx_progress_main(void *arg)
+{
+    kx_engine *e = (kx_engine *)arg;
+    int64_t backoff = 1000;
+    if (e->pin)
+        pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &e->cpus);
+    while (!e->stop) {
+        if (__atomic_load_n(&e->posting, __ATOMIC_ACQUIRE) > 0 && !e->spin) {
+            /* the posting thread progresses for itself; stay out of its way */
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        int n = kx_poll(e);
+        if (n != 0 || e->spin) {
+            backoff = 1000;
+            continue;
+        }
+        int64_t now = kx_now_ns();
+        int64_t quiet = now - e->last_activity_ns;
+        int64_t outstanding = __atomic_load_n(&e->outstanding, __ATOMIC_RELAXED);
+        if (quiet < KX_SPIN_WINDOW_NS || (outstanding > 0 && quiet < KX_STALL_NS)) {
+            sched_yield();
+            continue;
+        }
+        /* idle: block */
+        __atomic_store_n(&e->sleeping, 1, __ATOMIC_RELEASE);
+        if (e->has_wait && outstanding == 0) {
+            struct fi_cq_data_entry ent[KX_CQ_BATCH];
+            ssize_t r = fi_cq_sread(e->cq, ent, KX_CQ_BATCH, NULL, 50);
+            __atomic_store_n(&e->sleeping, 0, __ATOMIC_RELEASE);
+            if (r > 0) {
+                pthread_mutex_lock(&e->lock);
+                for (ssize_t i = 0; i < r; i++)
+                    kx_complete_locked(e, ent[i].op_context, ent[i].flags, ent[i].data, ent[i].len, 0);
+                pthread_mutex_unlock(&e->lock);
+                e->last_activity_ns = kx_now_ns();
+            }
+            continue;
+        }
+        struct timespec ts;
+        kx_deadline(&ts, backoff);
+        pthread_mutex_lock(&e->lock);
+        if (!e->stop)
+            pthread_cond_timedwait(&e->cond, &e->lock, &ts);
+        pthread_mutex_unlock(&e->lock);
+        __atomic_store_n(&e->sleeping, 0, __ATOMIC_RELEASE);
+        backoff = backoff * 2 > KX_MAX_BACKOFF_NS ? KX_MAX_BACKOFF_NS : backoff * 2;
+    }
+    return NULL;
+}
+
+#endif

@@ -1,0 +1,453 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Native handles over libfabric: one class per native object, every call checked.
+
+This module is deliberately thin. Validation, keep-alive and the public names live in
+kvxfer.engine; here each class owns exactly one native handle and a reference to its
+parent, native calls run without the GIL, and only failure paths take it to raise.
+"""
+
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.exc cimport PyErr_CheckSignals
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
+from libc.stdlib cimport free
+from kvxfer._core cimport *
+
+import time as _time
+
+from kvxfer.errors import ClosedError, FabricError, UnsupportedError
+
+cdef int64_t SLICE_NS = 50_000_000   # waits block in 50 ms slices so Ctrl-C is answered
+
+HMEM_SYSTEM = FI_HMEM_SYSTEM
+HMEM_CUDA = FI_HMEM_CUDA
+MR_LOCAL = FI_MR_LOCAL
+MR_VIRT_ADDR = FI_MR_VIRT_ADDR
+MR_ALLOCATED = FI_MR_ALLOCATED
+MR_PROV_KEY = FI_MR_PROV_KEY
+MR_ENDPOINT = FI_MR_ENDPOINT
+MR_RAW = FI_MR_RAW
+CAP_RMA_EVENT = FI_RMA_EVENT
+CAP_HMEM = FI_HMEM
+MSG_MAX = KX_MSG_MAX
+MAX_IOV = KX_MAX_IOV
+HAVE_DMABUF = bool(kx_have_dmabuf())
+
+
+def _ver(uint32_t v):
+    return (v >> 16, v & 0xFFFF)
+
+
+RUNTIME_VERSION = _ver(kx_runtime_version())
+BUILD_VERSION = _ver(kx_build_version())
+
+
+cdef object _error(str call, int ret):
+    cdef int err = -ret if ret < 0 else ret
+    return FabricError(call, err, fi_strerror(err).decode("utf-8", "replace"))
+
+
+cdef inline bint _sliced_wait_done(deadline) except -1:
+    """Between slices: answer signals, and tell whether the deadline has passed."""
+    PyErr_CheckSignals()
+    return deadline is not None and _time.monotonic() >= deadline
+
+
+cdef class Fabric:
+    """One libfabric endpoint with its fabric, domain, CQ, AV and progress thread."""
+
+    cdef kx_engine *e
+    cdef readonly bint closed
+    cdef readonly bint started
+
+    def __cinit__(self, provider, node, bint hmem=False, bint spin=False):
+        cdef char errcall[64]
+        cdef bytes p = provider.encode() if provider else None
+        cdef bytes n = node.encode() if node else None
+        cdef const char *pp = NULL
+        cdef const char *np = NULL
+        if p is not None:
+            pp = p
+        if n is not None:
+            np = n
+        cdef int ret
+        errcall[0] = 0
+        self.e = NULL
+        self.closed = True
+        with nogil:
+            ret = kx_engine_open(pp, np, hmem, spin, &self.e, errcall, sizeof(errcall))
+        if ret:
+            raise _error(errcall.decode() or "kx_engine_open", ret)
+        self.closed = False
+
+    def __dealloc__(self):
+        if self.e != NULL:
+            with nogil:
+                kx_engine_free(self.e)
+            self.e = NULL
+
+    cdef inline kx_engine *_e(self) except NULL:
+        if self.closed:
+            raise ClosedError("engine is closed")
+        return self.e
+
+    def start(self, cpus=()):
+        cdef int buf[1024]
+        cdef int n = 0, ret
+        cdef kx_engine *e = self._e()
+        for c in cpus:
+            if n >= 1024:
+                break
+            buf[n] = int(c)
+            n += 1
+        ret = kx_engine_start(e, buf, n)
+        if ret:
+            raise _error("pthread_create", ret)
+        self.started = True
+
+    def close(self):
+        """Stop the progress thread and close every fid; pending work fails with ECANCELED."""
+        if self.closed:
+            return
+        self.closed = True
+        with nogil:
+            kx_engine_teardown(self.e)
+
+    # -- properties the face validates against ------------------------------------------
+    @property
+    def provider(self):
+        return kx_prov_name(self._e()).decode()
+
+    @property
+    def fabric_name(self):
+        return kx_fabric_name(self._e()).decode()
+
+    @property
+    def domain_name(self):
+        return kx_domain_name(self._e()).decode()
+
+    @property
+    def mr_mode(self):
+        return self._e().mr_mode
+
+    @property
+    def caps(self):
+        return self._e().caps
+
+    @property
+    def iov_limit(self):
+        return self._e().iov_limit
+
+    @property
+    def max_msg_size(self):
+        return self._e().max_msg_size
+
+    @property
+    def inject_size(self):
+        return self._e().inject_size
+
+    @property
+    def cq_data_size(self):
+        return self._e().cq_data_size
+
+    @property
+    def has_wait(self):
+        return bool(self._e().has_wait)
+
+    @property
+    def need_ctx(self):
+        return bool(self._e().need_ctx)
+
+    def stats(self):
+        cdef kx_engine *e = self._e()
+        return {
+            "imm_received": e.stat_imm,
+            "writes_posted": e.stat_writes,
+            "errors": e.stat_rx_err,
+            "outstanding": e.outstanding,
+            "messages_queued": e.nmsgs,
+        }
+
+    # -- addresses -------------------------------------------------------------------------
+    def getname(self):
+        cdef char buf[256]
+        cdef size_t n = sizeof(buf)
+        cdef int ret = kx_getname(self._e(), buf, &n)
+        if ret:
+            raise _error("fi_getname", ret)
+        return PyBytes_FromStringAndSize(buf, n)
+
+    def av_insert(self, const uint8_t[::1] addr):
+        cdef fi_addr_t a = 0
+        cdef int ret = kx_av_insert(self._e(), &addr[0], &a)
+        if ret:
+            raise _error("fi_av_insert", ret)
+        return a
+
+    def av_remove(self, fi_addr_t a):
+        cdef int ret = kx_av_remove(self._e(), a)
+        if ret:
+            raise _error("fi_av_remove", ret)
+
+    def map_raw(self, uint64_t base, const uint8_t[::1] raw):
+        cdef uint64_t key = 0
+        cdef int ret = kx_map_raw(self._e(), base, <uint8_t *>&raw[0], raw.shape[0], &key)
+        if ret:
+            raise _error("fi_mr_map_raw", ret)
+        return key
+
+    def unmap_key(self, uint64_t key):
+        if not self.closed:
+            kx_unmap_key(self.e, key)
+
+    # -- registration ----------------------------------------------------------------------
+    def mr_reg(self, uintptr_t ptr, size_t nbytes, int iface=FI_HMEM_SYSTEM, int device=0, int dmabuf_fd=-1):
+        return MR(self, ptr, nbytes, iface, device, dmabuf_fd)
+
+    # -- writes ----------------------------------------------------------------------------
+    def write(self, fi_addr_t peer, uintptr_t src_base, MR mr, uint64_t dst_base, uint64_t key,
+              const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
+              imm, size_t iov, uint64_t max_write):
+        """Post every message of the triples (see include/kvxfer/post.h) with the GIL released."""
+        cdef kx_engine *e = self._e()
+        cdef size_t n = length.shape[0]
+        cdef int has_imm = imm is not None
+        cdef uint32_t immv = imm if has_imm else 0
+        cdef kx_xfer *x
+        cdef const uint64_t *so = NULL
+        cdef const uint64_t *do_ = NULL
+        cdef const uint64_t *ln = NULL
+        if n:
+            so = &src_off[0]
+            do_ = &dst_off[0]
+            ln = &length[0]
+        with nogil:
+            x = kx_write(e, peer, <char *>src_base, mr.desc, dst_base, key, so, do_, ln, n,
+                         has_imm, immv, iov, max_write)
+        if x == NULL:
+            raise MemoryError()
+        cdef Xfer t = Xfer.__new__(Xfer)
+        t.fab = self
+        t.x = x
+        return t
+
+    # -- counters --------------------------------------------------------------------------
+    def expect(self, uint32_t imm, uint64_t count, bint callback=False):
+        cdef kx_counter *c = NULL
+        cdef int ret = kx_expect(self._e(), imm, count, callback, &c)
+        if ret:
+            raise _error("kx_expect", ret)
+        cdef CounterHandle h = CounterHandle.__new__(CounterHandle)
+        h.fab = self
+        h.c = c
+        return h
+
+    def banked(self, uint32_t imm):
+        return kx_banked(self._e(), imm)
+
+    def next_done(self, timeout):
+        """For the callback dispatcher: the address of the next finished counter that wants a
+        callback, None after `timeout` seconds, or -1 once the engine is closing."""
+        cdef kx_counter *c = NULL
+        cdef int ret
+        cdef int64_t slice_ns = <int64_t>(timeout * 1e9)
+        if self.e == NULL:
+            return -1
+        with nogil:
+            ret = kx_next_done(self.e, slice_ns, &c)
+        if ret == 1:
+            addr = <uintptr_t>c
+            kx_counter_unref(self.e, c)   # the Python owner still holds its reference
+            return addr
+        return -1 if ret < 0 else None
+
+    def dispatch_stop(self):
+        if self.e != NULL:
+            kx_dispatch_stop(self.e)
+
+    # -- control messages ------------------------------------------------------------------
+    def send(self, fi_addr_t peer, const uint8_t[::1] data):
+        cdef kx_engine *e = self._e()
+        cdef size_t n = data.shape[0]
+        cdef const char *p = <const char *>"\0"
+        if n:
+            p = <const char *>&data[0]
+        cdef int ret
+        with nogil:
+            ret = kx_send(e, peer, p, n)
+        if ret:
+            raise _error("fi_send", ret)
+
+    def recv(self, timeout):
+        """The next control message, or None when `timeout` (seconds, None: forever) passes."""
+        cdef kx_engine *e = self._e()
+        cdef kx_msg *m = NULL
+        cdef int64_t slice_ns
+        deadline = None if timeout is None else _time.monotonic() + timeout
+        while True:
+            slice_ns = SLICE_NS
+            if deadline is not None:
+                slice_ns = min(SLICE_NS, max(0, <int64_t>((deadline - _time.monotonic()) * 1e9)))
+            with nogil:
+                kx_recv_wait(e, slice_ns, &m)
+            if m != NULL:
+                out = PyBytes_FromStringAndSize(m.data, m.len)
+                free(m)
+                return out
+            if self.closed:
+                raise ClosedError("engine is closed")
+            if _sliced_wait_done(deadline):
+                return None
+
+
+cdef class MR:
+    """One registered memory region (fid_mr) on a Fabric."""
+
+    cdef readonly Fabric fab
+    cdef fid_mr *mr
+    cdef void *desc
+    cdef readonly uint64_t key
+    cdef readonly bytes raw_key
+    cdef readonly uintptr_t ptr
+    cdef readonly size_t nbytes
+
+    def __cinit__(self, Fabric fab, uintptr_t ptr, size_t nbytes, int iface, int device, int dmabuf_fd):
+        cdef uint8_t raw[64]
+        cdef size_t rawlen = 0
+        cdef const char *call = "fi_mr_regattr"
+        cdef kx_engine *e = fab._e()
+        cdef int ret
+        self.fab = fab
+        self.mr = NULL
+        with nogil:
+            ret = kx_mr_reg(e, <void *>ptr, nbytes, iface, device, dmabuf_fd,
+                            &self.mr, &self.key, &self.desc, raw, &rawlen, &call)
+        if ret:
+            raise _error(call.decode(), ret)
+        self.raw_key = PyBytes_FromStringAndSize(<char *>raw, rawlen)
+        self.ptr = ptr
+        self.nbytes = nbytes
+
+    def close(self):
+        if self.mr != NULL:
+            if not self.fab.closed:
+                kx_mr_close(self.mr)
+            self.mr = NULL
+
+    @property
+    def closed(self):
+        return self.mr == NULL
+
+    def __dealloc__(self):
+        if self.mr != NULL and self.fab is not None and not self.fab.closed:
+            kx_mr_close(self.mr)
+        self.mr = NULL
+
+
+cdef class Xfer:
+    """The native side of a Transfer: counts of planned, posted and completed messages."""
+
+    cdef readonly Fabric fab
+    cdef kx_xfer *x
+
+    def __dealloc__(self):
+        if self.x != NULL:
+            kx_xfer_drop(self.fab.e, self.x)
+            self.x = NULL
+
+    @property
+    def planned(self):
+        return self.x.planned
+
+    @property
+    def posted(self):
+        return self.x.posted
+
+    @property
+    def completed(self):
+        return self.x.completed
+
+    @property
+    def done(self):
+        return bool(self.x.done)
+
+    @property
+    def errno(self):
+        return self.x.error
+
+    def wait(self, timeout=None):
+        """True once every posted message completed; False if `timeout` seconds pass first."""
+        cdef int done = 0
+        cdef int64_t slice_ns
+        cdef kx_engine *e = self.fab.e
+        deadline = None if timeout is None else _time.monotonic() + timeout
+        while True:
+            slice_ns = SLICE_NS
+            if deadline is not None:
+                slice_ns = min(SLICE_NS, max(0, <int64_t>((deadline - _time.monotonic()) * 1e9)))
+            with nogil:
+                done = kx_xfer_wait(e, self.x, slice_ns)
+            if done:
+                return True
+            if _sliced_wait_done(deadline):
+                return False
+
+
+cdef class CounterHandle:
+    """The native side of a Counter: an expectation of `count` arrivals of one imm."""
+
+    cdef readonly Fabric fab
+    cdef kx_counter *c
+
+    def __dealloc__(self):
+        if self.c != NULL:
+            kx_counter_drop(self.fab.e, self.c)
+            self.c = NULL
+
+    @property
+    def address(self):
+        return <uintptr_t>self.c
+
+    @property
+    def imm(self):
+        return self.c.imm
+
+    @property
+    def count(self):
+        return self.c.count
+
+    @property
+    def arrived(self):
+        return self.c.arrived
+
+    @property
+    def done(self):
+        return bool(self.c.done)
+
+    @property
+    def errno(self):
+        return self.c.error
+
+    def wait(self, timeout=None):
+        cdef int done = 0
+        cdef int64_t slice_ns
+        cdef kx_engine *e = self.fab.e
+        deadline = None if timeout is None else _time.monotonic() + timeout
+        while True:
+            slice_ns = SLICE_NS
+            if deadline is not None:
+                slice_ns = min(SLICE_NS, max(0, <int64_t>((deadline - _time.monotonic()) * 1e9)))
+            with nogil:
+                done = kx_counter_wait(e, self.c, slice_ns)
+            if done:
+                return True
+            if _sliced_wait_done(deadline):
+                return False
+
+
+def count_messages(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
+                   size_t iov, uint64_t max_write):
+    """The native message rule, for checking kvxfer.wire.count_writes against it."""
+    cdef size_t n = length.shape[0]
+    if n == 0:
+        return 0
+    return kx_walk(&src_off[0], &dst_off[0], &length[0], n, iov, max_write, NULL, NULL)

@@ -1,0 +1,670 @@
+"""The engine: endpoints, registered regions, paged writes with immediate data, counters.
+
+This is the validating face over kvxfer._fabric. Everything a caller can get wrong is
+checked here, before anything is posted; the native layer then posts whole batches with
+the GIL released. Objects keep what they depend on alive: a region its buffer, a transfer
+its regions, peer and index arrays until its last completion has been read.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+from kvxfer import wire
+from kvxfer.errors import (
+    ClosedError,
+    DescriptorError,
+    FabricError,
+    InvalidArgumentError,
+    KvxferError,
+    OutOfBoundsError,
+    PeerError,
+    TimeoutError,
+    UnsupportedError,
+)
+
+try:
+    from kvxfer import _fabric
+except ImportError as _exc:  # pragma: no cover - exercised only on broken installs
+    _fabric = None
+    _IMPORT_ERROR = _exc
+
+__all__ = ["Engine", "Peer", "MemoryRegion", "RemoteRegion", "Transfer", "Counter", "providers"]
+
+#: Tried in this order when no provider is named: RDMA hardware first, then sockets.
+PREFERENCE = ("efa", "verbs;ofi_rxm", "psm3", "cxi", "tcp;ofi_rxm", "shm")
+
+_PEER_ERRNOS = {
+    _errno.ECONNREFUSED, _errno.ECONNRESET, _errno.ECONNABORTED, _errno.EPIPE, _errno.ENOTCONN,
+    _errno.EHOSTUNREACH, _errno.EHOSTDOWN, _errno.ENETUNREACH, _errno.ETIMEDOUT, _errno.EIO,
+}
+
+_U32 = 2**32
+
+
+def _need_native():
+    if _fabric is None:
+        raise UnsupportedError(f"kvxfer's native module is not built or libfabric is missing: {_IMPORT_ERROR}")
+
+
+def providers() -> list[str]:
+    """The providers of PREFERENCE that open an RDM endpoint with FI_RMA on this machine."""
+    _need_native()
+    found = []
+    for p in PREFERENCE:
+        try:
+            f = _fabric.Fabric(p, None)
+        except FabricError:
+            continue
+        f.close()
+        found.append(p)
+    return found
+
+
+def _as_index(a, name: str) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"{name} must be a 1-D array of page indices, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    if arr.size and arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise OutOfBoundsError(f"{name} has a negative entry ({int(arr.min())})")
+    return arr
+
+
+def _as_offsets(a, name: str) -> np.ndarray:
+    arr = _as_index(a, name)
+    if arr.size and int(arr.max()) >= 2**62:
+        raise OutOfBoundsError(f"{name} has an entry beyond any region ({int(arr.max())})")
+    return np.ascontiguousarray(arr, dtype=np.uint64)
+
+
+def _check_imm(imm) -> Optional[int]:
+    if imm is None:
+        return None
+    if isinstance(imm, bool) or not isinstance(imm, (int, np.integer)):
+        raise InvalidArgumentError(f"imm must be an int in [0, 2**32), got {type(imm).__name__}")
+    imm = int(imm)
+    if not 0 <= imm < _U32:
+        raise InvalidArgumentError(f"imm must be in [0, 2**32), got {imm}")
+    return imm
+
+
+class Peer:
+    """A remote engine this engine can write to (an entry of the address vector)."""
+
+    __slots__ = ("engine", "address", "fi_addr", "__weakref__")
+
+    def __init__(self, engine: "Engine", address: bytes, fi_addr: int) -> None:
+        self.engine = engine
+        self.address = address
+        self.fi_addr = fi_addr
+
+    def __repr__(self) -> str:
+        return f"<Peer fi_addr={self.fi_addr} of {self.engine.provider}>"
+
+
+class MemoryRegion:
+    """Local memory registered with the engine. Keeps its buffer alive until closed."""
+
+    def __init__(self, engine: "Engine", mr, obj: Any, ptr: int, nbytes: int, device: str) -> None:
+        self.engine = engine
+        self._mr = mr
+        self._obj = obj
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.device = device
+
+    def descriptor(self) -> bytes:
+        """Compact, versioned bytes a peer passes to ``Engine.remote`` to write here."""
+        mr = self._live()
+        virt = bool(self.engine._fab.mr_mode & _fabric.MR_VIRT_ADDR)
+        raw = bool(mr.raw_key)
+        key = mr.raw_key if raw else int(mr.key).to_bytes(8, "little")
+        return wire.Descriptor(
+            provider=self.engine.provider,
+            base=self.ptr if virt else 0,
+            nbytes=self.nbytes,
+            keys=(key,),
+            virt_addr=virt,
+            raw=raw,
+            device=self.device != "cpu",
+        ).encode()
+
+    def _live(self):
+        if self._mr is None or self._mr.closed:
+            raise ClosedError("memory region is closed")
+        return self._mr
+
+    @property
+    def closed(self) -> bool:
+        return self._mr is None or self._mr.closed
+
+    def close(self) -> None:
+        """Deregister. Transfers still in flight keep their own reference to the region."""
+        if self._mr is not None:
+            self._mr.close()
+            self._mr = None
+            self._obj = None
+
+    def __enter__(self) -> "MemoryRegion":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<MemoryRegion {self.nbytes} bytes on {self.device}{' closed' if self.closed else ''}>"
+
+
+class RemoteRegion:
+    """A peer's region, decoded from its descriptor: where this engine may write."""
+
+    def __init__(self, engine: "Engine", desc: wire.Descriptor, key: int) -> None:
+        self.engine = engine
+        self.descriptor = desc
+        self.nbytes = desc.nbytes
+        self.base = desc.base
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"<RemoteRegion {self.nbytes} bytes key={self.key:#x}>"
+
+
+class Transfer:
+    """A batch of posted writes. ``num_writes`` is the number of immediates the target sees."""
+
+    __slots__ = ("_x", "_keep", "num_writes", "nbytes", "imm", "__weakref__")
+
+    def __init__(self, x, keep: tuple, nbytes: int, imm: Optional[int]) -> None:
+        self._x = x
+        self._keep = keep
+        self.num_writes: int = x.planned
+        self.nbytes = nbytes
+        self.imm = imm
+
+    @property
+    def done(self) -> bool:
+        """True once every posted write has completed at the sender (successfully or not)."""
+        return self._x.done
+
+    @property
+    def error(self) -> Optional[KvxferError]:
+        """The failure, once known; None while pending or on success."""
+        err = self._x.errno
+        if not err:
+            return None
+        text = os.strerror(err)
+        if err in _PEER_ERRNOS or err == _errno.ECANCELED:
+            return PeerError(err, f"transfer failed: {text}")
+        return FabricError("fi_writemsg", err, text)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until every write completed at the sender; raise its error, or TimeoutError."""
+        if not self._x.wait(timeout):
+            raise TimeoutError(
+                f"transfer not complete after {timeout} s ({self._x.completed}/{self._x.posted} writes done)"
+            )
+        self._keep = ()
+        err = self.error
+        if err is not None:
+            raise err
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "pending"
+        return f"<Transfer {self.num_writes} writes, {self.nbytes} bytes, {state}>"
+
+
+class Counter:
+    """An expectation: ``count`` writes carrying ``imm``. Arrivals before it was made count."""
+
+    __slots__ = ("_h", "imm", "count", "callback", "__weakref__")
+
+    def __init__(self, h, imm: int, count: int, callback) -> None:
+        self._h = h
+        self.imm = imm
+        self.count = count
+        self.callback = callback
+
+    @property
+    def done(self) -> bool:
+        return self._h.done
+
+    @property
+    def arrived(self) -> int:
+        return self._h.arrived
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until all ``count`` writes have landed; TimeoutError otherwise."""
+        if not self._h.wait(timeout):
+            raise TimeoutError(f"imm {self.imm}: {self._h.arrived}/{self.count} writes arrived after {timeout} s")
+        if self._h.errno:
+            raise ClosedError(f"imm {self.imm}: engine closed before the writes arrived")
+
+    def __repr__(self) -> str:
+        return f"<Counter imm={self.imm} {self.arrived}/{self.count}>"
+
+
+class Engine:
+    """One libfabric RDM endpoint with a native progress thread.
+
+    ``provider``: a libfabric provider string ("tcp;ofi_rxm", "shm", "efa", "verbs;ofi_rxm");
+    None takes FI_PROVIDER, else the first of PREFERENCE that opens. ``node``: the local
+    address to bind (tests pass "127.0.0.1"). Options: ``progress`` ("block" or "spin"),
+    ``cpus`` (CPU ids to pin the progress thread to), ``hmem`` (ask for FI_HMEM, needed to
+    register GPU memory), ``iov`` (pieces per RMA message, at most the provider's limit),
+    ``max_write`` (bytes per RMA message; larger writes are split).
+    """
+
+    def __init__(
+        self,
+        provider: Optional[str] = None,
+        node: Optional[str] = None,
+        *,
+        progress: str = "block",
+        cpus: Optional[Iterable[int]] = None,
+        hmem: bool = False,
+        iov: Optional[int] = None,
+        max_write: Optional[int] = None,
+    ) -> None:
+        _need_native()
+        if progress not in ("block", "spin"):
+            raise InvalidArgumentError(f"progress must be 'block' or 'spin', not {progress!r}")
+        self._closed = True
+        self._lock = threading.Lock()
+        self._regions: "weakref.WeakSet[MemoryRegion]" = weakref.WeakSet()
+        self._pending: set[Transfer] = set()
+        self._callbacks: dict[int, Counter] = {}
+        self._dispatcher: Optional[threading.Thread] = None
+        self._raw_keys: list[int] = []
+        if provider is None:
+            provider = os.environ.get("FI_PROVIDER") or None
+        candidates = [provider] if provider else list(PREFERENCE)
+        errors = []
+        self._fab = None
+        for p in candidates:
+            try:
+                self._fab = _fabric.Fabric(p, node, hmem, progress == "spin")
+                break
+            except FabricError as exc:
+                errors.append(f"{p}: {exc}")
+        if self._fab is None:
+            if provider:
+                raise errors and FabricError("fi_getinfo", _errno.ENODATA, f"provider {provider!r} unavailable: {errors[0]}")
+            raise UnsupportedError("no libfabric provider with RMA is available: " + "; ".join(errors))
+        self._closed = False
+        fab = self._fab
+        self.provider: str = fab.provider
+        self.progress = progress
+        self.cpus = tuple(int(c) for c in cpus) if cpus is not None else ()
+        limit = int(fab.iov_limit)
+        self.iov: int = limit if iov is None else max(1, min(int(iov), limit))
+        mm = int(fab.max_msg_size)
+        self.max_write: int = min(mm, 1 << 30) if max_write is None else max(1, min(int(max_write), mm))
+        fab.start(self.cpus)
+        self._address = wire.Address(self.provider, (fab.getname(),)).encode()
+
+    # -- life cycle ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Close regions, then the endpoint; pending transfers fail, the progress thread stops."""
+        if self._closed:
+            return
+        self._closed = True
+        fab = self._fab
+        fab.dispatch_stop()
+        for r in list(self._regions):
+            r.close()
+        for k in self._raw_keys:
+            fab.unmap_key(k)
+        fab.close()
+        d = self._dispatcher
+        if d is not None and d is not threading.current_thread():
+            d.join(timeout=5)
+        self._pending.clear()
+        self._callbacks.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2)
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<Engine {getattr(self, 'provider', '?')}{' closed' if self._closed else ''}>"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("engine is closed")
+
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def address(self) -> bytes:
+        """What a peer passes to ``connect`` (send it out of band)."""
+        return self._address
+
+    @property
+    def info(self) -> dict:
+        """Provider facts kvxfer obeys: mr_mode, iovecs, sizes, remote counters, HMEM."""
+        f = self._fab
+        return {
+            "provider": self.provider,
+            "fabric": f.fabric_name,
+            "domain": f.domain_name,
+            "mr_mode": f.mr_mode,
+            "virt_addr": bool(f.mr_mode & _fabric.MR_VIRT_ADDR),
+            "prov_key": bool(f.mr_mode & _fabric.MR_PROV_KEY),
+            "mr_local": bool(f.mr_mode & _fabric.MR_LOCAL),
+            "mr_endpoint": bool(f.mr_mode & _fabric.MR_ENDPOINT),
+            "rma_event": bool(f.caps & _fabric.CAP_RMA_EVENT),
+            "hmem": bool(f.caps & _fabric.CAP_HMEM),
+            "iov_limit": int(f.iov_limit),
+            "iov": self.iov,
+            "max_msg_size": int(f.max_msg_size),
+            "max_write": self.max_write,
+            "inject_size": int(f.inject_size),
+            "cq_data_size": int(f.cq_data_size),
+            "wait_object": f.has_wait,
+            "per_op_context": f.need_ctx,
+            "libfabric_runtime": "%d.%d" % _fabric.RUNTIME_VERSION,
+            "libfabric_build": "%d.%d" % _fabric.BUILD_VERSION,
+            "dmabuf": _fabric.HAVE_DMABUF,
+        }
+
+    def stats(self) -> dict:
+        self._check_open()
+        return self._fab.stats()
+
+    # -- peers and regions ---------------------------------------------------------------
+    def connect(self, address: bytes) -> Peer:
+        """Insert a peer's address (from its ``Engine.address``) into the address vector."""
+        self._check_open()
+        a = wire.Address.decode(address)
+        if a.provider != self.provider:
+            raise DescriptorError(f"address is for provider {a.provider!r}, this engine runs {self.provider!r}")
+        fi_addr = self._fab.av_insert(np.frombuffer(a.names[0], dtype=np.uint8))
+        return Peer(self, bytes(address), fi_addr)
+
+    def register(self, obj: Any) -> MemoryRegion:
+        """Register memory for RMA: a writable buffer, a DLPack/CPU-torch tensor, a KVBuffer,
+        an object with ``__cuda_array_interface__``, or ``(ptr, nbytes)``."""
+        self._check_open()
+        ptr, nbytes, device, iface, ordinal, dmabuf, keep = _resolve_buffer(obj)
+        if nbytes <= 0:
+            raise InvalidArgumentError("cannot register an empty buffer")
+        if iface != _fabric.HMEM_SYSTEM and not (self._fab.caps & _fabric.CAP_HMEM):
+            raise UnsupportedError(
+                f"provider {self.provider!r} engine has no FI_HMEM: device memory ({device}) needs "
+                "Engine(..., hmem=True) on a provider that offers it (shm, efa, verbs)"
+            )
+        mr = self._fab.mr_reg(ptr, nbytes, iface, ordinal, dmabuf)
+        region = MemoryRegion(self, mr, keep, ptr, nbytes, device)
+        self._regions.add(region)
+        return region
+
+    def remote(self, descriptor: bytes) -> RemoteRegion:
+        """Decode a peer's ``MemoryRegion.descriptor()``; writes are bounded by its size."""
+        self._check_open()
+        d = wire.Descriptor.decode(descriptor)
+        if d.provider != self.provider:
+            raise DescriptorError(f"descriptor is for provider {d.provider!r}, this engine runs {self.provider!r}")
+        virt = bool(self._fab.mr_mode & _fabric.MR_VIRT_ADDR)
+        if d.virt_addr != virt:
+            raise DescriptorError("descriptor's addressing mode does not match this provider's mr_mode")
+        if d.raw:
+            key = self._fab.map_raw(d.base, np.frombuffer(d.keys[0], dtype=np.uint8))
+            self._raw_keys.append(key)
+        else:
+            key = int.from_bytes(d.keys[0], "little")
+        return RemoteRegion(self, d, key)
+
+    # -- writes --------------------------------------------------------------------------
+    def _endpoints(self, src, peer, dst):
+        self._check_open()
+        if not isinstance(src, MemoryRegion) or src.engine is not self:
+            raise InvalidArgumentError("src must be a MemoryRegion registered with this engine")
+        src._live()
+        if not isinstance(peer, Peer) or peer.engine is not self:
+            raise InvalidArgumentError("peer must come from this engine's connect()")
+        if not isinstance(dst, RemoteRegion) or dst.engine is not self:
+            raise InvalidArgumentError("dst must come from this engine's remote()")
+
+    def _post(self, src, peer, dst, so, do, ln, imm, keep) -> Transfer:
+        imm = _check_imm(imm)
+        if imm is not None and self._fab.cq_data_size < 4:
+            raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")
+        x = self._fab.write(peer.fi_addr, src.ptr, src._mr, dst.base, dst.key, so, do, ln, imm, self.iov, self.max_write)
+        t = Transfer(x, (src, peer, dst, so, do, ln, keep), int(ln.sum()) if len(ln) else 0, imm)
+        if not t.done:
+            with self._lock:
+                if len(self._pending) > 256:
+                    self._pending = {p for p in self._pending if not p.done}
+                self._pending.add(t)
+        return t
+
+    def write(self, src: MemoryRegion, src_offset: int, peer: Peer, dst: RemoteRegion, dst_offset: int,
+              nbytes: int, imm: Optional[int] = None) -> Transfer:
+        """One contiguous write (split above ``max_write``)."""
+        self._endpoints(src, peer, dst)
+        for name, v in (("src_offset", src_offset), ("dst_offset", dst_offset), ("nbytes", nbytes)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise InvalidArgumentError(f"{name} must be a non-negative int, got {v!r}")
+        if src_offset + nbytes > src.nbytes:
+            raise OutOfBoundsError(f"source range [{src_offset}, {src_offset + nbytes}) is outside the {src.nbytes}-byte region")
+        if dst_offset + nbytes > dst.nbytes:
+            raise OutOfBoundsError(f"destination range [{dst_offset}, {dst_offset + nbytes}) is outside the {dst.nbytes}-byte remote region")
+        a = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
+        return self._post(src, peer, dst, a(src_offset), a(dst_offset), a(nbytes), imm, None)
+
+    def write_pages(self, src: MemoryRegion, src_pages, peer: Peer, dst: RemoteRegion, dst_pages, page_bytes: int,
+                    *, src_stride: Optional[int] = None, dst_stride: Optional[int] = None,
+                    src_offset: int = 0, dst_offset: int = 0, imm: Optional[int] = None) -> Transfer:
+        """Page i copies ``page_bytes`` from ``src_offset + src_pages[i]*src_stride`` to
+        ``dst_offset + dst_pages[i]*dst_stride``; runs contiguous on both sides become one write."""
+        self._endpoints(src, peer, dst)
+        sp = _as_index(src_pages, "src_pages")
+        dp = _as_index(dst_pages, "dst_pages")
+        if len(sp) != len(dp):
+            raise InvalidArgumentError(f"src_pages has {len(sp)} pages, dst_pages {len(dp)}")
+        for name, v in (("page_bytes", page_bytes), ("src_offset", src_offset), ("dst_offset", dst_offset)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise InvalidArgumentError(f"{name} must be a non-negative int, got {v!r}")
+        if page_bytes == 0:
+            raise InvalidArgumentError("page_bytes must be positive")
+        ss = page_bytes if src_stride is None else src_stride
+        ds = page_bytes if dst_stride is None else dst_stride
+        for name, v in (("src_stride", ss), ("dst_stride", ds)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
+        if len(sp):
+            for side, pages, off, stride, size in (("source", sp, src_offset, ss, src.nbytes),
+                                                   ("destination", dp, dst_offset, ds, dst.nbytes)):
+                top = int(pages.max())
+                if off + top * stride + page_bytes > size:
+                    raise OutOfBoundsError(
+                        f"{side} page {top} ends at byte {off + top * stride + page_bytes}, "
+                        f"beyond the {size}-byte {'remote ' if side == 'destination' else ''}region"
+                    )
+        so = sp.astype(np.uint64) * np.uint64(ss) + np.uint64(src_offset)
+        do = dp.astype(np.uint64) * np.uint64(ds) + np.uint64(dst_offset)
+        ln = np.full(len(sp), page_bytes, dtype=np.uint64)
+        return self._post(src, peer, dst, so, do, ln, imm, None)
+
+    def write_batch(self, src: MemoryRegion, peer: Peer, dst: RemoteRegion, src_offsets, dst_offsets, lengths,
+                    imm: Optional[int] = None) -> Transfer:
+        """Arbitrary (src offset, dst offset, length) triples, in order: what a planner emits."""
+        self._endpoints(src, peer, dst)
+        so = _as_offsets(src_offsets, "src_offsets")
+        do = _as_offsets(dst_offsets, "dst_offsets")
+        ln = _as_offsets(lengths, "lengths")
+        if not (len(so) == len(do) == len(ln)):
+            raise InvalidArgumentError(f"triples differ in length: {len(so)}, {len(do)}, {len(ln)}")
+        if len(ln):
+            se = so + ln
+            de = do + ln
+            i, j = int(se.argmax()), int(de.argmax())
+            if int(se[i]) > src.nbytes:
+                raise OutOfBoundsError(f"source write {i} ends at byte {int(se[i])}, beyond the {src.nbytes}-byte region")
+            if int(de[j]) > dst.nbytes:
+                raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
+        return self._post(src, peer, dst, so, do, ln, imm, None)
+
+    def count_writes(self, src_offsets, dst_offsets, lengths) -> int:
+        """``wire.count_writes`` with this engine's ``iov`` and ``max_write``."""
+        return wire.count_writes(src_offsets, dst_offsets, lengths, self.iov, self.max_write)
+
+    # -- counters ------------------------------------------------------------------------
+    def expect(self, imm: int, count: int, callback: Optional[Callable[[Counter], Any]] = None) -> Counter:
+        """Expect ``count`` writes carrying ``imm``. Arrivals already banked are credited.
+
+        ``callback(counter)`` runs once, on the engine's dispatcher thread, when all arrived.
+        """
+        self._check_open()
+        imm = _check_imm(imm)
+        if imm is None:
+            raise InvalidArgumentError("expect needs an imm")
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count <= 0:
+            raise InvalidArgumentError(f"count must be a positive int, got {count!r}")
+        if callback is not None and not callable(callback):
+            raise InvalidArgumentError("callback must be callable")
+        try:
+            h = self._fab.expect(imm, int(count), callback is not None)
+        except FabricError as exc:
+            if exc.fi_errno == _errno.EBUSY:
+                raise InvalidArgumentError(f"imm {imm} already has an unfinished expectation") from None
+            raise
+        c = Counter(h, imm, int(count), callback)
+        if callback is not None:
+            with self._lock:
+                self._callbacks[h.address] = c
+                if self._dispatcher is None:
+                    self._dispatcher = threading.Thread(target=self._dispatch, name="kvxfer-dispatch", daemon=True)
+                    self._dispatcher.start()
+        return c
+
+    def banked(self, imm: int) -> int:
+        """Arrivals of ``imm`` received and not yet consumed by an expectation."""
+        self._check_open()
+        return self._fab.banked(_check_imm(imm))
+
+    def _dispatch(self) -> None:
+        fab = self._fab
+        while True:
+            addr = fab.next_done(0.2)
+            if addr == -1:
+                return
+            if addr is None:
+                continue
+            with self._lock:
+                c = self._callbacks.pop(addr, None)
+            if c is not None and c.callback is not None:
+                try:
+                    c.callback(c)
+                except Exception:  # a user callback must not kill the dispatcher
+                    import traceback
+
+                    traceback.print_exc()
+
+    # -- control messages ----------------------------------------------------------------
+    def send(self, peer: Peer, data: bytes) -> None:
+        """A small control message (at most 64 KiB) over FI_MSG, for protocol coordination."""
+        self._check_open()
+        if not isinstance(peer, Peer) or peer.engine is not self:
+            raise InvalidArgumentError("peer must come from this engine's connect()")
+        buf = np.frombuffer(bytes(data), dtype=np.uint8)
+        if len(buf) > _fabric.MSG_MAX:
+            raise InvalidArgumentError(f"control message of {len(buf)} bytes exceeds {_fabric.MSG_MAX}")
+        self._fab.send(peer.fi_addr, buf)
+
+    def recv(self, timeout: Optional[float] = None) -> bytes:
+        """The next control message received; TimeoutError if none within ``timeout`` s."""
+        self._check_open()
+        m = self._fab.recv(timeout)
+        if m is None:
+            raise TimeoutError(f"no control message within {timeout} s")
+        return m
+
+
+def _resolve_buffer(obj: Any):
+    """One door for memory: (ptr, nbytes, device, iface, ordinal, dmabuf_fd, keep-alive)."""
+    sys_iface = _fabric.HMEM_SYSTEM
+    # kvxfer KVBuffer (host memfd or CUDA cuMem)
+    kind = getattr(obj, "kind", None)
+    if kind in ("host", "cuda") and hasattr(obj, "ptr") and hasattr(obj, "nbytes"):
+        if kind == "host":
+            return int(obj.ptr), int(obj.nbytes), "cpu", sys_iface, 0, -1, obj
+        ordinal = int(getattr(obj, "ordinal", 0))
+        fd = -1
+        if _fabric.HAVE_DMABUF and hasattr(obj, "dmabuf_fd"):
+            try:
+                fd = int(obj.dmabuf_fd())
+            except KvxferError:
+                fd = -1
+        return int(obj.ptr), int(obj.nbytes), f"cuda:{ordinal}", _fabric.HMEM_CUDA, ordinal, fd, obj
+    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, (int, np.integer)) for v in obj):
+        ptr, nbytes = int(obj[0]), int(obj[1])
+        if ptr <= 0:
+            raise InvalidArgumentError("a raw pointer must be non-zero")
+        return ptr, nbytes, "cpu", sys_iface, 0, -1, None
+    # torch tensors
+    if type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr"):
+        if not obj.is_contiguous():
+            raise InvalidArgumentError("tensor must be contiguous")
+        nbytes = obj.numel() * obj.element_size()
+        if obj.device.type == "cpu":
+            return int(obj.data_ptr()), nbytes, "cpu", sys_iface, 0, -1, obj
+        if obj.device.type == "cuda":
+            o = obj.device.index or 0
+            return int(obj.data_ptr()), nbytes, f"cuda:{o}", _fabric.HMEM_CUDA, o, -1, obj
+        raise UnsupportedError(f"tensors on {obj.device} cannot be registered")
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        ptr, readonly = cai["data"]
+        if readonly:
+            raise InvalidArgumentError("device array is read-only")
+        shape = cai["shape"]
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        if cai.get("strides") not in (None, ()):
+            expect = []
+            acc = itemsize
+            for d in reversed(shape):
+                expect.append(acc)
+                acc *= d
+            if tuple(cai["strides"]) != tuple(reversed(expect)):
+                raise InvalidArgumentError("device array must be C-contiguous")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        return int(ptr), nbytes, "cuda:0", _fabric.HMEM_CUDA, 0, -1, obj
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        if hasattr(obj, "__dlpack__"):
+            arr = np.from_dlpack(obj)
+            mv = memoryview(arr)
+            obj = arr
+        else:
+            raise InvalidArgumentError(f"cannot register {type(obj).__name__}: not a buffer, tensor or (ptr, nbytes)") from None
+    if mv.readonly:
+        raise InvalidArgumentError("buffer is read-only: RMA needs writable memory")
+    if not mv.c_contiguous:
+        raise InvalidArgumentError("buffer must be C-contiguous")
+    arr = np.frombuffer(mv, dtype=np.uint8) if mv.nbytes else np.empty(0, np.uint8)
+    ptr = arr.__array_interface__["data"][0] if mv.nbytes else 0
+    return int(ptr), mv.nbytes, "cpu", sys_iface, 0, -1, (obj, mv)

@@ -1,0 +1,219 @@
+"""Versioned byte codecs for what peers exchange out of band, and the message-count rule.
+
+A leaf module (numpy and kvxfer.errors only), so a decoder or planner process can compute
+what a sender will post without libfabric.
+
+Address, version 1::
+
+    b"KXA" | u8 version | u8 len + provider name | u8 rails | per rail: u16 len + fi_getname bytes
+
+Memory descriptor, version 1 (little-endian)::
+
+    b"KXM" | u8 version | u8 flags | u8 len + provider name | u64 base | u64 nbytes
+           | u8 keys | per key: u8 len + key bytes
+
+flags: bit 0 VIRT_ADDR (remote addresses are base + offset, else offsets), bit 1 RAW keys
+(provider raw keys, mapped with fi_mr_map_raw; otherwise each key is a u64), bit 2 device
+memory. One key per rail, so a region registered on several NICs travels as one descriptor.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxfer.errors import DescriptorError, InvalidArgumentError
+
+__all__ = ["Address", "Descriptor", "count_writes", "ADDRESS_VERSION", "DESCRIPTOR_VERSION"]
+
+ADDRESS_MAGIC = b"KXA"
+DESCRIPTOR_MAGIC = b"KXM"
+ADDRESS_VERSION = 1
+DESCRIPTOR_VERSION = 1
+
+FLAG_VIRT_ADDR = 1
+FLAG_RAW_KEY = 2
+FLAG_DEVICE = 4
+
+
+class _Reader:
+    """Bounds-checked cursor: every short read becomes a DescriptorError."""
+
+    def __init__(self, data: bytes, what: str) -> None:
+        self.data = bytes(data)
+        self.pos = 0
+        self.what = what
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > len(self.data):
+            raise DescriptorError(f"{self.what} is truncated at byte {self.pos} (needs {n} more)")
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self) -> int:
+        return self.take(1)[0]
+
+    def u16(self) -> int:
+        return struct.unpack("<H", self.take(2))[0]
+
+    def u64(self) -> int:
+        return struct.unpack("<Q", self.take(8))[0]
+
+    def end(self) -> None:
+        if self.pos != len(self.data):
+            raise DescriptorError(f"{self.what} has {len(self.data) - self.pos} trailing bytes")
+
+
+def _header(r: _Reader, magic: bytes, version: int) -> None:
+    got = r.take(len(magic))
+    if got != magic:
+        raise DescriptorError(f"not a kvxfer {r.what} (magic {got!r}, expected {magic!r})")
+    v = r.u8()
+    if v != version:
+        raise DescriptorError(f"{r.what} version {v} is not supported (this kvxfer speaks {version})")
+
+
+def _name(s: str) -> bytes:
+    b = s.encode()
+    if not 0 < len(b) < 256:
+        raise InvalidArgumentError(f"provider name {s!r} must be 1..255 bytes")
+    return bytes([len(b)]) + b
+
+
+@dataclass(frozen=True)
+class Address:
+    """An engine's endpoint names, one per rail (NIC), and its provider."""
+
+    provider: str
+    names: tuple[bytes, ...]
+
+    def encode(self) -> bytes:
+        if not 0 < len(self.names) < 256:
+            raise InvalidArgumentError("an address needs 1..255 rails")
+        out = [ADDRESS_MAGIC, bytes([ADDRESS_VERSION]), _name(self.provider), bytes([len(self.names)])]
+        for n in self.names:
+            if not 0 < len(n) < 65536:
+                raise InvalidArgumentError("an endpoint name must be 1..65535 bytes")
+            out += [struct.pack("<H", len(n)), n]
+        return b"".join(out)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Address":
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise DescriptorError(f"an address is bytes, not {type(data).__name__}")
+        r = _Reader(data, "address")
+        _header(r, ADDRESS_MAGIC, ADDRESS_VERSION)
+        prov = r.take(r.u8()).decode("utf-8", "replace")
+        n = r.u8()
+        if n == 0:
+            raise DescriptorError("address has no rails")
+        names = tuple(r.take(r.u16()) for _ in range(n))
+        if any(len(x) == 0 for x in names):
+            raise DescriptorError("address has an empty endpoint name")
+        r.end()
+        return cls(prov, names)
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """What a peer needs to write into a registered region: base, size and keys per rail."""
+
+    provider: str
+    base: int
+    nbytes: int
+    keys: tuple[bytes, ...]
+    virt_addr: bool = False
+    raw: bool = False
+    device: bool = False
+
+    def encode(self) -> bytes:
+        flags = (FLAG_VIRT_ADDR if self.virt_addr else 0) | (FLAG_RAW_KEY if self.raw else 0) | (
+            FLAG_DEVICE if self.device else 0
+        )
+        if not 0 < len(self.keys) < 256:
+            raise InvalidArgumentError("a descriptor needs 1..255 keys")
+        out = [
+            DESCRIPTOR_MAGIC,
+            bytes([DESCRIPTOR_VERSION, flags]),
+            _name(self.provider),
+            struct.pack("<QQ", self.base, self.nbytes),
+            bytes([len(self.keys)]),
+        ]
+        for k in self.keys:
+            if not 0 < len(k) < 256:
+                raise InvalidArgumentError("a key must be 1..255 bytes")
+            out += [bytes([len(k)]), k]
+        return b"".join(out)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Descriptor":
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise DescriptorError(f"a descriptor is bytes, not {type(data).__name__}")
+        r = _Reader(data, "descriptor")
+        _header(r, DESCRIPTOR_MAGIC, DESCRIPTOR_VERSION)
+        flags = r.u8()
+        if flags & ~(FLAG_VIRT_ADDR | FLAG_RAW_KEY | FLAG_DEVICE):
+            raise DescriptorError(f"descriptor has unknown flags {flags:#x}")
+        prov = r.take(r.u8()).decode("utf-8", "replace")
+        base, nbytes = r.u64(), r.u64()
+        n = r.u8()
+        if n == 0:
+            raise DescriptorError("descriptor has no keys")
+        keys = tuple(r.take(r.u8()) for _ in range(n))
+        raw = bool(flags & FLAG_RAW_KEY)
+        if any(len(k) == 0 or (not raw and len(k) != 8) for k in keys):
+            raise DescriptorError("descriptor key has the wrong length")
+        if base + nbytes > 2**64:
+            raise DescriptorError("descriptor range wraps around the address space")
+        r.end()
+        return cls(prov, base, nbytes, keys, bool(flags & FLAG_VIRT_ADDR), raw, bool(flags & FLAG_DEVICE))
+
+
+def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int) -> int:
+    """How many RMA messages (= immediates at the target) a write of these triples posts.
+
+    The rule, shared with the native poster (include/kvxfer/post.h):
+      1. adjacent triples contiguous on both sides merge into one segment;
+      2. segments are packed in order into messages of at most ``iov`` pieces and at most
+         ``max_write`` bytes; a segment that does not fit is split at the message boundary.
+    ``iov`` and ``max_write`` are the engine's (``Engine.iov``, ``Engine.max_write``).
+    For ``write_pages`` the triples are ``(src_offset + src_pages*src_stride,
+    dst_offset + dst_pages*dst_stride, page_bytes)``.
+    """
+    so = np.ascontiguousarray(src_offsets, dtype=np.uint64).ravel()
+    do = np.ascontiguousarray(dst_offsets, dtype=np.uint64).ravel()
+    ln = np.ascontiguousarray(lengths, dtype=np.uint64).ravel()
+    if not (len(so) == len(do) == len(ln)):
+        raise InvalidArgumentError("offset and length arrays differ in length")
+    iov = max(1, int(iov))
+    max_write = int(max_write)
+    if max_write <= 0:
+        raise InvalidArgumentError("max_write must be positive")
+    if len(ln) == 0:
+        return 0
+    # rule 1: a new segment starts where either side is not contiguous with the previous
+    brk = np.ones(len(ln), dtype=bool)
+    brk[1:] = (so[1:] != so[:-1] + ln[:-1]) | (do[1:] != do[:-1] + ln[:-1])
+    starts = np.flatnonzero(brk)
+    seg = np.add.reduceat(ln, starts)
+    seg = seg[seg > 0]
+    if len(seg) == 0:
+        return 0
+    # fast path: no message ever reaches max_write, so only the iov limit packs
+    windows = np.add.reduceat(seg, np.arange(0, len(seg), iov))
+    if int(windows.max()) < max_write:
+        return -(-len(seg) // iov)
+    msgs, pieces, nbytes = 0, 0, 0
+    for length in seg.tolist():
+        while length > 0:
+            if pieces == iov or nbytes == max_write:
+                msgs += 1
+                pieces, nbytes = 0, 0
+            take = min(max_write - nbytes, length)
+            pieces += 1
+            nbytes += take
+            length -= take
+    return msgs + (1 if pieces else 0)
