@@ -14,6 +14,8 @@ from kvxfer._core cimport *
 
 import time as _time
 
+cimport cython
+
 from kvxfer.errors import ClosedError, FabricError, UnsupportedError
 
 cdef int64_t SLICE_NS = 50_000_000   # waits block in 50 ms slices so Ctrl-C is answered
@@ -299,6 +301,7 @@ cdef class Fabric:
                 return None
 
 
+@cython.no_gc_clear  # __dealloc__ needs its Fabric; a Fabric holds no Python refs, so it is never in a cycle
 cdef class MR:
     """One registered memory region (fid_mr) on a Fabric."""
 
@@ -343,6 +346,7 @@ cdef class MR:
         self.mr = NULL
 
 
+@cython.no_gc_clear  # __dealloc__ needs its Fabric; a Fabric holds no Python refs, so it is never in a cycle
 cdef class Xfer:
     """The native side of a Transfer: counts of planned, posted and completed messages."""
 
@@ -392,6 +396,7 @@ cdef class Xfer:
                 return False
 
 
+@cython.no_gc_clear  # __dealloc__ needs its Fabric; a Fabric holds no Python refs, so it is never in a cycle
 cdef class CounterHandle:
     """The native side of a Counter: an expectation of `count` arrivals of one imm."""
 

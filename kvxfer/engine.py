@@ -291,7 +291,10 @@ class Engine:
         self._fab = None
         for p in candidates:
             try:
-                self._fab = _fabric.Fabric(p, node, hmem, progress == "spin")
+                # shm names its endpoint after `node`: two processes naming 127.0.0.1 would
+                # collide (EBUSY), so shm always takes its own, per-process default name
+                bind = None if p.split(";")[0] == "shm" else node
+                self._fab = _fabric.Fabric(p, bind, hmem, progress == "spin")
                 break
             except FabricError as exc:
                 errors.append(f"{p}: {exc}")
@@ -415,7 +418,11 @@ class Engine:
                 f"provider {self.provider!r} engine has no FI_HMEM: device memory ({device}) needs "
                 "Engine(..., hmem=True) on a provider that offers it (shm, efa, verbs)"
             )
-        mr = self._fab.mr_reg(ptr, nbytes, iface, ordinal, dmabuf)
+        try:
+            mr = self._fab.mr_reg(ptr, nbytes, iface, ordinal, dmabuf)
+        finally:
+            if dmabuf >= 0:       # the registration holds its own reference to the dma-buf
+                os.close(dmabuf)
         region = MemoryRegion(self, mr, keep, ptr, nbytes, device)
         self._regions.add(region)
         return region
@@ -609,8 +616,10 @@ def _resolve_buffer(obj: Any):
     # kvxfer KVBuffer (host memfd or CUDA cuMem)
     kind = getattr(obj, "kind", None)
     if kind in ("host", "cuda") and hasattr(obj, "ptr") and hasattr(obj, "nbytes"):
+        # a lease keeps the mapping alive even if the buffer is closed under the region
+        keep = obj.lease() if hasattr(obj, "lease") else obj
         if kind == "host":
-            return int(obj.ptr), int(obj.nbytes), "cpu", sys_iface, 0, -1, obj
+            return int(obj.ptr), int(obj.nbytes), "cpu", sys_iface, 0, -1, keep
         ordinal = int(getattr(obj, "ordinal", 0))
         fd = -1
         if _fabric.HAVE_DMABUF and hasattr(obj, "dmabuf_fd"):
@@ -618,7 +627,7 @@ def _resolve_buffer(obj: Any):
                 fd = int(obj.dmabuf_fd())
             except KvxferError:
                 fd = -1
-        return int(obj.ptr), int(obj.nbytes), f"cuda:{ordinal}", _fabric.HMEM_CUDA, ordinal, fd, obj
+        return int(obj.ptr), int(obj.nbytes), f"cuda:{ordinal}", _fabric.HMEM_CUDA, ordinal, fd, keep
     if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, (int, np.integer)) for v in obj):
         ptr, nbytes = int(obj[0]), int(obj[1])
         if ptr <= 0:

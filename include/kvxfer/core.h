@@ -54,6 +54,22 @@ typedef struct kx_xfer {
     int error;             /* first positive errno seen, 0 if none */
     int refs;              /* Python owner + in-flight */
     struct kx_xfer *prev, *next;   /* the engine's in-flight list */
+    struct kx_xfer *qnext;         /* the engine's posting queue */
+
+    /* posting state: a resumable walk over the caller's triples (kept alive by Python) */
+    const uint64_t *so, *dof, *ln;
+    size_t n, i;                   /* triples, next triple */
+    uint64_t s, d, l;              /* the segment being cut into pieces */
+    size_t iov;
+    uint64_t max_write;
+    fi_addr_t peer;
+    char *src_base;
+    void *desc;
+    uint64_t dst_base, key, flags;
+    uint32_t imm;
+    int have_msg;                  /* a built message is waiting for queue space */
+    int np;
+    uint64_t ps[KX_MAX_IOV], pd[KX_MAX_IOV], pl[KX_MAX_IOV];
 } kx_xfer;
 
 typedef struct kx_counter {
@@ -131,6 +147,7 @@ struct kx_engine {
     int sleeping;          /* progress thread is blocked; posts must wake it */
 
     kx_xfer *inflight;     /* transfers with operations outstanding */
+    kx_xfer *q_head, *q_tail;   /* transfers with messages still to post (progress thread posts) */
     kx_ctable table;
     kx_counter *done_head, *done_tail;   /* counters with callbacks, for the dispatcher */
     int dispatch_stop;

@@ -169,6 +169,7 @@ static void kx_engine_teardown(kx_engine *e)
     if (e->info) { fi_freeinfo(e->info); e->info = NULL; }
     if (e->rx[0].data) { free(kx_rx_slab(e)); e->rx[0].data = NULL; }
     pthread_mutex_lock(&e->lock);
+    e->q_head = e->q_tail = NULL;
     while (e->inflight) {
         kx_xfer *x = e->inflight;
         if (!x->error)

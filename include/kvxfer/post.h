@@ -6,131 +6,169 @@
  *   2. segments are packed, in order, into messages of at most `iov` pieces and at most
  *      `max_write` bytes; a segment that does not fit is split at the message boundary.
  * Each message is one fi_writemsg with `iov` local and `iov` remote pieces of equal
- * lengths, so one message gives exactly one remote CQ entry (one immediate). */
+ * lengths, so one message gives exactly one remote CQ entry (one immediate).
+ *
+ * Posting never blocks on the transport: the calling thread posts until the provider says
+ * -FI_EAGAIN, then queues the rest of the transfer for the progress thread, which posts
+ * it as completions free queue space. So a call costs its CPU time, not the wire's. */
 #ifndef KVXFER_POST_H
 #define KVXFER_POST_H
 
 #include "kvxfer/core.h"
 #include "kvxfer/progress.h"
 
-typedef void (*kx_emit_fn)(void *arg, int npieces, const uint64_t *so, const uint64_t *dof, const uint64_t *ln);
-
-/* walk the message rule; calls emit once per message (emit may be NULL: count only) */
-static int64_t kx_walk(const uint64_t *so, const uint64_t *dof, const uint64_t *ln, size_t n,
-                       size_t iov, uint64_t max_write, kx_emit_fn emit, void *arg)
+/* Build the next message of the walk into x->ps/pd/pl; 0 when the walk is over. */
+static int kx_next_msg(kx_xfer *x)
 {
-    uint64_t ps[KX_MAX_IOV], pd[KX_MAX_IOV], pl[KX_MAX_IOV];
     int np = 0;
     uint64_t bytes = 0;
-    int64_t msgs = 0;
-    size_t i = 0;
-    if (iov < 1)
-        iov = 1;
-    if (iov > KX_MAX_IOV)
-        iov = KX_MAX_IOV;
-    while (i < n) {
-        uint64_t s = so[i], d = dof[i], l = ln[i];
-        i++;
-        while (i < n && so[i] == s + l && dof[i] == d + l) {   /* rule 1 */
-            l += ln[i];
+    while ((size_t)np < x->iov && bytes < x->max_write) {
+        if (x->l == 0) {
+            if (x->i >= x->n)
+                break;
+            size_t i = x->i;
+            uint64_t s = x->so[i], d = x->dof[i], l = x->ln[i];
             i++;
-        }
-        while (l > 0) {                                          /* rule 2 */
-            if ((size_t)np == iov || bytes == max_write) {
-                if (emit)
-                    emit(arg, np, ps, pd, pl);
-                msgs++;
-                np = 0;
-                bytes = 0;
+            while (i < x->n && x->so[i] == s + l && x->dof[i] == d + l) {   /* rule 1 */
+                l += x->ln[i];
+                i++;
             }
-            uint64_t take = max_write - bytes < l ? max_write - bytes : l;
-            ps[np] = s;
-            pd[np] = d;
-            pl[np] = take;
-            np++;
-            bytes += take;
-            s += take;
-            d += take;
-            l -= take;
+            x->i = i;
+            x->s = s;
+            x->d = d;
+            x->l = l;
+            if (l == 0)
+                continue;
         }
+        uint64_t take = x->max_write - bytes < x->l ? x->max_write - bytes : x->l;   /* rule 2 */
+        x->ps[np] = x->s;
+        x->pd[np] = x->d;
+        x->pl[np] = take;
+        np++;
+        bytes += take;
+        x->s += take;
+        x->d += take;
+        x->l -= take;
     }
-    if (np > 0) {
-        if (emit)
-            emit(arg, np, ps, pd, pl);
+    x->np = np;
+    return np > 0;
+}
+
+static void kx_walk_init(kx_xfer *x, const uint64_t *so, const uint64_t *dof, const uint64_t *ln, size_t n,
+                         size_t iov, uint64_t max_write)
+{
+    x->so = so;
+    x->dof = dof;
+    x->ln = ln;
+    x->n = n;
+    x->i = 0;
+    x->l = 0;
+    x->iov = iov < 1 ? 1 : (iov > KX_MAX_IOV ? KX_MAX_IOV : iov);
+    x->max_write = max_write ? max_write : 1;
+}
+
+/* count the messages of a walk without posting */
+static int64_t kx_walk(const uint64_t *so, const uint64_t *dof, const uint64_t *ln, size_t n,
+                       size_t iov, uint64_t max_write, void *unused1, void *unused2)
+{
+    (void)unused1;
+    (void)unused2;
+    kx_xfer w;
+    memset(&w, 0, sizeof(w));
+    kx_walk_init(&w, so, dof, ln, n, iov, max_write);
+    int64_t msgs = 0;
+    while (kx_next_msg(&w))
         msgs++;
-    }
     return msgs;
 }
 
-typedef struct kx_poster {
-    kx_engine *e;
-    kx_xfer *x;
-    fi_addr_t peer;
-    char *src_base;
-    void *desc;
-    uint64_t dst_base;
-    uint64_t key;
-    uint64_t flags;
-    uint32_t imm;
-    int64_t index;
-} kx_poster;
-
-static void kx_emit_post(void *arg, int np, const uint64_t *so, const uint64_t *dof, const uint64_t *ln)
+/* Post messages of x until its walk ends (returns 1), the provider is full (0), or a post
+ * fails (returns 1 with x->error set: nothing more is posted). */
+static int kx_pump(kx_engine *e, kx_xfer *x)
 {
-    kx_poster *p = (kx_poster *)arg;
-    kx_engine *e = p->e;
-    kx_xfer *x = p->x;
-    if (x->error)
-        return;    /* a post failed: post nothing more */
     struct iovec iov[KX_MAX_IOV];
     void *desc[KX_MAX_IOV];
     struct fi_rma_iov rma[KX_MAX_IOV];
-    for (int k = 0; k < np; k++) {
-        iov[k].iov_base = p->src_base + so[k];
-        iov[k].iov_len = ln[k];
-        desc[k] = p->desc;
-        rma[k].addr = p->dst_base + dof[k];
-        rma[k].len = ln[k];
-        rma[k].key = p->key;
-    }
-    kx_op *op = x->ops ? &x->ops[p->index] : &x->shared_op;
-    struct fi_msg_rma msg = {
-        .msg_iov = iov, .desc = desc, .iov_count = (size_t)np, .addr = p->peer,
-        .rma_iov = rma, .rma_iov_count = (size_t)np, .context = &op->fi, .data = p->imm,
-    };
-    __atomic_add_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
-    x->posted++;
-    ssize_t ret;
     for (;;) {
-        ret = fi_writemsg(e->ep, &msg, p->flags);
-        if (ret != -FI_EAGAIN)
-            break;
-        if (kx_poll(e) == 0)
-            sched_yield();
-        if (e->stop) {
-            ret = -FI_ECANCELED;
-            break;
+        if (x->error)
+            return 1;
+        if (!x->have_msg) {
+            if (!kx_next_msg(x))
+                return 1;
+            x->have_msg = 1;
         }
-    }
-    if (ret) {
+        int np = x->np;
+        for (int k = 0; k < np; k++) {
+            iov[k].iov_base = x->src_base + x->ps[k];
+            iov[k].iov_len = x->pl[k];
+            desc[k] = x->desc;
+            rma[k].addr = x->dst_base + x->pd[k];
+            rma[k].len = x->pl[k];
+            rma[k].key = x->key;
+        }
+        kx_op *op = x->ops ? &x->ops[x->posted] : &x->shared_op;
+        struct fi_msg_rma msg = {
+            .msg_iov = iov, .desc = desc, .iov_count = (size_t)np, .addr = x->peer,
+            .rma_iov = rma, .rma_iov_count = (size_t)np, .context = &op->fi, .data = x->imm,
+        };
+        /* count it first: the completion may be read by another thread before we return */
+        __atomic_add_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&x->posted, 1, __ATOMIC_RELEASE);
+        ssize_t ret = fi_writemsg(e->ep, &msg, x->flags);
+        if (ret == 0) {
+            x->have_msg = 0;
+            __atomic_add_fetch(&e->stat_writes, 1, __ATOMIC_RELAXED);
+            continue;
+        }
         __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
-        x->posted--;
+        __atomic_sub_fetch(&x->posted, 1, __ATOMIC_RELEASE);
+        if (ret == -FI_EAGAIN)
+            return 0;
         pthread_mutex_lock(&e->lock);
         if (!x->error)
             x->error = (int)-ret;
         e->last_error = (int)-ret;
         snprintf(e->last_error_call, sizeof(e->last_error_call), "fi_writemsg");
         pthread_mutex_unlock(&e->lock);
-        return;
+        return 1;
     }
-    p->index++;
-    e->stat_writes++;
 }
 
+static void kx_finish_posting_locked(kx_engine *e, kx_xfer *x)
+{
+    x->posting_done = 1;
+    kx_xfer_check_done_locked(e, x);
+}
 
-/* Allocate a transfer for the triples and post every message. Runs without the GIL.
- * Returns the transfer (never NULL unless out of memory); its planned count is the number
- * of messages (= immediates the target sees); posting errors land in x->error. */
+/* The progress thread's share of posting: drive the queue head until the provider is full.
+ * Returns the number of transfers whose posting finished (activity, for the idle logic). */
+static int kx_pump_queue(kx_engine *e)
+{
+    int finished = 0;
+    for (;;) {
+        pthread_mutex_lock(&e->lock);
+        kx_xfer *x = e->q_head;
+        pthread_mutex_unlock(&e->lock);
+        if (!x)
+            return finished;
+        int64_t before = x->posted;
+        int over = kx_pump(e, x);
+        if (!over)
+            return finished + (x->posted != before);
+        pthread_mutex_lock(&e->lock);
+        e->q_head = x->qnext;
+        if (!e->q_head)
+            e->q_tail = NULL;
+        x->qnext = NULL;
+        kx_finish_posting_locked(e, x);
+        pthread_mutex_unlock(&e->lock);
+        finished++;
+    }
+}
+
+/* Allocate a transfer for the triples and post what the provider takes now; the rest is
+ * queued for the progress thread. Runs without the GIL; never blocks on the wire. Returns
+ * NULL only when out of memory. x->planned is the number of messages (= immediates). */
 static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *desc,
                          uint64_t dst_base, uint64_t key,
                          const uint64_t *so, const uint64_t *dof, const uint64_t *ln, size_t n,
@@ -154,21 +192,38 @@ static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *des
     x->shared_op.kind = KX_OP_WRITE;
     x->shared_op.owner = x;
     x->refs = 2;  /* Python owner + in-flight */
+    kx_walk_init(x, so, dof, ln, n, iov, max_write);
+    x->peer = peer;
+    x->src_base = src_base;
+    x->desc = desc;
+    x->dst_base = dst_base;
+    x->key = key;
+    x->flags = FI_COMPLETION | (has_imm ? FI_REMOTE_CQ_DATA : 0);
+    x->imm = imm;
+
     pthread_mutex_lock(&e->lock);
     kx_xfer_link_locked(e, x);
+    int queued = e->q_head != NULL;   /* keep order behind transfers already queued */
     pthread_mutex_unlock(&e->lock);
 
-    kx_poster p = {
-        .e = e, .x = x, .peer = peer, .src_base = src_base, .desc = desc, .dst_base = dst_base,
-        .key = key, .flags = FI_COMPLETION | (has_imm ? FI_REMOTE_CQ_DATA : 0), .imm = imm, .index = 0,
-    };
-    __atomic_add_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
-    kx_walk(so, dof, ln, n, iov, max_write, kx_emit_post, &p);
-    __atomic_sub_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
-
+    int over = 0;
+    if (!queued && !e->stop) {
+        __atomic_add_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
+        over = kx_pump(e, x);
+        __atomic_sub_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
+    }
     pthread_mutex_lock(&e->lock);
-    x->posting_done = 1;
-    kx_xfer_check_done_locked(e, x);
+    if (over || e->stop) {
+        if (e->stop && !over && !x->error)
+            x->error = FI_ECANCELED;
+        kx_finish_posting_locked(e, x);
+    } else {
+        if (e->q_tail)
+            e->q_tail->qnext = x;
+        else
+            e->q_head = x;
+        e->q_tail = x;
+    }
     pthread_mutex_unlock(&e->lock);
     kx_wake(e);
     return x;

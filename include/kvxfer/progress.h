@@ -168,6 +168,8 @@ static void kx_wake(kx_engine *e)
     }
 }
 
+static int kx_pump_queue(kx_engine *e);
+
 static void *kx_progress_main(void *arg)
 {
     kx_engine *e = (kx_engine *)arg;
@@ -182,13 +184,15 @@ static void *kx_progress_main(void *arg)
             continue;
         }
         int n = kx_poll(e);
+        if (e->q_head)
+            n += kx_pump_queue(e);
         if (n != 0 || e->spin) {
             backoff = 1000;
             continue;
         }
         int64_t now = kx_now_ns();
         int64_t quiet = now - e->last_activity_ns;
-        int64_t outstanding = __atomic_load_n(&e->outstanding, __ATOMIC_RELAXED);
+        int64_t outstanding = __atomic_load_n(&e->outstanding, __ATOMIC_RELAXED) + (e->q_head != NULL);
         if (quiet < KX_SPIN_WINDOW_NS || (outstanding > 0 && quiet < KX_STALL_NS)) {
             sched_yield();
             continue;

@@ -1,0 +1,456 @@
+"""``kvxfer-bench``: bandwidth and latency of kvxfer between two processes, data checked.
+
+``kvxfer-bench bw`` starts a target process on 127.0.0.1 (or serves/joins another host with
+``--listen`` / ``--connect``), writes single buffers and scattered pages into it, has the
+target check every byte, and prints GB/s, writes/s and p50/p99 per transfer next to a
+memmove baseline. ``kvxfer-bench lat`` ping-pongs a small write with immediate.
+``kvxfer-bench topo`` (when installed) prints the NIC/CPU placement per GPU.
+
+The method is written up in docs/_bench_cli.md. Uses the public API only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Optional, Sequence, TextIO
+
+from kvxfer.cli._cases import DEFAULT_CASES, Case, fmt_size, parse_case, parse_size
+from kvxfer.errors import KvxferError
+
+__all__ = ["main", "build_parser", "DEFAULT_PROVIDERS"]
+
+#: What a plain ``kvxfer-bench bw`` measures, one after the other.
+DEFAULT_PROVIDERS = ("tcp;ofi_rxm", "shm")
+LOOPBACK = "127.0.0.1"
+
+
+# --------------------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------------------
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except KvxferError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _case_arg(text: str) -> Case:
+    try:
+        return parse_case(text)
+    except KvxferError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("where")
+    g.add_argument("--provider", action="append", metavar="P",
+                   help="libfabric provider; repeat for several (default: %s, one after the other)"
+                        % " then ".join(DEFAULT_PROVIDERS))
+    g.add_argument("--node", metavar="ADDR",
+                   help=f"local address to bind (default {LOOPBACK} when the target runs here)")
+    where = g.add_mutually_exclusive_group()
+    where.add_argument("--listen", action="store_true",
+                       help="be the target for an initiator on another host; prints the --connect address")
+    where.add_argument("--connect", metavar="ADDR", help="run against a target started with --listen (hex address)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE", help="write every result, the command line, provider and machine facts")
+    o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    e = p.add_argument_group("engine")
+    e.add_argument("--progress", choices=("block", "spin"), default="block",
+                   help="engine progress mode, both processes (default: block)")
+    e.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="give up on any single wait after S seconds (default: 30)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvxfer-bench",
+        description="Bandwidth and latency of kvxfer writes between two processes, every byte checked at the target.",
+    )
+    sub = parser.add_subparsers(dest="cmd", metavar="{bw,lat,topo}")
+    sub.required = True
+
+    bw = sub.add_parser(
+        "bw", help="bandwidth: single writes and scattered paged writes, checked at the target",
+        description="Single writes of several sizes and paged writes into randomly scattered destination "
+                    "pages; the target checks the data. Reports GB/s (10^9 B/s, from the p50 transfer time), "
+                    "writes/s, p50/p99 per transfer (write call to the target's counter), posting cost per page, "
+                    "and a same-run memmove baseline.",
+        epilog="Cases: a = write:64M, b = pages:16Kx4096, c = pages:2Kx32768, memmove = memmove:64M; "
+               "or write:SIZE, pages:PAGExCOUNT, memmove:SIZE. Default: " + " ".join(DEFAULT_CASES) + ".",
+    )
+    bw.add_argument("--case", action="append", type=_case_arg, metavar="CASE",
+                    help="a case to run; repeat for several (default: all of the list below)")
+    bw.add_argument("--seconds", type=float, default=3.0, metavar="S",
+                    help="time to spend on each case after warm-up, checks included (default: 3)")
+    bw.add_argument("--iters", type=int, metavar="N", help="exactly N timed iterations per case (overrides --seconds)")
+    bw.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed iterations first (default: 2)")
+    bw.add_argument("--min-iters", type=int, default=10, metavar="N", help="at least N timed iterations (default: 10)")
+    bw.add_argument("--max-iters", type=int, default=5000, metavar="N",
+                    help="at most N timed iterations (default: 5000)")
+    bw.add_argument("--seed", type=int, default=0, help="seed of the data and the page scatter (default: 0)")
+    _common(bw)
+    bw.set_defaults(func=run_bw)
+
+    lat = sub.add_parser(
+        "lat", help="latency: round trip of a small write with immediate",
+        description="Ping-pong: A writes SIZE bytes with imm to B; when B's counter completes it writes them back "
+                    "with imm; A's counter completing ends the round trip. Reports p50/p99 in microseconds.",
+    )
+    lat.add_argument("--size", type=_size_arg, default=8, metavar="BYTES", help="bytes per write (default: 8)")
+    lat.add_argument("--iters", type=int, default=10000, metavar="N", help="timed round trips (default: 10000)")
+    lat.add_argument("--warmup", type=int, default=500, metavar="N", help="untimed round trips first (default: 500)")
+    lat.add_argument("--gap", type=float, default=0.0, metavar="MS",
+                     help="idle time before each round trip, so progress threads fall asleep (default: 0)")
+    _common(lat)
+    lat.set_defaults(func=run_lat)
+
+    try:  # the topology subcommand lands separately; the benchmarks work without it
+        from kvxfer.cli import topo
+    except ImportError:
+        pass
+    else:
+        topo.add_parser(sub)
+    return parser
+
+
+def _target_parser() -> argparse.ArgumentParser:
+    """The hidden ``_target`` subcommand the initiator spawns."""
+    p = argparse.ArgumentParser(prog="kvxfer-bench _target")
+    p.add_argument("--provider", required=True)
+    p.add_argument("--node")
+    p.add_argument("--progress", choices=("block", "spin"), default="block")
+    p.add_argument("--parent-pid", type=int)
+    p.add_argument("--idle-timeout", type=float, default=60.0)
+    p.add_argument("--deadline", type=float, default=1800.0)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point; returns the exit status (0 all checks passed, 1 a check or a
+    provider failed, 2 bad usage, 130 interrupted)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_target"]:
+        from kvxfer.cli._session import target_main
+
+        a = _target_parser().parse_args(argv[1:])
+        return target_main(a.provider, a.node, progress=a.progress, parent_pid=a.parent_pid,
+                           idle_timeout=a.idle_timeout, deadline=a.deadline)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("iters", "warmup", "min_iters", "max_iters"):
+        v = getattr(args, name, None)
+        if v is not None and v < (1 if name in ("iters", "min_iters", "max_iters") else 0):
+            parser.error(f"--{name.replace('_', '-')} must be {'positive' if name != 'warmup' else 'non-negative'}")
+    if getattr(args, "timeout", 1) <= 0:
+        parser.error("--timeout must be positive")
+    args.argv = argv
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("\nkvxfer-bench: interrupted", file=sys.stderr)
+        return 130
+
+
+# --------------------------------------------------------------------------------------
+# progress bar and table
+# --------------------------------------------------------------------------------------
+class Bar:
+    """A one-line text progress bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self, enabled: bool, stream: TextIO = sys.stderr) -> None:
+        self.stream = stream
+        self.enabled = enabled and stream.isatty()
+        self._last = 0.0
+        self._shown = False
+
+    def update(self, label: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        width = 28
+        fill = int(width * done / max(1, total))
+        line = f"\r{label[:44]:<44} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}"
+        self.stream.write(line)
+        self.stream.flush()
+        self._shown = True
+
+    def clear(self) -> None:
+        if self.enabled and self._shown:
+            self.stream.write("\r" + " " * 90 + "\r")
+            self.stream.flush()
+            self._shown = False
+
+
+def _t(s: Optional[float]) -> str:
+    if s is None or not math.isfinite(s):
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us" if s < 1e-4 else f"{s * 1e6:.0f} us"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"
+
+
+def _rate(v: Optional[float]) -> str:
+    if v is None or not math.isfinite(v):
+        return "-"
+    for unit, f in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if v >= f:
+            return f"{v / f:.2f}{unit}"
+    return f"{v:.0f}"
+
+
+BW_COLUMNS = (("provider", "<"), ("case", "<"), ("bytes", ">"), ("writes", ">"), ("GB/s", ">"),
+              ("x memmove", ">"), ("writes/s", ">"), ("p50", ">"), ("p99", ">"), ("acked p50", ">"),
+              ("sender p50", ">"), ("post/page", ">"), ("iters", ">"), ("check", "<"))
+BW_WIDTHS = (11, 20, 5, 6, 6, 9, 8, 9, 9, 9, 10, 9, 5, 5)
+LAT_COLUMNS = (("provider", "<"), ("bytes", ">"), ("p50 rtt", ">"), ("p99 rtt", ">"), ("min", ">"),
+               ("mean", ">"), ("one-way p50", ">"), ("iters", ">"), ("check", "<"))
+LAT_WIDTHS = (12, 6, 9, 9, 9, 9, 11, 6, 5)
+
+
+def _row(cells: Sequence[str], cols, widths) -> str:
+    return "  ".join(f"{c:{a}{w}}" for c, (_, a), w in zip(cells, cols, widths)).rstrip()
+
+
+def _header(cols, widths) -> str:
+    h = _row([c for c, _ in cols], cols, widths)
+    return h + "\n" + "-" * len(h)
+
+
+def bw_row(provider: str, s: dict, memmove_gbps: Optional[float]) -> str:
+    ratio = "-"
+    if memmove_gbps and s.get("gbps") and s["kind"] != "memmove":
+        ratio = f"{s['gbps'] / memmove_gbps:.2f}"
+    post = s.get("post_per_page_s")
+    cells = [provider, s["label"], fmt_size(s["bytes"]),
+             str(s["writes"]) if s["kind"] != "memmove" else "-",
+             f"{s['gbps']:.2f}" if s.get("gbps") else "-", ratio,
+             _rate(s.get("writes_per_s")), _t(s["p50_s"]), _t(s["p99_s"]), _t(s.get("acked_p50_s")),
+             _t(s.get("local_p50_s")), _t(post), str(s["iterations"]), s["check"]]
+    return _row(cells, BW_COLUMNS, BW_WIDTHS)
+
+
+def lat_row(provider: str, s: dict) -> str:
+    us = lambda v: "-" if v is None or not math.isfinite(v) else f"{v:.1f} us"  # noqa: E731
+    cells = [provider, str(s["size"]), us(s["p50_us"]), us(s["p99_us"]), us(s["min_us"]), us(s["mean_us"]),
+             us(s["p50_us"] / 2), str(s["iterations"]), s["check"]]
+    return _row(cells, LAT_COLUMNS, LAT_WIDTHS)
+
+
+# --------------------------------------------------------------------------------------
+# running
+# --------------------------------------------------------------------------------------
+class _Run:
+    """One provider's session: this engine, the target (spawned or remote), the results."""
+
+    def __init__(self, args: argparse.Namespace, provider: Optional[str]) -> None:
+        self.args = args
+        self.provider = provider
+        self.record: dict[str, Any] = {"provider": provider, "results": [], "error": None}
+        self.eng = None
+        self.target = None
+        self.ini = None
+
+    def __enter__(self) -> "_Run":
+        import kvxfer
+        from kvxfer.cli._session import Initiator, TargetProcess
+
+        a = self.args
+        try:
+            if a.connect:
+                addr = bytes.fromhex(a.connect.strip())
+                node = a.node
+                alive = None
+                self.record["mode"] = "connect"
+            else:
+                node = a.node or default_node(self.provider)
+                self.record["mode"] = "local"
+            self.eng = kvxfer.Engine(self.provider, node=node, progress=a.progress)
+            self.provider = self.eng.provider
+            self.record["provider"] = self.provider
+            self.record["info"] = self.eng.info
+            if not a.connect:
+                budget = 900.0 + 120.0 * len(getattr(a, "case", None) or DEFAULT_CASES)
+                self.target = TargetProcess(self.provider, node, progress=a.progress,
+                                            idle_timeout=max(60.0, 2 * a.timeout), deadline=budget)
+                addr = self.target.address
+                alive = self.target.dead
+            self.ini = Initiator(self.eng, addr, timeout=a.timeout, alive=alive)
+            self.record["target"] = {"info": self.ini.target_info, "machine": self.ini.target_machine}
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def __exit__(self, et, ev, tb) -> None:
+        if self.ini is not None and et is None:
+            self.ini.bye()
+        if self.target is not None:
+            rc = self.target.stop(kill=et is not None, timeout=10)
+            if et is None and rc not in (0, None):
+                self.record["error"] = f"target exited with status {rc}"
+            self.target.close()
+        if self.eng is not None:
+            self.eng.close()
+
+
+def default_node(provider: Optional[str]) -> Optional[str]:
+    """What to bind when both processes run here. tcp needs 127.0.0.1 named (without a node
+    it binds whichever interface libfabric lists first); for shm the node is the
+    shared-memory region's *name* ("<node>:<ep>:<n>"), so two processes both naming
+    127.0.0.1 collide (fi_enable: EBUSY) and shm is left to name itself after the pid."""
+    return None if provider == "shm" else LOOPBACK
+
+
+def _providers(args: argparse.Namespace) -> list[Optional[str]]:
+    if args.connect:
+        from kvxfer.errors import DescriptorError
+        from kvxfer.wire import Address
+
+        try:
+            prov = Address.decode(bytes.fromhex(args.connect.strip())).provider
+        except (ValueError, DescriptorError) as exc:
+            raise SystemExit(f"kvxfer-bench: --connect: not a kvxfer address: {exc}")
+        if args.provider and args.provider != [prov]:
+            raise SystemExit(f"kvxfer-bench: the target at --connect runs {prov!r}, not {args.provider}")
+        return [prov]
+    return list(args.provider) if args.provider else list(DEFAULT_PROVIDERS)
+
+
+def _listen(args: argparse.Namespace) -> int:
+    from kvxfer.cli._session import target_main
+
+    if args.provider and len(args.provider) > 1:
+        raise SystemExit("kvxfer-bench: --listen serves one provider")
+    prov = args.provider[0] if args.provider else None
+    try:
+        return target_main(prov, args.node, progress=args.progress, parent_pid=None,
+                           idle_timeout=max(120.0, 2 * args.timeout), deadline=None, listen=args.cmd)
+    except KvxferError as exc:
+        print(f"kvxfer-bench: {exc}", file=sys.stderr)
+        return 1
+
+
+def _document(args: argparse.Namespace, runs: list) -> dict:
+    from kvxfer.cli._session import machine_info
+
+    opts = {k: v for k, v in vars(args).items() if k not in ("func", "argv")}
+    if opts.get("case"):
+        opts["case"] = [c.spec for c in opts["case"]]
+    return {
+        "command": ["kvxfer-bench", *args.argv],
+        "subcommand": args.cmd,
+        "options": opts,
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "runs": runs,
+    }
+
+
+def _write_json(path: str, doc: dict) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _session(args: argparse.Namespace, body, header: str) -> int:
+    """Run ``body(run, bar)`` once per provider; print, collect, write JSON; exit status."""
+    if args.listen:
+        return _listen(args)
+    bar = Bar(not args.quiet)
+    runs: list[dict] = []
+    status = 0
+    explicit = bool(args.provider) or bool(args.connect)
+    print(header, flush=True)
+    for prov in _providers(args):
+        try:
+            with _Run(args, prov) as run:
+                try:
+                    body(run, bar)
+                finally:
+                    bar.clear()
+                runs.append(run.record)
+                if run.record["error"]:
+                    status = 1
+                if any(r.get("check") != "ok" for r in run.record["results"]):
+                    status = 1
+        except KeyboardInterrupt:
+            bar.clear()
+            raise
+        except Exception as exc:  # a provider failing must not hide the others' numbers
+            bar.clear()
+            missing = isinstance(exc, KvxferError) and "unavailable" in str(exc)
+            if missing and not explicit:
+                print(f"{prov or 'default':<12}  skipped: provider not available here", flush=True)
+                runs.append({"provider": prov, "results": [], "error": None, "skipped": str(exc)})
+                continue
+            print(f"{prov or 'default':<12}  FAILED: {type(exc).__name__}: {exc}", flush=True)
+            runs.append({"provider": prov, "results": [], "error": f"{type(exc).__name__}: {exc}"})
+            status = 1
+    if not any(r["results"] for r in runs):
+        status = 1
+    if args.json:
+        _write_json(args.json, _document(args, runs))
+        print(f"results written to {args.json}", file=sys.stderr)
+    return status
+
+
+def run_bw(args: argparse.Namespace) -> int:
+    """``kvxfer-bench bw``."""
+    cases: list[Case] = list(args.case) if args.case else [parse_case(c) for c in DEFAULT_CASES]
+    # the baseline first, so every row can be held against it
+    order = sorted(range(len(cases)), key=lambda i: cases[i].kind != "memmove")
+    warmup = args.warmup if args.iters is not None else max(1, args.warmup)
+
+    def body(run: _Run, bar: Bar) -> None:
+        memmove = None
+        for i in order:
+            case = cases[i]
+            label = f"{run.provider} {case.label}"
+            res = run.ini.bw(case, args.seed + i, warmup=warmup, iters=args.iters, budget=args.seconds,
+                             min_iters=args.min_iters, max_iters=args.max_iters,
+                             progress=lambda d, n, label=label: bar.update(label, d, n))
+            s = res.summary()
+            run.record["results"].append(s)
+            if case.kind == "memmove" and memmove is None:
+                memmove = s["gbps"]
+            bar.clear()
+            print(bw_row(run.provider, s, memmove), flush=True)
+            for p in s["problems"]:
+                print(f"    {p}", flush=True)
+
+    return _session(args, body, _header(BW_COLUMNS, BW_WIDTHS))
+
+
+def run_lat(args: argparse.Namespace) -> int:
+    """``kvxfer-bench lat``."""
+
+    def body(run: _Run, bar: Bar) -> None:
+        label = f"{run.provider} lat {args.size} B"
+        res = run.ini.lat(args.size, warmup=args.warmup, iters=args.iters, gap=args.gap / 1e3,
+                          progress=lambda d, n: bar.update(label, d, n))
+        s = res.summary()
+        run.record["results"].append(s)
+        bar.clear()
+        print(lat_row(run.provider, s), flush=True)
+
+    return _session(args, body, _header(LAT_COLUMNS, LAT_WIDTHS))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

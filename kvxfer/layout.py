@@ -1,0 +1,332 @@
+"""How one rank's paged KV cache sits in memory, and how heads are sharded across TP ranks.
+
+Pure numpy; a leaf next to ``errors``. The planner turns two of these (prefiller side,
+decoder side) into byte offsets, so the layout must name every stride a write needs:
+
+    offset(layer, plane, page, head, token)
+        = layer_base(layer) + plane_base(plane) + page * page_stride
+          + head * head_stride + token * token_stride          (dim is innermost, contiguous)
+    region(layer, plane) = layer_region(layer) + plane_region(plane)
+
+Offsets are bytes relative to the start of a registered region, because the engine writes
+from one local region to one remote region per call. ``head`` is the rank's *local* head
+index; which global heads a rank holds comes from its :class:`Sharding`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from kvxfer.errors import LayoutError
+
+__all__ = ["KVLayout", "Sharding", "RankGeometry", "ORDERS", "KV_FORMS", "PLACEMENTS"]
+
+Order = Literal["HND", "NHD"]
+KVForm = Literal["fused", "stacked", "separate", "mla"]
+Placement = Literal["per_layer", "layer_major"]
+
+ORDERS: tuple[str, ...] = ("HND", "NHD")
+#: fused: K and V side by side inside each page ``[pages, 2, ...]`` (vLLM/FlashInfer);
+#: stacked: all K pages then all V pages in one region ``[2, pages, ...]`` (vLLM flash-attn);
+#: separate: K and V in their own regions (SGLang's k_buffer / v_buffer);
+#: mla: one latent vector per token, no V plane, replicated on every rank.
+KV_FORMS: tuple[str, ...] = ("fused", "stacked", "separate", "mla")
+#: per_layer: each layer its own region(s); layer_major: one region (per K/V pool) with
+#: layers at ``layer_stride``.
+PLACEMENTS: tuple[str, ...] = ("per_layer", "layer_major")
+
+# Only the element size matters for byte offsets; numpy has no bf16/fp8, so these map to a
+# same-sized integer type (and "bf16" and "fp16" stay distinct, as they should).
+_DTYPE_ALIASES = {
+    "bfloat16": "u2",
+    "bf16": "u2",
+    "fp8": "u1",
+    "float8_e4m3fn": "u1",
+    "float8_e4m3fnuz": "u1",
+    "float8_e5m2": "u1",
+    "float8_e5m2fnuz": "u1",
+    "fp16": "f2",
+    "half": "f2",
+}
+
+
+def _as_dtype(dtype: Any) -> np.dtype:
+    name = str(dtype).removeprefix("torch.")
+    if name in _DTYPE_ALIASES:
+        return np.dtype(_DTYPE_ALIASES[name])
+    for candidate in (dtype, name):
+        try:
+            return np.dtype(candidate)
+        except TypeError:
+            continue
+    raise LayoutError(f"dtype {dtype!r} is not a numpy dtype nor one of {sorted(_DTYPE_ALIASES)}")
+
+
+def _pos_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise LayoutError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise LayoutError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Head sharding over ``tp_size`` ranks (GQA rule), or full replication (MLA).
+
+    With ``H`` KV heads and ``H >= tp_size`` rank ``r`` holds heads ``[r*H/t, (r+1)*H/t)``;
+    with ``H < tp_size`` each head lives on ``t/H`` ranks and rank ``r`` holds head
+    ``r // (t/H)``. ``replicated=True`` puts every head (the MLA latent) on every rank.
+    """
+
+    tp_size: int
+    replicated: bool = False
+
+    def __post_init__(self) -> None:
+        _pos_int("tp_size", self.tp_size)
+        if not isinstance(self.replicated, (bool, np.bool_)):
+            raise LayoutError(f"replicated must be a bool, got {self.replicated!r}")
+
+    def check(self, kv_heads: int) -> None:
+        """Raise :class:`LayoutError` unless ``kv_heads`` can be sharded over ``tp_size`` ranks."""
+        if self.replicated:
+            return
+        t, h = self.tp_size, kv_heads
+        if h >= t and h % t:
+            raise LayoutError(f"kv_heads={h} cannot be split evenly over tp_size={t}")
+        if h < t and t % h:
+            raise LayoutError(f"tp_size={t} is not a multiple of kv_heads={h}, so heads cannot be replicated evenly")
+
+    def local_heads(self, kv_heads: int) -> int:
+        """How many KV heads each rank holds."""
+        self.check(kv_heads)
+        if self.replicated:
+            return kv_heads
+        return max(kv_heads // self.tp_size, 1)
+
+    def heads(self, rank: int, kv_heads: int) -> range:
+        """The global heads rank ``rank`` holds, in local order."""
+        self.check(kv_heads)
+        if not 0 <= rank < self.tp_size:
+            raise LayoutError(f"rank {rank} outside tp_size={self.tp_size}")
+        if self.replicated:
+            return range(kv_heads)
+        if kv_heads >= self.tp_size:
+            n = kv_heads // self.tp_size
+            return range(rank * n, (rank + 1) * n)
+        h = rank // (self.tp_size // kv_heads)
+        return range(h, h + 1)
+
+    def holders(self, head: int, kv_heads: int) -> range:
+        """The ranks that hold global ``head`` (more than one when replicated)."""
+        self.check(kv_heads)
+        if not 0 <= head < kv_heads:
+            raise LayoutError(f"head {head} outside kv_heads={kv_heads}")
+        if self.replicated:
+            return range(self.tp_size)
+        if kv_heads >= self.tp_size:
+            r = head // (kv_heads // self.tp_size)
+            return range(r, r + 1)
+        k = self.tp_size // kv_heads
+        return range(head * k, (head + 1) * k)
+
+
+@dataclass(frozen=True)
+class RankGeometry:
+    """A :class:`KVLayout` resolved for one sharding: every stride in bytes.
+
+    All ranks of one sharding share a geometry (they hold the same number of heads).
+    """
+
+    local_heads: int
+    planes: int
+    itemsize: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    num_layers: int
+    head_stride: int
+    token_stride: int
+    page_stride: int
+    block_bytes: int  #: bytes of one (plane, page) block: local_heads * page_size * head_dim * itemsize
+    plane_region: tuple[int, ...]
+    plane_base: tuple[int, ...]
+    regions_per_layer: int  #: region id shift per layer (0 when layer-major)
+    layer_stride: int  #: base offset shift per layer (0 when one region per layer)
+    num_regions: int
+    region_size: int
+
+    def region(self, layer: int, plane: int) -> int:
+        """Region id holding ``(layer, plane)``."""
+        return layer * self.regions_per_layer + self.plane_region[plane]
+
+    def base(self, layer: int, plane: int) -> int:
+        """Byte offset of page 0 of ``(layer, plane)`` inside its region."""
+        return layer * self.layer_stride + self.plane_base[plane]
+
+    def offset(self, layer: int, plane: int, page: int, head: int = 0, token: int = 0) -> int:
+        """Region-relative byte offset of ``(layer, plane, page, local head, token)``, dim 0."""
+        return self.base(layer, plane) + page * self.page_stride + head * self.head_stride + token * self.token_stride
+
+    @property
+    def chunk(self) -> int:
+        """Bytes of one (head, token) vector: the smallest contiguous unit."""
+        return self.head_dim * self.itemsize
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One rank's paged KV memory, precisely enough to compute byte offsets.
+
+    ``kv_heads`` is the model's total; the rank's share comes from the :class:`Sharding`
+    passed alongside. ``order`` is the within-page order: ``HND`` keeps a head's tokens
+    together (a head slice of a page is one contiguous run), ``NHD`` keeps a token's heads
+    together (a head slice is ``page_size`` runs). ``page_stride`` and ``layer_stride`` (bytes)
+    override the dense defaults, e.g. for padded pages; they are checked against the
+    sharding when resolved. Use the constructors (:meth:`vllm`, :meth:`flash_attn`,
+    :meth:`sglang`, :meth:`layer_major`, :meth:`mla`) for the common engines.
+    """
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    dtype: Any = "bfloat16"
+    order: Order = "HND"
+    kv: KVForm = "fused"
+    placement: Placement = "per_layer"
+    page_stride: int | None = None
+    layer_stride: int | None = None
+    _dtype: np.dtype = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "kv_heads", "head_dim", "page_size", "num_pages"):
+            _pos_int(name, getattr(self, name))
+        object.__setattr__(self, "_dtype", _as_dtype(self.dtype))
+        if self.order not in ORDERS:
+            raise LayoutError(f"order must be one of {ORDERS}, got {self.order!r}")
+        if self.kv not in KV_FORMS:
+            raise LayoutError(f"kv must be one of {KV_FORMS}, got {self.kv!r}")
+        if self.placement not in PLACEMENTS:
+            raise LayoutError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.kv == "mla" and self.kv_heads != 1:
+            raise LayoutError(
+                f"an MLA layout has one latent vector per token (kv_heads=1), got kv_heads={self.kv_heads}")
+        if self.page_stride is not None:
+            _pos_int("page_stride", self.page_stride)
+        if self.layer_stride is not None:
+            if self.placement != "layer_major":
+                raise LayoutError("layer_stride only applies to placement='layer_major'")
+            _pos_int("layer_stride", self.layer_stride)
+
+    # -- constructors for the engines people run -------------------------------------------
+    @classmethod
+    def vllm(cls, num_layers: int, kv_heads: int, head_dim: int, page_size: int, num_pages: int,
+             dtype: Any = "bfloat16", order: Order = "HND", **kw: Any) -> KVLayout:
+        """vLLM with FlashInfer: one tensor per layer, ``[pages, 2, heads, page, dim]`` (HND)
+        or ``[pages, 2, page, heads, dim]`` (NHD)."""
+        return cls(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, "fused", "per_layer", **kw)
+
+    @classmethod
+    def flash_attn(cls, num_layers: int, kv_heads: int, head_dim: int, page_size: int, num_pages: int,
+                   dtype: Any = "bfloat16", order: Order = "NHD", **kw: Any) -> KVLayout:
+        """vLLM with FlashAttention: one tensor per layer, ``[2, pages, page, heads, dim]``."""
+        return cls(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, "stacked", "per_layer", **kw)
+
+    @classmethod
+    def sglang(cls, num_layers: int, kv_heads: int, head_dim: int, page_size: int, num_pages: int,
+               dtype: Any = "bfloat16", **kw: Any) -> KVLayout:
+        """SGLang's MHA token pool: per layer a K buffer and a V buffer ``[tokens, heads, dim]``;
+        a page is ``page_size`` consecutive token slots (so NHD, two regions per layer)."""
+        return cls(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, "NHD", "separate", "per_layer", **kw)
+
+    @classmethod
+    def layer_major(cls, num_layers: int, kv_heads: int, head_dim: int, page_size: int, num_pages: int,
+                    dtype: Any = "bfloat16", order: Order = "HND", kv: KVForm = "fused", **kw: Any) -> KVLayout:
+        """All layers in one registered region, ``[layers, pages, 2, heads, page, dim]`` by
+        default (one region per K/V pool with ``kv='separate'``)."""
+        return cls(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, kv, "layer_major", **kw)
+
+    @classmethod
+    def mla(cls, num_layers: int, latent_dim: int, page_size: int, num_pages: int, dtype: Any = "bfloat16",
+            placement: Placement = "per_layer", **kw: Any) -> KVLayout:
+        """MLA (DeepSeek): one latent vector of ``latent_dim`` (e.g. 512 + 64 rope) per token,
+        ``[pages, page, latent_dim]`` per layer, the same on every rank."""
+        return cls(num_layers, 1, latent_dim, page_size, num_pages, dtype, "HND", "mla", placement, **kw)
+
+    # -- derived --------------------------------------------------------------------------
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The numpy dtype standing for ``dtype`` (same itemsize)."""
+        return self._dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self._dtype.itemsize
+
+    @property
+    def planes(self) -> int:
+        """2 (K and V) or 1 (MLA latent)."""
+        return 1 if self.kv == "mla" else 2
+
+    @property
+    def num_regions(self) -> int:
+        """Registered regions per rank."""
+        per_pool = 2 if self.kv == "separate" else 1
+        return per_pool * (self.num_layers if self.placement == "per_layer" else 1)
+
+    def resolve(self, sharding: Sharding) -> RankGeometry:
+        """Every stride in bytes for a rank of ``sharding``; raises :class:`LayoutError` on
+        strides too small for the rank's heads."""
+        if not isinstance(sharding, Sharding):
+            raise LayoutError(f"expected a Sharding, got {sharding!r}")
+        lh = sharding.local_heads(self.kv_heads)
+        isz, d, p = self.itemsize, self.head_dim, self.page_size
+        block = lh * p * d * isz
+        if self.order == "HND":
+            head_stride, token_stride = p * d * isz, d * isz
+        else:
+            head_stride, token_stride = d * isz, lh * d * isz
+        planes = self.planes
+        in_page = planes if self.kv == "fused" else 1
+        dense_page = in_page * block
+        page_stride = dense_page if self.page_stride is None else self.page_stride
+        if page_stride < dense_page:
+            raise LayoutError(
+                f"page_stride={page_stride} is smaller than a page ({dense_page} bytes for {lh} local heads)")
+        pool = self.num_pages * page_stride  # one (layer, pool) span
+        if self.kv == "fused":
+            plane_region, plane_base = (0, 0), (0, block)
+        elif self.kv == "stacked":
+            plane_region, plane_base = (0, 0), (0, pool)
+        elif self.kv == "separate":
+            plane_region, plane_base = (0, 1), (0, 0)
+        else:
+            plane_region, plane_base = (0,), (0,)
+        per_layer = pool * (2 if self.kv == "stacked" else 1)
+        pools = 2 if self.kv == "separate" else 1
+        if self.placement == "per_layer":
+            regions_per_layer, layer_stride = pools, 0
+            num_regions, region_size = pools * self.num_layers, per_layer
+        else:
+            layer_stride = per_layer if self.layer_stride is None else self.layer_stride
+            if layer_stride < per_layer:
+                raise LayoutError(f"layer_stride={layer_stride} is smaller than a layer ({per_layer} bytes)")
+            regions_per_layer = 0
+            num_regions, region_size = pools, self.num_layers * layer_stride
+        return RankGeometry(
+            local_heads=lh, planes=planes, itemsize=isz, head_dim=d, page_size=p, num_pages=self.num_pages,
+            num_layers=self.num_layers, head_stride=head_stride, token_stride=token_stride,
+            page_stride=page_stride, block_bytes=block, plane_region=plane_region, plane_base=plane_base,
+            regions_per_layer=regions_per_layer, layer_stride=layer_stride, num_regions=num_regions,
+            region_size=region_size,
+        )
+
+    def region_sizes(self, sharding: Sharding) -> tuple[int, ...]:
+        """Bytes each region of a rank of ``sharding`` must have (what to register)."""
+        g = self.resolve(sharding)
+        return (g.region_size,) * g.num_regions

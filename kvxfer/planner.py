@@ -1,0 +1,402 @@
+"""The sharding-ratio transfer planner: which bytes each prefill rank writes to each decode rank.
+
+Pure numpy, a leaf over :mod:`kvxfer.layout` and :mod:`kvxfer.errors`; it never imports the
+engine. The plan is built once for layer 0 as a per-(source rank, destination rank) template
+and shifted per layer on demand, because every layer has the same structure and only its
+region id and base offset move. That keeps planning a 128k-token prompt over 80 layers in a
+few milliseconds and lets the messenger stream ``plan.layer(l)`` as each layer is computed.
+
+How a page travels (see docs for the full rules):
+
+* For each destination rank and each run of its heads held by the same set of source ranks
+  (a *segment*), one source rank is chosen per page: with replicated sources the page list is
+  cut into as many contiguous chunks as there are candidate ranks and the chunks are dealt to
+  a random permutation of them (``seed``), so each destination byte is written exactly once,
+  the load is balanced to within one page per segment, and contiguous pages stay contiguous.
+* A segment's slice of one (layer, plane, page) is ``heads x tokens`` vectors of ``head_dim``
+  elements; head and token axes whose stride equals the current run on both sides are folded
+  into the run. With HND a head slice folds into one write; with NHD and differing head
+  counts it stays ``page_size`` writes.
+* Writes are then ordered by (source region, destination region, source offset) and any
+  write contiguous with the previous one on both sides is merged (never across layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvxfer.errors import LayoutError, PlanError
+from kvxfer.layout import KVLayout, RankGeometry, Sharding
+
+__all__ = ["plan", "TransferPlan", "Writes"]
+
+_EMPTY_I64 = np.zeros(0, np.int64)
+_EMPTY_I32 = np.zeros(0, np.int32)
+
+
+@dataclass(frozen=True)
+class Writes:
+    """A list of RDMA writes as parallel arrays; offsets are bytes relative to each region."""
+
+    src_region: np.ndarray  #: int32
+    src_offset: np.ndarray  #: int64
+    dst_region: np.ndarray  #: int32
+    dst_offset: np.ndarray  #: int64
+    length: np.ndarray  #: int64
+    layer: np.ndarray  #: int32
+
+    def __len__(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of all writes."""
+        return int(self.length.sum())
+
+
+_NO_WRITES = Writes(_EMPTY_I32, _EMPTY_I64, _EMPTY_I32, _EMPTY_I64, _EMPTY_I64, _EMPTY_I32)
+
+
+class _PairTemplate:
+    """Layer-0 writes of one (source rank, destination rank), sorted by (src region, dst region,
+    src offset), with the slices where each (src region, dst region) group starts and stops."""
+
+    __slots__ = ("src_region", "src_offset", "dst_region", "dst_offset", "length", "groups", "nbytes")
+
+    def __init__(self, src_region, src_offset, dst_region, dst_offset, length, groups):
+        for a in (src_region, src_offset, dst_region, dst_offset, length):
+            a.flags.writeable = False
+        self.src_region, self.src_offset = src_region, src_offset
+        self.dst_region, self.dst_offset = dst_region, dst_offset
+        self.length = length
+        self.groups: list[tuple[int, int, int, int]] = groups
+        self.nbytes = int(length.sum())
+
+    def __len__(self) -> int:
+        return int(self.length.shape[0])
+
+
+class TransferPlan:
+    """The writes that move a set of pages from a prefill TP group to a decode TP group.
+
+    ``writes(s, d)`` gives the arrays for one (source rank, destination rank); ``groups(s, d)``
+    yields them per (source region, destination region), one engine ``write_batch`` each;
+    ``layer(l)`` is the same plan restricted to one layer, for layer-by-layer streaming;
+    ``expected_writes[d]`` is how many writes destination rank ``d`` receives. The engine may
+    still pack or split writes into messages (iovecs per message, maximum message size);
+    ``kvxfer.count_writes`` turns a write list into a message count.
+    """
+
+    def __init__(self, *, src_tp: int, dst_tp: int, layers: tuple[int, ...], num_pages: int,
+                 src_geometry: RankGeometry, dst_geometry: RankGeometry,
+                 src_order: str, dst_order: str, templates: dict[tuple[int, int], _PairTemplate]) -> None:
+        self.src_tp = src_tp
+        self.dst_tp = dst_tp
+        self.layers = layers
+        self.num_pages = num_pages
+        self.src_geometry = src_geometry
+        self.dst_geometry = dst_geometry
+        self.src_order = src_order
+        self.dst_order = dst_order
+        self._t = templates
+        nl = len(layers)
+        wpp = np.zeros((src_tp, dst_tp), np.int64)
+        bpp = np.zeros((src_tp, dst_tp), np.int64)
+        for (s, d), t in templates.items():
+            wpp[s, d] = len(t) * nl
+            bpp[s, d] = t.nbytes * nl
+        wpp.flags.writeable = bpp.flags.writeable = False
+        self.writes_per_pair: np.ndarray = wpp  #: [src_tp, dst_tp] number of writes
+        self.bytes_per_pair: np.ndarray = bpp  #: [src_tp, dst_tp] payload bytes
+
+    # -- counts ---------------------------------------------------------------------------
+    @property
+    def expected_writes(self) -> np.ndarray:
+        """``[dst_tp]`` writes each destination rank receives (all planned layers)."""
+        return self.writes_per_pair.sum(axis=0)
+
+    @property
+    def expected_bytes(self) -> np.ndarray:
+        """``[dst_tp]`` bytes each destination rank receives."""
+        return self.bytes_per_pair.sum(axis=0)
+
+    @property
+    def num_writes(self) -> int:
+        """Total writes; compare HND with NHD here."""
+        return int(self.writes_per_pair.sum())
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.bytes_per_pair.sum())
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        """(source rank, destination rank) pairs that carry at least one write."""
+        return sorted(k for k, t in self._t.items() if len(t))
+
+    # -- writes ---------------------------------------------------------------------------
+    def _template(self, src_rank: int, dst_rank: int) -> _PairTemplate | None:
+        if not (0 <= src_rank < self.src_tp and 0 <= dst_rank < self.dst_tp):
+            raise PlanError(f"rank pair ({src_rank}, {dst_rank}) outside TP{self.src_tp} -> TP{self.dst_tp}")
+        return self._t.get((src_rank, dst_rank))
+
+    def writes(self, src_rank: int, dst_rank: int) -> Writes:
+        """All writes from ``src_rank`` to ``dst_rank``, layer by layer in plan order."""
+        t = self._template(src_rank, dst_rank)
+        if t is None or not len(t):
+            return _NO_WRITES
+        sg, dg = self.src_geometry, self.dst_geometry
+        lay = np.asarray(self.layers, np.int64)[:, None]
+        m = len(t)
+
+        def shift(a, by):
+            return (a[None, :] + lay * by).ravel()
+
+        return Writes(
+            src_region=shift(t.src_region, sg.regions_per_layer).astype(np.int32),
+            src_offset=shift(t.src_offset, sg.layer_stride),
+            dst_region=shift(t.dst_region, dg.regions_per_layer).astype(np.int32),
+            dst_offset=shift(t.dst_offset, dg.layer_stride),
+            length=np.tile(t.length, len(self.layers)),
+            layer=np.repeat(np.asarray(self.layers, np.int32), m),
+        )
+
+    def groups(self, src_rank: int, dst_rank: int) -> Iterator[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]:
+        """Yield ``(src_region, dst_region, src_offsets, dst_offsets, lengths)``, one per engine
+        ``write_batch``, layer by layer in plan order."""
+        t = self._template(src_rank, dst_rank)
+        if t is None:
+            return
+        sg, dg = self.src_geometry, self.dst_geometry
+        for layer in self.layers:
+            so, do = layer * sg.layer_stride, layer * dg.layer_stride
+            sr, dr = layer * sg.regions_per_layer, layer * dg.regions_per_layer
+            for s_reg, d_reg, a, b in t.groups:
+                yield (s_reg + sr, d_reg + dr, t.src_offset[a:b] + so, t.dst_offset[a:b] + do, t.length[a:b])
+
+    def layer(self, layer: int) -> TransferPlan:
+        """This plan restricted to one layer (shares the template; nothing is recomputed)."""
+        if layer not in self.layers:
+            raise PlanError(f"layer {layer} is not in this plan (layers {self.layers[0]}..{self.layers[-1]})"
+                            if self.layers else f"layer {layer} is not in this empty plan")
+        return TransferPlan(src_tp=self.src_tp, dst_tp=self.dst_tp, layers=(layer,), num_pages=self.num_pages,
+                            src_geometry=self.src_geometry, dst_geometry=self.dst_geometry,
+                            src_order=self.src_order, dst_order=self.dst_order, templates=self._t)
+
+    # -- printing -------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return (f"TransferPlan(TP{self.src_tp} {self.src_order} -> TP{self.dst_tp} {self.dst_order}, "
+                f"{self.num_pages} pages x {len(self.layers)} layers, {self.num_writes} writes, "
+                f"{self.num_bytes} bytes)")
+
+    def __str__(self) -> str:
+        nl = max(len(self.layers), 1)
+        lines = [repr(self),
+                 f"  writes per layer: {self.num_writes // nl}"
+                 f" (avg {self.num_bytes / max(self.num_writes, 1):.0f} B per write)",
+                 "  writes per (src rank, dst rank):"]
+        width = max(len(str(int(self.writes_per_pair.max(initial=0)))), 3)
+        lines.append("    src\\dst " + " ".join(f"{d:>{width}}" for d in range(self.dst_tp)))
+        for s in range(self.src_tp):
+            lines.append(f"    {s:>7} " + " ".join(f"{int(w):>{width}}" for w in self.writes_per_pair[s]))
+        lines.append("  expected_writes: " + " ".join(str(int(w)) for w in self.expected_writes))
+        return "\n".join(lines)
+
+
+# -- planning -----------------------------------------------------------------------------
+
+def _pages(pages: Any, layout: KVLayout, name: str) -> np.ndarray:
+    a = np.asarray(pages)
+    if a.ndim != 1:
+        raise PlanError(f"{name} must be a 1-D list of page indices, got shape {a.shape}")
+    if a.size == 0:
+        return np.zeros(0, np.int64)
+    if a.dtype.kind not in "iu":
+        raise PlanError(f"{name} must hold integers, got dtype {a.dtype}")
+    a = a.astype(np.int64, copy=False)
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0:
+        i = int(np.flatnonzero(a < 0)[0])
+        raise PlanError(f"{name}[{i}] = {int(a[i])} is negative")
+    if hi >= layout.num_pages:
+        i = int(np.flatnonzero(a >= layout.num_pages)[0])
+        raise PlanError(f"{name}[{i}] = {int(a[i])} is outside the layout's {layout.num_pages} pages")
+    return a
+
+
+def _layers(layers: Iterable[int] | None, num_layers: int) -> tuple[int, ...]:
+    if layers is None:
+        return tuple(range(num_layers))
+    out = []
+    for x in layers:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise PlanError(f"layers must be ints, got {x!r}")
+        if not 0 <= x < num_layers:
+            raise PlanError(f"layer {x} outside the layout's {num_layers} layers")
+        out.append(int(x))
+    if len(set(out)) != len(out):
+        raise PlanError(f"layers repeat: {out}")
+    return tuple(out)
+
+
+def _check_compatible(src: KVLayout, dst: KVLayout) -> None:
+    for what, a, b in (
+        ("num_layers", src.num_layers, dst.num_layers),
+        ("kv_heads", src.kv_heads, dst.kv_heads),
+        ("head_dim", src.head_dim, dst.head_dim),
+        ("page_size (tokens)", src.page_size, dst.page_size),
+        ("dtype", src.np_dtype, dst.np_dtype),
+        ("KV planes (MLA latent vs K/V)", src.planes, dst.planes),
+    ):
+        if a != b:
+            raise LayoutError(f"source and destination layouts differ in {what}: {a} vs {b}")
+
+
+def _segments(dst_heads: range, sharding: Sharding, kv_heads: int) -> Iterator[tuple[int, int, Sequence[int], int]]:
+    """Split a destination rank's heads into runs held by the same source ranks:
+    ``(first global head, head count, candidate source ranks, first head's local index there)``."""
+    if sharding.replicated:
+        yield dst_heads.start, len(dst_heads), range(sharding.tp_size), dst_heads.start
+    elif kv_heads >= sharding.tp_size:
+        per = kv_heads // sharding.tp_size
+        h = dst_heads.start
+        while h < dst_heads.stop:
+            s = h // per
+            end = min((s + 1) * per, dst_heads.stop)
+            yield h, end - h, (s,), h - s * per
+            h = end
+    else:
+        for h in dst_heads:
+            yield h, 1, sharding.holders(h, kv_heads), 0
+
+
+def _inner(sg: RankGeometry, dg: RankGeometry, nh: int, src_h0: int, dst_h0: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The writes of one segment inside one page, relative to the page: fold every (head, token)
+    axis whose stride equals the run length on both sides into the run, enumerate the rest."""
+    run = sg.chunk
+    dims = [(nh, sg.head_stride, dg.head_stride), (sg.page_size, sg.token_stride, dg.token_stride)]
+    folded = True
+    while folded:
+        folded = False
+        for i, (n, ss, ds) in enumerate(dims):
+            if n == 1 or (ss == run and ds == run):
+                run *= n
+                del dims[i]
+                folded = True
+                break
+    src = np.array([src_h0 * sg.head_stride], np.int64)
+    dst = np.array([dst_h0 * dg.head_stride], np.int64)
+    for n, ss, ds in dims:
+        idx = np.arange(n, dtype=np.int64)
+        src = (src[:, None] + idx * ss).ravel()
+        dst = (dst[:, None] + idx * ds).ravel()
+    order = np.argsort(src, kind="stable")
+    return src[order], dst[order], run
+
+
+def _pair_template(sp: np.ndarray, dp: np.ndarray, sg: RankGeometry, dg: RankGeometry,
+                   inner_s: np.ndarray, inner_d: np.ndarray, run: int) -> _PairTemplate:
+    """Layer-0 writes for one pair: blocks (page, plane) sorted by (regions, src offset), each
+    expanded by the segment's inner pattern, then runs contiguous on both sides merged."""
+    planes = sg.planes
+    n = sp.shape[0]
+    if n == 0:
+        return _PairTemplate(_EMPTY_I32, _EMPTY_I64, _EMPTY_I32, _EMPTY_I64, _EMPTY_I64, [])
+    sblk = np.empty(planes * n, np.int64)
+    dblk = np.empty(planes * n, np.int64)
+    grp = np.empty(planes * n, np.int64)
+    for k in range(planes):
+        sl = slice(k * n, (k + 1) * n)
+        np.multiply(sp, sg.page_stride, out=sblk[sl])
+        sblk[sl] += sg.plane_base[k]
+        np.multiply(dp, dg.page_stride, out=dblk[sl])
+        dblk[sl] += dg.plane_base[k]
+        grp[sl] = sg.plane_region[k] * 2 + dg.plane_region[k]
+    # Sort blocks by (group, src offset). Blocks of one pair never overlap at the source, so
+    # expanding each by the sorted inner pattern keeps the whole list sorted by src offset.
+    if grp[0] == grp[-1] and (grp == grp[0]).all():
+        order = np.argsort(sblk, kind="stable")
+    else:
+        order = np.argsort(grp * sg.region_size + sblk, kind="stable")
+    sblk, dblk, grp = sblk[order], dblk[order], grp[order]
+    m = inner_s.shape[0]
+    if m == 1:
+        so, do = sblk + inner_s[0], dblk + inner_d[0]
+    else:
+        so = (sblk[:, None] + inner_s[None, :]).ravel()
+        do = (dblk[:, None] + inner_d[None, :]).ravel()
+    e = so.shape[0]
+    brk = np.empty(e, bool)
+    brk[0] = True
+    # every entry is `run` bytes long before merging
+    np.not_equal(so[1:], so[:-1] + run, out=brk[1:])
+    brk[1:] |= do[1:] != do[:-1] + run
+    gchange = np.flatnonzero(grp[1:] != grp[:-1]) + 1  # block index where the group changes
+    brk[gchange * m] = True
+    starts = np.flatnonzero(brk)
+    length = np.diff(np.append(starts, e)) * run
+    src_off, dst_off = so[starts], do[starts]
+    g = grp[starts // m]
+    src_reg = (g // 2).astype(np.int32)
+    dst_reg = (g % 2).astype(np.int32)
+    gb = np.flatnonzero(np.diff(g)) + 1
+    bounds = np.concatenate(([0], gb, [starts.shape[0]]))
+    groups = [(int(src_reg[a]), int(dst_reg[a]), int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return _PairTemplate(src_reg, src_off, dst_reg, dst_off, length.astype(np.int64), groups)
+
+
+def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst_sharding: Sharding,
+         src_pages: Sequence[int] | np.ndarray, dst_pages: Sequence[int] | np.ndarray,
+         layers: Iterable[int] | None = None, seed: int | np.random.Generator | None = None) -> TransferPlan:
+    """Plan the RDMA writes that move ``src_pages`` (prefill side) into ``dst_pages`` (decode
+    side): ``src_pages[i]`` on every source rank becomes ``dst_pages[i]`` on every destination
+    rank, each destination rank receiving exactly the heads its sharding gives it.
+
+    ``layers`` restricts (and orders) the layers planned; ``seed`` picks which replica sends
+    when several source ranks hold the same bytes. Raises :class:`LayoutError` for layouts or
+    shardings that cannot meet, :class:`PlanError` for bad page or layer lists.
+    """
+    if not isinstance(src_layout, KVLayout) or not isinstance(dst_layout, KVLayout):
+        raise LayoutError("src_layout and dst_layout must be KVLayout")
+    _check_compatible(src_layout, dst_layout)
+    sg = src_layout.resolve(src_sharding)
+    dg = dst_layout.resolve(dst_sharding)
+    sp = _pages(src_pages, src_layout, "src_pages")
+    dp = _pages(dst_pages, dst_layout, "dst_pages")
+    if sp.shape[0] != dp.shape[0]:
+        raise PlanError(f"src_pages has {sp.shape[0]} pages but dst_pages has {dp.shape[0]}")
+    if dp.shape[0] > 1 and np.unique(dp).shape[0] != dp.shape[0]:
+        raise PlanError("dst_pages repeat a page: it would be written twice")
+    lay = _layers(layers, src_layout.num_layers)
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    kv_heads, n = src_layout.kv_heads, sp.shape[0]
+
+    templates: dict[tuple[int, int], _PairTemplate] = {}
+    by_src: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # chunk -> pages in src order
+
+    def chunk(a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        # Pages ordered by source page once per chunk: every pair's blocks then come in sorted
+        # runs (one per plane) and the stable sort in _pair_template only merges them.
+        if (a, b) not in by_src:
+            o = np.argsort(sp[a:b], kind="stable")
+            by_src[a, b] = sp[a:b][o], dp[a:b][o]
+        return by_src[a, b]
+
+    for d in range(dst_sharding.tp_size):
+        dheads = dst_sharding.heads(d, kv_heads)
+        for h0, nh, cands, src_h0 in _segments(dheads, src_sharding, kv_heads):
+            inner_s, inner_d, run = _inner(sg, dg, nh, src_h0, h0 - dheads.start)
+            r = len(cands)
+            owners = [int(c) for c in (rng.permutation(np.asarray(cands)) if r > 1 else cands)]
+            for j, s in enumerate(owners):
+                a, b = -(-j * n // r), -(-(j + 1) * n // r)  # chunk j of r, contiguous in list order
+                # a source rank is a candidate for at most one segment of a destination rank
+                assert (s, d) not in templates
+                templates[(s, d)] = _pair_template(*chunk(a, b), sg, dg, inner_s, inner_d, run)
+    return TransferPlan(src_tp=src_sharding.tp_size, dst_tp=dst_sharding.tp_size, layers=lay, num_pages=n,
+                        src_geometry=sg, dst_geometry=dg, src_order=src_layout.order,
+                        dst_order=dst_layout.order, templates=templates)

@@ -1,0 +1,141 @@
+"""A write target in its own process, driven over a pipe, for two-process tests.
+
+The child owns an engine and a destination buffer; the test (the initiator) drives it with
+small commands. A child's exception comes back as its traceback, so a failure in the other
+process reads like a local one. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import signal
+import traceback
+
+import numpy as np
+
+_CTX = mp.get_context("spawn")
+
+
+def _serve(conn, provider: str, nbytes: int) -> None:
+    import kvxfer
+
+    try:
+        eng = kvxfer.Engine(provider, "127.0.0.1")
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        mr = eng.register(buf)
+        conn.send(("ready", eng.address, mr.descriptor(), os.getpid()))
+        counters = {}
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "expect":
+                imm, count = args
+                counters[imm] = eng.expect(imm, count)
+                conn.send(("ok", None))
+            elif cmd == "wait":
+                imm, timeout = args
+                c = counters.pop(imm)
+                try:
+                    c.wait(timeout)
+                    conn.send(("ok", c.arrived))
+                except kvxfer.errors.TimeoutError:
+                    conn.send(("timeout", c.arrived))
+            elif cmd == "read":
+                off, n = args
+                conn.send(("ok", bytes(buf[off : off + n])))
+            elif cmd == "digest":
+                conn.send(("ok", buf.copy()))
+            elif cmd == "fill":
+                buf[:] = args[0]
+                conn.send(("ok", None))
+            elif cmd == "banked":
+                conn.send(("ok", eng.banked(args[0])))
+            elif cmd == "recv":
+                conn.send(("ok", eng.recv(args[0])))
+            elif cmd == "exit":
+                mr.close()
+                eng.close()
+                conn.send(("ok", None))
+                return
+            else:
+                conn.send(("error", f"unknown command {cmd}"))
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:
+            pass
+
+
+class RemoteError(AssertionError):
+    """An exception in the target process, with its traceback."""
+
+
+class Target:
+    """Start a target process; ``address``/``descriptor`` come from its engine."""
+
+    def __init__(self, provider: str, nbytes: int, timeout: float = 30.0) -> None:
+        self.parent, child = _CTX.Pipe()
+        self.proc = _CTX.Process(target=_serve, args=(child, provider, nbytes), daemon=True)
+        self.proc.start()
+        child.close()
+        self.timeout = timeout
+        status, *rest = self._recv()
+        if status != "ready":
+            raise RemoteError(rest[0] if rest else status)
+        self.address, self.descriptor, self.pid = rest
+
+    def _recv(self):
+        if not self.parent.poll(self.timeout):
+            self.kill()
+            raise RemoteError(f"target did not answer within {self.timeout} s")
+        msg = self.parent.recv()
+        if msg[0] == "error":
+            raise RemoteError("in the target process:\n" + msg[1])
+        return msg
+
+    def call(self, *cmd):
+        self.parent.send(cmd)
+        status, value = self._recv()
+        if status != "ok":
+            raise RemoteError(f"{cmd[0]}: {status} ({value})")
+        return value
+
+    def expect(self, imm: int, count: int) -> None:
+        self.call("expect", imm, count)
+
+    def wait(self, imm: int, timeout: float = 20.0):
+        self.parent.send(("wait", imm, timeout))
+        return self._recv()
+
+    def memory(self) -> np.ndarray:
+        return self.call("digest")
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+        # a killed shm endpoint leaves its region behind, named after the pid
+        for leftover in glob.glob(f"/dev/shm/{self.pid if hasattr(self, 'pid') else self.proc.pid}:*"):
+            try:
+                os.unlink(leftover)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.parent.send(("exit",))
+                if self.parent.poll(10):
+                    self.parent.recv()
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+            self.proc.join(10)
+        self.kill()
+        self.parent.close()
+
+    def __enter__(self) -> "Target":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,175 @@
+"""kvxfer-bench: the case grammar, the target's data check, and short real runs of ``bw`` and
+``lat`` against a spawned target on each provider (a few seconds each)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxfer.cli import bench
+from kvxfer.cli._cases import ALIASES, GUARD_BYTES, Case, Checker, dst_pages, parse_case, parse_size, pattern
+from kvxfer.errors import InvalidArgumentError
+
+PROVIDERS = ("tcp;ofi_rxm", "shm")
+
+
+def _available() -> list[str]:
+    try:
+        import kvxfer
+
+        return kvxfer.providers()
+    except Exception:  # no native module or no libfabric: the runs below skip
+        return []
+
+
+def _need(provider: str) -> None:
+    if provider not in _available():
+        pytest.skip(f"libfabric provider {provider!r} not available here")
+
+
+# -- case grammar ------------------------------------------------------------------------
+def test_letters_name_the_documented_cases():
+    assert parse_case("a") == Case("write", 64 << 20)
+    assert parse_case("b") == Case("pages", 16 << 10, 4096)
+    assert parse_case("c") == Case("pages", 2 << 10, 32768)
+    assert parse_case("memmove") == Case("memmove", 64 << 20)
+    assert parse_case("B").letter == "b"
+    for alias, spec in ALIASES.items():
+        assert parse_case(spec).spec == spec
+
+
+def test_spec_round_trips_and_sizes():
+    c = parse_case("pages:4Kx64")
+    assert (c.kind, c.page_bytes, c.pages, c.nbytes) == ("pages", 4096, 64, 256 << 10)
+    assert parse_case(c.spec) == c
+    assert parse_case("write:1000").spec == "write:1000"
+    assert parse_size("16KiB") == parse_size("16K") == 16384
+    assert parse_size("3") == 3
+
+
+@pytest.mark.parametrize("bad", ["", "x", "write:", "pages:4K", "pages:4Kx0", "pages:4Kxy", "write:-1", "write:4Q",
+                                 "read:4K"])
+def test_bad_cases_are_refused(bad):
+    with pytest.raises(InvalidArgumentError):
+        parse_case(bad)
+
+
+def test_bad_case_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["bw", "--case", "bogus"])
+    assert e.value.code == 2
+    assert "unknown case" in capsys.readouterr().err
+
+
+def test_help_lists_subcommands(capsys):
+    for argv in (["--help"], ["bw", "--help"], ["lat", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "bw" in out and "lat" in out and "--provider" in out and "--json" in out
+    assert "_target" not in out
+
+
+# -- the target's check ------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(page=st.sampled_from([8, 24, 64, 4096]), count=st.integers(1, 64), seed=st.integers(0, 2**32 - 1),
+       it=st.integers(0, 1000), data=st.data())
+def test_checker_accepts_exact_scatter_and_catches_any_wrong_page(page, count, seed, it, data):
+    case = Case("pages", page, count)
+    chk = Checker(case, seed)
+    src = pattern(seed, case.nbytes).reshape(count, page)
+    perm = dst_pages(seed, it, count)
+    assert sorted(perm.tolist()) == list(range(count))
+    dst = chk.buf[: case.nbytes].reshape(count, page)
+
+    dst[perm] = src                       # what a correct paged write leaves behind
+    assert chk.check(it) == (0, True)
+    assert not chk.buf[: case.nbytes].any(), "the written range is poisoned again"
+
+    dst[perm] = src
+    victim = data.draw(st.integers(0, count - 1))
+    byte = data.draw(st.integers(0, page - 1))
+    dst[perm[victim], byte] ^= 0xFF       # one flipped byte in one page
+    assert chk.check(it) == (1, True)
+
+    if count > 1:                         # stale scatter: last iteration's mapping
+        dst[dst_pages(seed, it + 1, count)] = src
+        bad, _ = chk.check(it)
+        assert bad > 0 or np.array_equal(dst_pages(seed, it + 1, count), perm)
+
+
+def test_checker_catches_a_missing_write_and_an_overrun():
+    case = Case("write", 4096)
+    chk = Checker(case, 7)
+    assert chk.check(0) == (1, True)      # nothing landed: poison is not data
+    chk.buf[: case.nbytes] = chk.expected
+    chk.buf[case.nbytes + GUARD_BYTES - 1] = 0
+    assert chk.check(1) == (0, False)
+    chk.buf[: case.nbytes] = chk.expected
+    assert chk.check(2) == (0, True)      # the guard was restored
+
+
+# -- real runs -----------------------------------------------------------------------------
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_bw_tiny_run_checks_data_and_writes_json(provider, tmp_path, capsys):
+    _need(provider)
+    out = tmp_path / "bw.json"
+    rc = bench.main(["bw", "--provider", provider, "--case", "write:64K", "--case", "pages:4Kx64",
+                     "--case", "memmove:1M", "--iters", "3", "--warmup", "1", "--timeout", "20", "-q",
+                     "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "pages 4K x 64" in text and "FAIL" not in text
+    doc = json.loads(out.read_text())
+    assert doc["subcommand"] == "bw" and doc["command"][:2] == ["kvxfer-bench", "bw"]
+    assert doc["machine"]["nproc"] >= 1 and doc["timestamp"]
+    (run,) = doc["runs"]
+    assert run["provider"] == provider and run["error"] is None
+    assert run["info"]["provider"] == provider and run["target"]["info"]["provider"] == provider
+    res = {r["case"]: r for r in run["results"]}
+    assert set(res) == {"write:64K", "pages:4Kx64", "memmove:1M"}
+    for r in res.values():
+        assert r["check"] == "ok" and r["iterations"] == 3 and len(r["samples_us"]) == 3
+        assert r["gbps"] > 0 and r["p99_s"] >= r["p50_s"] > 0
+    paged = res["pages:4Kx64"]
+    assert paged["bytes"] == 64 * 4096 and paged["pages"] == 64
+    # 64 scattered pages, at most iov per message: as many immediates as count_writes says
+    iov = run["info"]["iov"]
+    assert -(-64 // iov) <= paged["writes"] <= 64
+    assert paged["post_per_page_s"] > 0 and paged["acked_p50_s"] > 0 and paged["local_p50_s"] > 0
+    assert paged["timing"] == "target clock"
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_lat_tiny_run(provider, tmp_path, capsys):
+    _need(provider)
+    out = tmp_path / "lat.json"
+    rc = bench.main(["lat", "--provider", provider, "--iters", "50", "--warmup", "5", "-q", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    (run,) = json.loads(out.read_text())["runs"]
+    (r,) = run["results"]
+    assert r["check"] == "ok" and r["iterations"] == 50 and r["size"] == 8
+    assert 0 < r["min_us"] <= r["p50_us"] <= r["p99_us"]
+
+
+def test_target_failure_comes_back_with_its_traceback():
+    _need("tcp;ofi_rxm")
+    import kvxfer
+    from kvxfer.cli._session import Initiator, RemoteFailure, TargetProcess
+
+    with kvxfer.Engine("tcp;ofi_rxm", node="127.0.0.1") as eng:
+        tp = TargetProcess(eng.provider, "127.0.0.1", progress="block", idle_timeout=20, deadline=60)
+        try:
+            ini = Initiator(eng, tp.address, timeout=20, alive=tp.dead)
+            ini.ch.send("bw", case="bogus", seed=0, warmup=1, imm_base=1, iov=eng.iov, max_write=eng.max_write,
+                        timeout=5)
+            with pytest.raises(RemoteFailure, match="unknown case"):
+                ini.ch.recv("desc", 20)
+            assert tp.stop(timeout=20) == 1   # the target ends by itself, with a failure status
+        finally:
+            tp.close()

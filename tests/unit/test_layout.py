@@ -1,0 +1,168 @@
+"""KVLayout and Sharding: byte offsets checked against numpy index arrays of the documented
+tensor shapes, and the GQA sharding rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvxfer.errors import LayoutError
+from kvxfer.layout import KVLayout, Sharding
+
+
+def _element_offsets(shape: tuple[int, ...], itemsize: int) -> np.ndarray:
+    """Byte offset of every element of a C-contiguous tensor of ``shape``."""
+    return np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) * itemsize
+
+
+# -- Sharding ---------------------------------------------------------------------------------
+
+def test_heads_split_evenly():
+    s = Sharding(4)
+    assert [list(s.heads(r, 8)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert s.local_heads(8) == 2
+    assert list(s.holders(5, 8)) == [2]
+
+
+def test_fewer_heads_than_ranks_replicates_each_head():
+    s = Sharding(8)
+    assert [s.heads(r, 2)[0] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert s.local_heads(2) == 1
+    assert list(s.holders(1, 2)) == [4, 5, 6, 7]
+
+
+def test_replicated_every_rank_holds_everything():
+    s = Sharding(4, replicated=True)
+    assert all(list(s.heads(r, 3)) == [0, 1, 2] for r in range(4))
+    assert list(s.holders(2, 3)) == [0, 1, 2, 3]
+    assert s.local_heads(3) == 3
+
+
+@pytest.mark.parametrize("kv_heads,tp", [(6, 4), (4, 6), (3, 2), (2, 3)])
+def test_uneven_sharding_rejected(kv_heads, tp):
+    with pytest.raises(LayoutError):
+        Sharding(tp).local_heads(kv_heads)
+
+
+@pytest.mark.parametrize("tp", [0, -1, 1.5, True])
+def test_bad_tp_size(tp):
+    with pytest.raises(LayoutError):
+        Sharding(tp)
+
+
+def test_rank_and_head_range_checked():
+    with pytest.raises(LayoutError):
+        Sharding(2).heads(2, 8)
+    with pytest.raises(LayoutError):
+        Sharding(2).holders(8, 8)
+
+
+# -- offsets against the engines' tensor shapes ------------------------------------------------
+
+L, H, D, P, N = 3, 8, 4, 16, 5
+
+
+def _check(layout: KVLayout, sharding: Sharding, region_of, tensor_offset) -> None:
+    """For every (layer, plane, page, local head, token): region and offset equal the reference."""
+    g = layout.resolve(sharding)
+    lh = sharding.local_heads(layout.kv_heads)
+    for layer in range(layout.num_layers):
+        for plane in range(layout.planes):
+            assert g.region(layer, plane) == region_of(layer, plane)
+            for page in range(layout.num_pages):
+                for h in range(lh):
+                    for t in range(layout.page_size):
+                        assert g.offset(layer, plane, page, h, t) == tensor_offset(layer, plane, page, h, t)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8, 16])
+def test_vllm_flashinfer_hnd_and_nhd(tp):
+    lh = max(H // tp, 1)
+    lay = KVLayout.vllm(L, H, D, P, N, dtype="bfloat16", order="HND")
+    hnd = _element_offsets((N, 2, lh, P, D), 2)
+    _check(lay, Sharding(tp), lambda l, k: l, lambda l, k, p, h, t: hnd[p, k, h, t, 0])
+    lay = KVLayout.vllm(L, H, D, P, N, dtype="bfloat16", order="NHD")
+    nhd = _element_offsets((N, 2, P, lh, D), 2)
+    _check(lay, Sharding(tp), lambda l, k: l, lambda l, k, p, h, t: nhd[p, k, t, h, 0])
+    assert lay.region_sizes(Sharding(tp)) == (hnd.size * 2,) * L
+
+
+def test_flash_attn_stacked():
+    lay = KVLayout.flash_attn(L, H, D, P, N, dtype="float32")
+    ref = _element_offsets((2, N, P, H // 2, D), 4)
+    _check(lay, Sharding(2), lambda l, k: l, lambda l, k, p, h, t: ref[k, p, t, h, 0])
+
+
+def test_sglang_token_pools():
+    lay = KVLayout.sglang(L, H, D, P, N, dtype="bfloat16")
+    assert lay.order == "NHD" and lay.num_regions == 2 * L
+    pool = _element_offsets((N * P, H // 4, D), 2)  # [tokens, heads, dim]
+    _check(lay, Sharding(4), lambda l, k: 2 * l + k, lambda l, k, p, h, t: pool[p * P + t, h, 0])
+    assert lay.region_sizes(Sharding(4)) == (pool.size * 2,) * (2 * L)
+
+
+def test_layer_major_single_region():
+    lay = KVLayout.layer_major(L, H, D, P, N, dtype="uint8")
+    ref = _element_offsets((L, N, 2, H, P, D), 1)
+    _check(lay, Sharding(1), lambda l, k: 0, lambda l, k, p, h, t: ref[l, p, k, h, t, 0])
+    assert lay.region_sizes(Sharding(1)) == (ref.size,)
+
+
+def test_layer_major_separate_pools():
+    lay = KVLayout.layer_major(L, H, D, P, N, dtype="uint8", kv="separate", order="NHD")
+    ref = _element_offsets((L, N, P, H, D), 1)
+    _check(lay, Sharding(1), lambda l, k: k, lambda l, k, p, h, t: ref[l, p, t, h, 0])
+    assert lay.region_sizes(Sharding(1)) == (ref.size, ref.size)
+
+
+def test_mla_latent():
+    lay = KVLayout.mla(L, 576, P, N, dtype="bfloat16")
+    assert lay.planes == 1 and lay.kv_heads == 1
+    ref = _element_offsets((N, P, 576), 2)
+    _check(lay, Sharding(8, replicated=True), lambda l, k: l, lambda l, k, p, h, t: ref[p, t, 0])
+
+
+def test_explicit_strides_pad_pages_and_layers():
+    dense_page = 2 * 2 * P * D * 2  # K and V, 2 local heads, bf16
+    lay = KVLayout.layer_major(L, H, D, P, N, order="HND", page_stride=dense_page + 64,
+                               layer_stride=N * (dense_page + 64) + 4096)
+    g = lay.resolve(Sharding(4))
+    assert g.page_stride == dense_page + 64 and g.layer_stride == N * (dense_page + 64) + 4096
+    assert g.offset(2, 1, 3, 1, 5) == 2 * g.layer_stride + 3 * g.page_stride + dense_page // 2 + (P + 5) * D * 2
+    with pytest.raises(LayoutError, match="page_stride"):
+        KVLayout.vllm(L, H, D, P, N, page_stride=dense_page - 1).resolve(Sharding(4))
+    with pytest.raises(LayoutError, match="layer_stride"):
+        KVLayout.layer_major(L, H, D, P, N, layer_stride=8).resolve(Sharding(4))
+    with pytest.raises(LayoutError, match="layer_major"):
+        KVLayout.vllm(L, H, D, P, N, layer_stride=1 << 20)
+
+
+# -- validation -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(order="HDN"), "order"),
+    (dict(kv="interleaved"), "kv"),
+    (dict(placement="page_major"), "placement"),
+    (dict(kv="mla"), "MLA"),
+    (dict(num_pages=0), "num_pages"),
+    (dict(head_dim=2.0), "head_dim"),
+    (dict(dtype="float99"), "dtype"),
+])
+def test_bad_layouts(kw, match):
+    base = dict(num_layers=2, kv_heads=8, head_dim=4, page_size=16, num_pages=4)
+    with pytest.raises(LayoutError, match=match):
+        KVLayout(**{**base, **kw})
+
+
+def test_dtype_aliases_keep_size_and_identity():
+    assert KVLayout.vllm(1, 1, 1, 1, 1, dtype="bfloat16").itemsize == 2
+    assert KVLayout.vllm(1, 1, 1, 1, 1, dtype="torch.bfloat16").itemsize == 2
+    assert KVLayout.vllm(1, 1, 1, 1, 1, dtype="fp8").itemsize == 1
+    assert KVLayout.vllm(1, 1, 1, 1, 1, dtype=np.float32).itemsize == 4
+    bf16 = KVLayout.vllm(1, 1, 1, 1, 1, dtype="bfloat16").np_dtype
+    assert bf16 != KVLayout.vllm(1, 1, 1, 1, 1, dtype="float16").np_dtype
+
+
+def test_resolve_needs_a_sharding():
+    with pytest.raises(LayoutError):
+        KVLayout.vllm(1, 1, 1, 1, 1).resolve(4)
