@@ -68,11 +68,11 @@ cdef extern from "kvxfer/engine.h" nogil:
     int kx_unmap_key(kx_engine *e, uint64_t key)
 
     int64_t kx_walk(const uint64_t *so, const uint64_t *dof, const uint64_t *ln, size_t n,
-                    size_t iov, uint64_t max_write, void *emit, void *arg)
+                    size_t iov, uint64_t max_write, uint64_t pack_min)
     kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *desc,
                       uint64_t dst_base, uint64_t key,
                       const uint64_t *so, const uint64_t *dof, const uint64_t *ln, size_t n,
-                      int has_imm, uint32_t imm, size_t iov, uint64_t max_write)
+                      int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min)
     int kx_xfer_wait(kx_engine *e, kx_xfer *x, int64_t slice_ns)
     void kx_xfer_drop(kx_engine *e, kx_xfer *x)
 

@@ -208,7 +208,7 @@ cdef class Fabric:
     # -- writes ----------------------------------------------------------------------------
     def write(self, fi_addr_t peer, uintptr_t src_base, MR mr, uint64_t dst_base, uint64_t key,
               const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
-              imm, size_t iov, uint64_t max_write):
+              imm, size_t iov, uint64_t max_write, uint64_t pack_min):
         """Post every message of the triples (see include/kvxfer/post.h) with the GIL released."""
         cdef kx_engine *e = self._e()
         cdef size_t n = length.shape[0]
@@ -224,7 +224,7 @@ cdef class Fabric:
             ln = &length[0]
         with nogil:
             x = kx_write(e, peer, <char *>src_base, mr.desc, dst_base, key, so, do_, ln, n,
-                         has_imm, immv, iov, max_write)
+                         has_imm, immv, iov, max_write, pack_min)
         if x == NULL:
             raise MemoryError()
         cdef Xfer t = Xfer.__new__(Xfer)
@@ -450,9 +450,9 @@ cdef class CounterHandle:
 
 
 def count_messages(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
-                   size_t iov, uint64_t max_write):
+                   size_t iov, uint64_t max_write, uint64_t pack_min=0):
     """The native message rule, for checking kvxfer.wire.count_writes against it."""
     cdef size_t n = length.shape[0]
     if n == 0:
         return 0
-    return kx_walk(&src_off[0], &dst_off[0], &length[0], n, iov, max_write, NULL, NULL)
+    return kx_walk(&src_off[0], &dst_off[0], &length[0], n, iov, max_write, pack_min)

@@ -260,7 +260,9 @@ class Engine:
     address to bind (tests pass "127.0.0.1"). Options: ``progress`` ("block" or "spin"),
     ``cpus`` (CPU ids to pin the progress thread to), ``hmem`` (ask for FI_HMEM, needed to
     register GPU memory), ``iov`` (pieces per RMA message, at most the provider's limit),
-    ``max_write`` (bytes per RMA message; larger writes are split).
+    ``max_write`` (bytes per RMA message; larger writes are split), ``pack_min`` (pieces
+    shorter than this travel one per message; default: what the provider can inject, since
+    an injected small write beats a packed copy on shm).
     """
 
     def __init__(
@@ -273,6 +275,7 @@ class Engine:
         hmem: bool = False,
         iov: Optional[int] = None,
         max_write: Optional[int] = None,
+        pack_min: Optional[int] = None,
     ) -> None:
         _need_native()
         if progress not in ("block", "spin"):
@@ -311,6 +314,8 @@ class Engine:
         self.iov: int = limit if iov is None else max(1, min(int(iov), limit))
         mm = int(fab.max_msg_size)
         self.max_write: int = min(mm, 1 << 30) if max_write is None else max(1, min(int(max_write), mm))
+        pm = int(fab.inject_size) + 1 if pack_min is None else max(0, int(pack_min))
+        self.pack_min: int = min(pm, self.max_write)
         fab.start(self.cpus)
         self._address = wire.Address(self.provider, (fab.getname(),)).encode()
 
@@ -383,6 +388,7 @@ class Engine:
             "iov": self.iov,
             "max_msg_size": int(f.max_msg_size),
             "max_write": self.max_write,
+            "pack_min": self.pack_min,
             "inject_size": int(f.inject_size),
             "cq_data_size": int(f.cq_data_size),
             "wait_object": f.has_wait,
@@ -458,7 +464,8 @@ class Engine:
         imm = _check_imm(imm)
         if imm is not None and self._fab.cq_data_size < 4:
             raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")
-        x = self._fab.write(peer.fi_addr, src.ptr, src._mr, dst.base, dst.key, so, do, ln, imm, self.iov, self.max_write)
+        x = self._fab.write(peer.fi_addr, src.ptr, src._mr, dst.base, dst.key, so, do, ln, imm,
+                            self.iov, self.max_write, self.pack_min)
         t = Transfer(x, (src, peer, dst, so, do, ln, keep), int(ln.sum()) if len(ln) else 0, imm)
         if not t.done:
             with self._lock:
@@ -535,8 +542,8 @@ class Engine:
         return self._post(src, peer, dst, so, do, ln, imm, None)
 
     def count_writes(self, src_offsets, dst_offsets, lengths) -> int:
-        """``wire.count_writes`` with this engine's ``iov`` and ``max_write``."""
-        return wire.count_writes(src_offsets, dst_offsets, lengths, self.iov, self.max_write)
+        """``wire.count_writes`` with this engine's ``iov``, ``max_write`` and ``pack_min``."""
+        return wire.count_writes(src_offsets, dst_offsets, lengths, self.iov, self.max_write, self.pack_min)
 
     # -- counters ------------------------------------------------------------------------
     def expect(self, imm: int, count: int, callback: Optional[Callable[[Counter], Any]] = None) -> Counter:

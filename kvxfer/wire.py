@@ -172,14 +172,15 @@ class Descriptor:
         return cls(prov, base, nbytes, keys, bool(flags & FLAG_VIRT_ADDR), raw, bool(flags & FLAG_DEVICE))
 
 
-def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int) -> int:
+def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int, pack_min: int = 0) -> int:
     """How many RMA messages (= immediates at the target) a write of these triples posts.
 
     The rule, shared with the native poster (include/kvxfer/post.h):
       1. adjacent triples contiguous on both sides merge into one segment;
       2. segments are packed in order into messages of at most ``iov`` pieces and at most
-         ``max_write`` bytes; a segment that does not fit is split at the message boundary.
-    ``iov`` and ``max_write`` are the engine's (``Engine.iov``, ``Engine.max_write``).
+         ``max_write`` bytes; a segment that does not fit is split at the message boundary;
+      3. a piece shorter than ``pack_min`` bytes travels alone in its message.
+    ``iov``, ``max_write`` and ``pack_min`` are the engine's (``Engine.iov``, ...).
     For ``write_pages`` the triples are ``(src_offset + src_pages*src_stride,
     dst_offset + dst_pages*dst_stride, page_bytes)``.
     """
@@ -202,16 +203,27 @@ def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int) ->
     seg = seg[seg > 0]
     if len(seg) == 0:
         return 0
-    # fast path: no message ever reaches max_write, so only the iov limit packs
-    windows = np.add.reduceat(seg, np.arange(0, len(seg), iov))
-    if int(windows.max()) < max_write:
-        return -(-len(seg) // iov)
+    pack_min = max(0, int(pack_min))
+    # fast paths: nothing is split, and rule 3 either never or always applies
+    if int(seg.max()) < pack_min and int(seg.max()) <= max_write:
+        return len(seg)
+    if int(seg.min()) >= pack_min:
+        windows = np.add.reduceat(seg, np.arange(0, len(seg), iov))
+        if int(windows.max()) < max_write:
+            return -(-len(seg) // iov)
     msgs, pieces, nbytes = 0, 0, 0
     for length in seg.tolist():
         while length > 0:
             if pieces == iov or nbytes == max_write:
                 msgs += 1
                 pieces, nbytes = 0, 0
+            if length < pack_min:          # rule 3: alone in its message
+                if pieces:
+                    msgs += 1
+                msgs += 1
+                pieces, nbytes = 0, 0
+                length = 0
+                break
             take = min(max_write - nbytes, length)
             pieces += 1
             nbytes += take

@@ -61,7 +61,7 @@ typedef struct kx_xfer {
     size_t n, i;                   /* triples, next triple */
     uint64_t s, d, l;              /* the segment being cut into pieces */
     size_t iov;
-    uint64_t max_write;
+    uint64_t max_write, pack_min;
     fi_addr_t peer;
     char *src_base;
     void *desc;

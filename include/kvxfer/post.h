@@ -4,7 +4,9 @@
  * many immediates to expect; the two must agree):
  *   1. adjacent triples that are contiguous on both sides merge into one segment;
  *   2. segments are packed, in order, into messages of at most `iov` pieces and at most
- *      `max_write` bytes; a segment that does not fit is split at the message boundary.
+ *      `max_write` bytes; a segment that does not fit is split at the message boundary;
+ *   3. a piece shorter than `pack_min` bytes travels alone in its message (shm, for one,
+ *      moves small messages through its inject path faster than a packed CMA copy).
  * Each message is one fi_writemsg with `iov` local and `iov` remote pieces of equal
  * lengths, so one message gives exactly one remote CQ entry (one immediate).
  *
@@ -16,6 +18,13 @@
 
 #include "kvxfer/core.h"
 #include "kvxfer/progress.h"
+
+/* Bytes the calling thread posts itself before handing the rest to the progress thread.
+ * Some providers copy inside the post call (shm's CMA path), so an unbounded direct post
+ * would make the caller pay for the whole transfer. */
+#ifndef KX_DIRECT_BUDGET
+#define KX_DIRECT_BUDGET (256 * 1024)
+#endif
 
 /* Build the next message of the walk into x->ps/pd/pl; 0 when the walk is over. */
 static int kx_next_msg(kx_xfer *x)
@@ -40,6 +49,18 @@ static int kx_next_msg(kx_xfer *x)
             if (l == 0)
                 continue;
         }
+        if (x->l < x->pack_min) {                                           /* rule 3 */
+            if (np > 0)
+                break;
+            x->ps[0] = x->s;
+            x->pd[0] = x->d;
+            x->pl[0] = x->l;
+            np = 1;
+            x->s += x->l;
+            x->d += x->l;
+            x->l = 0;
+            break;
+        }
         uint64_t take = x->max_write - bytes < x->l ? x->max_write - bytes : x->l;   /* rule 2 */
         x->ps[np] = x->s;
         x->pd[np] = x->d;
@@ -55,8 +76,9 @@ static int kx_next_msg(kx_xfer *x)
 }
 
 static void kx_walk_init(kx_xfer *x, const uint64_t *so, const uint64_t *dof, const uint64_t *ln, size_t n,
-                         size_t iov, uint64_t max_write)
+                         size_t iov, uint64_t max_write, uint64_t pack_min)
 {
+    x->pack_min = pack_min;
     x->so = so;
     x->dof = dof;
     x->ln = ln;
@@ -69,22 +91,21 @@ static void kx_walk_init(kx_xfer *x, const uint64_t *so, const uint64_t *dof, co
 
 /* count the messages of a walk without posting */
 static int64_t kx_walk(const uint64_t *so, const uint64_t *dof, const uint64_t *ln, size_t n,
-                       size_t iov, uint64_t max_write, void *unused1, void *unused2)
+                       size_t iov, uint64_t max_write, uint64_t pack_min)
 {
-    (void)unused1;
-    (void)unused2;
     kx_xfer w;
     memset(&w, 0, sizeof(w));
-    kx_walk_init(&w, so, dof, ln, n, iov, max_write);
+    kx_walk_init(&w, so, dof, ln, n, iov, max_write, pack_min);
     int64_t msgs = 0;
     while (kx_next_msg(&w))
         msgs++;
     return msgs;
 }
 
-/* Post messages of x until its walk ends (returns 1), the provider is full (0), or a post
- * fails (returns 1 with x->error set: nothing more is posted). */
-static int kx_pump(kx_engine *e, kx_xfer *x)
+/* Post messages of x until its walk ends (returns 1), the provider is full or `budget`
+ * bytes have been posted (0), or a post fails (returns 1 with x->error set: nothing more is
+ * posted). */
+static int kx_pump(kx_engine *e, kx_xfer *x, int64_t budget)
 {
     struct iovec iov[KX_MAX_IOV];
     void *desc[KX_MAX_IOV];
@@ -97,6 +118,8 @@ static int kx_pump(kx_engine *e, kx_xfer *x)
                 return 1;
             x->have_msg = 1;
         }
+        if (budget <= 0)
+            return 0;
         int np = x->np;
         for (int k = 0; k < np; k++) {
             iov[k].iov_base = x->src_base + x->ps[k];
@@ -117,6 +140,8 @@ static int kx_pump(kx_engine *e, kx_xfer *x)
         ssize_t ret = fi_writemsg(e->ep, &msg, x->flags);
         if (ret == 0) {
             x->have_msg = 0;
+            for (int k = 0; k < np; k++)
+                budget -= (int64_t)x->pl[k];
             __atomic_add_fetch(&e->stat_writes, 1, __ATOMIC_RELAXED);
             continue;
         }
@@ -152,7 +177,7 @@ static int kx_pump_queue(kx_engine *e)
         if (!x)
             return finished;
         int64_t before = x->posted;
-        int over = kx_pump(e, x);
+        int over = kx_pump(e, x, INT64_MAX);
         if (!over)
             return finished + (x->posted != before);
         pthread_mutex_lock(&e->lock);
@@ -172,12 +197,12 @@ static int kx_pump_queue(kx_engine *e)
 static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *desc,
                          uint64_t dst_base, uint64_t key,
                          const uint64_t *so, const uint64_t *dof, const uint64_t *ln, size_t n,
-                         int has_imm, uint32_t imm, size_t iov, uint64_t max_write)
+                         int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min)
 {
     kx_xfer *x = calloc(1, sizeof(*x));
     if (!x)
         return NULL;
-    x->planned = kx_walk(so, dof, ln, n, iov, max_write, NULL, NULL);
+    x->planned = kx_walk(so, dof, ln, n, iov, max_write, pack_min);
     if (e->need_ctx && x->planned > 0) {
         x->ops = calloc((size_t)x->planned, sizeof(kx_op));
         if (!x->ops) {
@@ -192,7 +217,7 @@ static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *des
     x->shared_op.kind = KX_OP_WRITE;
     x->shared_op.owner = x;
     x->refs = 2;  /* Python owner + in-flight */
-    kx_walk_init(x, so, dof, ln, n, iov, max_write);
+    kx_walk_init(x, so, dof, ln, n, iov, max_write, pack_min);
     x->peer = peer;
     x->src_base = src_base;
     x->desc = desc;
@@ -209,7 +234,7 @@ static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *des
     int over = 0;
     if (!queued && !e->stop) {
         __atomic_add_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
-        over = kx_pump(e, x);
+        over = kx_pump(e, x, KX_DIRECT_BUDGET);
         __atomic_sub_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
     }
     pthread_mutex_lock(&e->lock);

@@ -184,7 +184,7 @@ def serve(eng: "kvxfer.Engine", *, parent_pid: Optional[int] = None, idle_timeou
 def _serve_bw(eng, ch: Channel, req: dict, alive) -> None:
     case = parse_case(req["case"])
     seed, base, timeout = int(req["seed"]), int(req["imm_base"]), float(req["timeout"])
-    iov, max_write = int(req["iov"]), int(req["max_write"])
+    iov, max_write, pack_min = int(req["iov"]), int(req["max_write"]), int(req.get("pack_min", 0))
     chk = Checker(case, seed)
     with eng.register(chk.buf) as mr:
         ch.send("desc", desc=mr.descriptor().hex())
@@ -207,7 +207,7 @@ def _serve_bw(eng, ch: Channel, req: dict, alive) -> None:
                 so = np.arange(case.pages, dtype=np.uint64) * np.uint64(case.page_bytes)
                 do = perm.astype(np.uint64) * np.uint64(case.page_bytes)
                 ln = np.full(case.pages, case.page_bytes, np.uint64)
-            n = count_writes(so, do, ln, iov, max_write)
+            n = count_writes(so, do, ln, iov, max_write, pack_min)
             c = eng.expect(base + i, n)
             _wait_counter(c, timeout, alive)
             ch.send("landed", i=i, clock=time.perf_counter())
@@ -436,7 +436,7 @@ class Initiator:
         base = self.next_imm
         with eng.register(src) as mr:
             ch.send("bw", case=case.spec, seed=seed, warmup=warmup, imm_base=base, iov=eng.iov,
-                    max_write=eng.max_write, timeout=timeout)
+                    max_write=eng.max_write, pack_min=eng.pack_min, timeout=timeout)
             rr = eng.remote(bytes.fromhex(ch.recv("desc", timeout)["desc"]))
             src_pages = np.arange(case.pages, dtype=np.int64)
 

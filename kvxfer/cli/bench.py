@@ -64,6 +64,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine")
     e.add_argument("--progress", choices=("block", "spin"), default="block",
                    help="engine progress mode, both processes (default: block)")
+    e.add_argument("--iov", type=int, metavar="N",
+                   help="pieces per RMA message on the initiator (default: the provider's limit)")
+    e.add_argument("--max-write", type=_size_arg, metavar="SIZE",
+                   help="bytes per RMA message on the initiator; larger writes are split (default: 1G)")
     e.add_argument("--timeout", type=float, default=30.0, metavar="S",
                    help="give up on any single wait after S seconds (default: 30)")
 
@@ -276,7 +280,8 @@ class _Run:
             else:
                 node = a.node or default_node(self.provider)
                 self.record["mode"] = "local"
-            self.eng = kvxfer.Engine(self.provider, node=node, progress=a.progress)
+            self.eng = kvxfer.Engine(self.provider, node=node, progress=a.progress,
+                                     iov=getattr(a, "iov", None), max_write=getattr(a, "max_write", None))
             self.provider = self.eng.provider
             self.record["provider"] = self.provider
             self.record["info"] = self.eng.info
