@@ -42,17 +42,16 @@ cdef extern from "kvxfer/engine.h" nogil:
         int need_ctx
         int has_wait
         int64_t outstanding
-        uint64_t stat_imm
         uint64_t stat_rx_err
         uint64_t stat_writes
-        size_t nmsgs
         int last_error
 
     int KX_MSG_MAX
     int KX_MAX_IOV
 
-    int kx_engine_open(const char *prov, const char *node, int hmem, int spin,
-                       kx_engine **out, char *errcall, size_t errcall_len)
+    int kx_engine_open(const char *prov, const char *node, const char *domain, int hmem, int spin,
+                       kx_engine *join, kx_engine **out, char *errcall, size_t errcall_len)
+    int kx_thread_tid(kx_engine *e)
     int kx_engine_start(kx_engine *e, const int *cpus, int ncpus)
     void kx_engine_teardown(kx_engine *e)
     void kx_engine_free(kx_engine *e)

@@ -60,23 +60,32 @@ cdef class Fabric:
     cdef kx_engine *e
     cdef readonly bint closed
     cdef readonly bint started
+    cdef readonly object join
 
-    def __cinit__(self, provider, node, bint hmem=False, bint spin=False):
+    def __cinit__(self, provider, node, bint hmem=False, bint spin=False, domain=None, Fabric join=None):
         cdef char errcall[64]
         cdef bytes p = provider.encode() if provider else None
         cdef bytes n = node.encode() if node else None
+        cdef bytes d = domain.encode() if domain else None
         cdef const char *pp = NULL
         cdef const char *np = NULL
+        cdef const char *dp = NULL
+        cdef kx_engine *j = NULL
         if p is not None:
             pp = p
         if n is not None:
             np = n
+        if d is not None:
+            dp = d
+        if join is not None:
+            j = join._e()
+            self.join = join      # the hub is shared: keep the first rail alive as long as this one
         cdef int ret
         errcall[0] = 0
         self.e = NULL
         self.closed = True
         with nogil:
-            ret = kx_engine_open(pp, np, hmem, spin, &self.e, errcall, sizeof(errcall))
+            ret = kx_engine_open(pp, np, dp, hmem, spin, j, &self.e, errcall, sizeof(errcall))
         if ret:
             raise _error(errcall.decode() or "kx_engine_open", ret)
         self.closed = False
@@ -159,14 +168,17 @@ cdef class Fabric:
     def need_ctx(self):
         return bool(self._e().need_ctx)
 
+    @property
+    def thread_id(self):
+        """The progress thread's kernel thread id (0 until it has started running)."""
+        return kx_thread_tid(self._e())
+
     def stats(self):
         cdef kx_engine *e = self._e()
         return {
-            "imm_received": e.stat_imm,
             "writes_posted": e.stat_writes,
             "errors": e.stat_rx_err,
             "outstanding": e.outstanding,
-            "messages_queued": e.nmsgs,
         }
 
     # -- addresses -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno as _errno
 import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -98,25 +99,33 @@ def _check_imm(imm) -> Optional[int]:
 
 
 class Peer:
-    """A remote engine this engine can write to (an entry of the address vector)."""
+    """A remote engine this engine can write to: one address-vector entry per local rail.
 
-    __slots__ = ("engine", "address", "fi_addr", "__weakref__")
+    Local rail i talks to the peer's rail ``i % remote_rails``.
+    """
 
-    def __init__(self, engine: "Engine", address: bytes, fi_addr: int) -> None:
+    __slots__ = ("engine", "address", "fi_addrs", "remote_rails", "__weakref__")
+
+    def __init__(self, engine: "Engine", address: bytes, fi_addrs: tuple, remote_rails: int) -> None:
         self.engine = engine
         self.address = address
-        self.fi_addr = fi_addr
+        self.fi_addrs = fi_addrs
+        self.remote_rails = remote_rails
+
+    @property
+    def fi_addr(self) -> int:
+        return self.fi_addrs[0]
 
     def __repr__(self) -> str:
-        return f"<Peer fi_addr={self.fi_addr} of {self.engine.provider}>"
+        return f"<Peer {self.remote_rails} rail(s) of {self.engine.provider}>"
 
 
 class MemoryRegion:
     """Local memory registered with the engine. Keeps its buffer alive until closed."""
 
-    def __init__(self, engine: "Engine", mr, obj: Any, ptr: int, nbytes: int, device: str) -> None:
+    def __init__(self, engine: "Engine", mrs: list, obj: Any, ptr: int, nbytes: int, device: str) -> None:
         self.engine = engine
-        self._mr = mr
+        self._mrs = mrs          # one registration per rail (NIC)
         self._obj = obj
         self.ptr = ptr
         self.nbytes = nbytes
@@ -124,35 +133,35 @@ class MemoryRegion:
 
     def descriptor(self) -> bytes:
         """Compact, versioned bytes a peer passes to ``Engine.remote`` to write here."""
-        mr = self._live()
+        mrs = self._live()
         virt = bool(self.engine._fab.mr_mode & _fabric.MR_VIRT_ADDR)
-        raw = bool(mr.raw_key)
-        key = mr.raw_key if raw else int(mr.key).to_bytes(8, "little")
+        raw = bool(mrs[0].raw_key)
+        keys = tuple(mr.raw_key if raw else int(mr.key).to_bytes(8, "little") for mr in mrs)
         return wire.Descriptor(
             provider=self.engine.provider,
             base=self.ptr if virt else 0,
             nbytes=self.nbytes,
-            keys=(key,),
+            keys=keys,
             virt_addr=virt,
             raw=raw,
             device=self.device != "cpu",
         ).encode()
 
-    def _live(self):
-        if self._mr is None or self._mr.closed:
+    def _live(self) -> list:
+        if self.closed:
             raise ClosedError("memory region is closed")
-        return self._mr
+        return self._mrs
 
     @property
     def closed(self) -> bool:
-        return self._mr is None or self._mr.closed
+        return not self._mrs or self._mrs[0].closed
 
     def close(self) -> None:
-        """Deregister. Transfers still in flight keep their own reference to the region."""
-        if self._mr is not None:
-            self._mr.close()
-            self._mr = None
-            self._obj = None
+        """Deregister (on every rail)."""
+        for mr in self._mrs:
+            mr.close()
+        self._mrs = []
+        self._obj = None
 
     def __enter__(self) -> "MemoryRegion":
         return self
@@ -167,38 +176,42 @@ class MemoryRegion:
 class RemoteRegion:
     """A peer's region, decoded from its descriptor: where this engine may write."""
 
-    def __init__(self, engine: "Engine", desc: wire.Descriptor, key: int) -> None:
+    def __init__(self, engine: "Engine", desc: wire.Descriptor, keys: tuple) -> None:
         self.engine = engine
         self.descriptor = desc
         self.nbytes = desc.nbytes
         self.base = desc.base
-        self.key = key
+        self.keys = keys          # per local rail: the key of the remote rail it talks to
+
+    @property
+    def key(self) -> int:
+        return self.keys[0]
 
     def __repr__(self) -> str:
-        return f"<RemoteRegion {self.nbytes} bytes key={self.key:#x}>"
+        return f"<RemoteRegion {self.nbytes} bytes, {len(self.descriptor.keys)} rail(s)>"
 
 
 class Transfer:
     """A batch of posted writes. ``num_writes`` is the number of immediates the target sees."""
 
-    __slots__ = ("_x", "_keep", "num_writes", "nbytes", "imm", "__weakref__")
+    __slots__ = ("_xs", "_keep", "num_writes", "nbytes", "imm", "__weakref__")
 
-    def __init__(self, x, keep: tuple, nbytes: int, imm: Optional[int]) -> None:
-        self._x = x
+    def __init__(self, xs: list, keep: tuple, nbytes: int, imm: Optional[int]) -> None:
+        self._xs = xs             # one native transfer per rail used
         self._keep = keep
-        self.num_writes: int = x.planned
+        self.num_writes: int = sum(x.planned for x in xs)
         self.nbytes = nbytes
         self.imm = imm
 
     @property
     def done(self) -> bool:
         """True once every posted write has completed at the sender (successfully or not)."""
-        return self._x.done
+        return all(x.done for x in self._xs)
 
     @property
     def error(self) -> Optional[KvxferError]:
         """The failure, once known; None while pending or on success."""
-        err = self._x.errno
+        err = next((x.errno for x in self._xs if x.errno), 0)
         if not err:
             return None
         text = os.strerror(err)
@@ -208,10 +221,12 @@ class Transfer:
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every write completed at the sender; raise its error, or TimeoutError."""
-        if not self._x.wait(timeout):
-            raise TimeoutError(
-                f"transfer not complete after {timeout} s ({self._x.completed}/{self._x.posted} writes done)"
-            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for x in self._xs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not x.wait(left):
+                done = sum(x.completed for x in self._xs)
+                raise TimeoutError(f"transfer not complete after {timeout} s ({done}/{self.num_writes} writes done)")
         self._keep = ()
         err = self.error
         if err is not None:
@@ -262,7 +277,9 @@ class Engine:
     register GPU memory), ``iov`` (pieces per RMA message, at most the provider's limit),
     ``max_write`` (bytes per RMA message; larger writes are split), ``pack_min`` (pieces
     shorter than this travel one per message; default: what the provider can inject, since
-    an injected small write beats a packed copy on shm).
+    an injected small write beats a packed copy on shm). ``nics``: libfabric domain names,
+    one rail (endpoint, progress thread) each, over which paged writes are striped;
+    ``placement``: a ``kvxfer.Placement`` from ``Topology.assign``, giving NICs and CPUs.
     """
 
     def __init__(
@@ -276,6 +293,8 @@ class Engine:
         iov: Optional[int] = None,
         max_write: Optional[int] = None,
         pack_min: Optional[int] = None,
+        nics: Optional[Sequence[str]] = None,
+        placement: Any = None,
     ) -> None:
         _need_native()
         if progress not in ("block", "spin"):
@@ -289,18 +308,38 @@ class Engine:
         self._raw_keys: list[int] = []
         if provider is None:
             provider = os.environ.get("FI_PROVIDER") or None
+        if placement is not None:
+            if nics is None and getattr(placement, "nics", ()):
+                nics = list(placement.domains)
+            if cpus is None:
+                cpus = tuple(placement.cpus)
+        if nics is not None:
+            nics = [str(n) for n in nics]
+            if not nics:
+                raise InvalidArgumentError("nics must name at least one NIC (libfabric domain)")
+        domains = nics or [None]
         candidates = [provider] if provider else list(PREFERENCE)
         errors = []
         self._fab = None
+        self._rails: list = []
         for p in candidates:
+            # shm names its endpoint after `node`: two processes naming 127.0.0.1 would
+            # collide (EBUSY), so shm always takes its own, per-process default name
+            bind = None if p.split(";")[0] == "shm" else node
             try:
-                # shm names its endpoint after `node`: two processes naming 127.0.0.1 would
-                # collide (EBUSY), so shm always takes its own, per-process default name
-                bind = None if p.split(";")[0] == "shm" else node
-                self._fab = _fabric.Fabric(p, bind, hmem, progress == "spin")
-                break
+                self._fab = _fabric.Fabric(p, bind, hmem, progress == "spin", domains[0])
             except FabricError as exc:
                 errors.append(f"{p}: {exc}")
+                continue
+            self._rails = [self._fab]
+            try:
+                for d in domains[1:]:
+                    self._rails.append(_fabric.Fabric(p, bind, hmem, progress == "spin", d, self._fab))
+            except BaseException:
+                for r in reversed(self._rails):
+                    r.close()
+                raise
+            break
         if self._fab is None:
             if provider:
                 raise errors and FabricError("fi_getinfo", _errno.ENODATA, f"provider {provider!r} unavailable: {errors[0]}")
@@ -316,8 +355,9 @@ class Engine:
         self.max_write: int = min(mm, 1 << 30) if max_write is None else max(1, min(int(max_write), mm))
         pm = int(fab.inject_size) + 1 if pack_min is None else max(0, int(pack_min))
         self.pack_min: int = min(pm, self.max_write)
-        fab.start(self.cpus)
-        self._address = wire.Address(self.provider, (fab.getname(),)).encode()
+        for r in self._rails:
+            r.start(self.cpus)
+        self._address = wire.Address(self.provider, tuple(r.getname() for r in self._rails)).encode()
 
     # -- life cycle ----------------------------------------------------------------------
     def close(self) -> None:
@@ -329,9 +369,10 @@ class Engine:
         fab.dispatch_stop()
         for r in list(self._regions):
             r.close()
-        for k in self._raw_keys:
-            fab.unmap_key(k)
-        fab.close()
+        for rail, k in self._raw_keys:
+            rail.unmap_key(k)
+        for r in reversed(self._rails):
+            r.close()
         d = self._dispatcher
         if d is not None and d is not threading.current_thread():
             d.join(timeout=5)
@@ -377,6 +418,7 @@ class Engine:
             "provider": self.provider,
             "fabric": f.fabric_name,
             "domain": f.domain_name,
+            "rails": [r.domain_name for r in self._rails],
             "mr_mode": f.mr_mode,
             "virt_addr": bool(f.mr_mode & _fabric.MR_VIRT_ADDR),
             "prov_key": bool(f.mr_mode & _fabric.MR_PROV_KEY),
@@ -400,7 +442,20 @@ class Engine:
 
     def stats(self) -> dict:
         self._check_open()
-        return self._fab.stats()
+        out: dict = {}
+        for r in self._rails:
+            for k, v in r.stats().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    @property
+    def rails(self) -> int:
+        """Endpoints (NICs) this engine stripes over."""
+        return len(self._rails)
+
+    def progress_threads(self) -> list[int]:
+        """Kernel thread ids of the progress threads, one per rail (for pinning checks)."""
+        return [r.thread_id for r in self._rails]
 
     # -- peers and regions ---------------------------------------------------------------
     def connect(self, address: bytes) -> Peer:
@@ -409,8 +464,10 @@ class Engine:
         a = wire.Address.decode(address)
         if a.provider != self.provider:
             raise DescriptorError(f"address is for provider {a.provider!r}, this engine runs {self.provider!r}")
-        fi_addr = self._fab.av_insert(np.frombuffer(a.names[0], dtype=np.uint8))
-        return Peer(self, bytes(address), fi_addr)
+        fi_addrs = tuple(
+            r.av_insert(np.frombuffer(a.names[i % len(a.names)], dtype=np.uint8)) for i, r in enumerate(self._rails)
+        )
+        return Peer(self, bytes(address), fi_addrs, len(a.names))
 
     def register(self, obj: Any) -> MemoryRegion:
         """Register memory for RMA: a writable buffer, a DLPack/CPU-torch tensor, a KVBuffer,
@@ -424,12 +481,18 @@ class Engine:
                 f"provider {self.provider!r} engine has no FI_HMEM: device memory ({device}) needs "
                 "Engine(..., hmem=True) on a provider that offers it (shm, efa, verbs)"
             )
+        mrs = []
         try:
-            mr = self._fab.mr_reg(ptr, nbytes, iface, ordinal, dmabuf)
+            for r in self._rails:
+                mrs.append(r.mr_reg(ptr, nbytes, iface, ordinal, dmabuf))
+        except BaseException:
+            for mr in mrs:
+                mr.close()
+            raise
         finally:
-            if dmabuf >= 0:       # the registration holds its own reference to the dma-buf
+            if dmabuf >= 0:       # each registration holds its own reference to the dma-buf
                 os.close(dmabuf)
-        region = MemoryRegion(self, mr, keep, ptr, nbytes, device)
+        region = MemoryRegion(self, mrs, keep, ptr, nbytes, device)
         self._regions.add(region)
         return region
 
@@ -442,12 +505,16 @@ class Engine:
         virt = bool(self._fab.mr_mode & _fabric.MR_VIRT_ADDR)
         if d.virt_addr != virt:
             raise DescriptorError("descriptor's addressing mode does not match this provider's mr_mode")
-        if d.raw:
-            key = self._fab.map_raw(d.base, np.frombuffer(d.keys[0], dtype=np.uint8))
-            self._raw_keys.append(key)
-        else:
-            key = int.from_bytes(d.keys[0], "little")
-        return RemoteRegion(self, d, key)
+        keys = []
+        for i, r in enumerate(self._rails):
+            k = d.keys[i % len(d.keys)]
+            if d.raw:
+                mapped = r.map_raw(d.base, np.frombuffer(k, dtype=np.uint8))
+                self._raw_keys.append((r, mapped))
+                keys.append(mapped)
+            else:
+                keys.append(int.from_bytes(k, "little"))
+        return RemoteRegion(self, d, tuple(keys))
 
     # -- writes --------------------------------------------------------------------------
     def _endpoints(self, src, peer, dst):
@@ -459,14 +526,24 @@ class Engine:
             raise InvalidArgumentError("peer must come from this engine's connect()")
         if not isinstance(dst, RemoteRegion) or dst.engine is not self:
             raise InvalidArgumentError("dst must come from this engine's remote()")
+        if len(dst.descriptor.keys) != peer.remote_rails:
+            raise DescriptorError(
+                f"descriptor has {len(dst.descriptor.keys)} rail key(s) but the peer has {peer.remote_rails} rail(s)"
+            )
 
     def _post(self, src, peer, dst, so, do, ln, imm, keep) -> Transfer:
         imm = _check_imm(imm)
         if imm is not None and self._fab.cq_data_size < 4:
             raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")
-        x = self._fab.write(peer.fi_addr, src.ptr, src._mr, dst.base, dst.key, so, do, ln, imm,
-                            self.iov, self.max_write, self.pack_min)
-        t = Transfer(x, (src, peer, dst, so, do, ln, keep), int(ln.sum()) if len(ln) else 0, imm)
+        mrs = src._live()
+        xs = []
+        bounds = wire.stripe_bounds(len(ln), len(self._rails))
+        for i, r in enumerate(self._rails):
+            a, b = bounds[i], bounds[i + 1]
+            if b > a or (i == 0 and len(ln) == 0):
+                xs.append(r.write(peer.fi_addrs[i], src.ptr, mrs[i], dst.base, dst.keys[i], so[a:b], do[a:b], ln[a:b],
+                                  imm, self.iov, self.max_write, self.pack_min))
+        t = Transfer(xs, (src, peer, dst, so, do, ln, keep), int(ln.sum()) if len(ln) else 0, imm)
         if not t.done:
             with self._lock:
                 if len(self._pending) > 256:
@@ -485,8 +562,9 @@ class Engine:
             raise OutOfBoundsError(f"source range [{src_offset}, {src_offset + nbytes}) is outside the {src.nbytes}-byte region")
         if dst_offset + nbytes > dst.nbytes:
             raise OutOfBoundsError(f"destination range [{dst_offset}, {dst_offset + nbytes}) is outside the {dst.nbytes}-byte remote region")
-        a = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
-        return self._post(src, peer, dst, a(src_offset), a(dst_offset), a(nbytes), imm, None)
+        # with several rails the range is cut into one equal part per rail (wire.split_write)
+        so, do, ln = wire.split_write(src_offset, dst_offset, nbytes, len(self._rails))
+        return self._post(src, peer, dst, so, do, ln, imm, None)
 
     def write_pages(self, src: MemoryRegion, src_pages, peer: Peer, dst: RemoteRegion, dst_pages, page_bytes: int,
                     *, src_stride: Optional[int] = None, dst_stride: Optional[int] = None,
@@ -542,8 +620,9 @@ class Engine:
         return self._post(src, peer, dst, so, do, ln, imm, None)
 
     def count_writes(self, src_offsets, dst_offsets, lengths) -> int:
-        """``wire.count_writes`` with this engine's ``iov``, ``max_write`` and ``pack_min``."""
-        return wire.count_writes(src_offsets, dst_offsets, lengths, self.iov, self.max_write, self.pack_min)
+        """``wire.count_writes`` with this engine's ``iov``, ``max_write``, ``pack_min`` and rails."""
+        return wire.count_writes(src_offsets, dst_offsets, lengths, self.iov, self.max_write, self.pack_min,
+                                 rails=len(self._rails))
 
     # -- counters ------------------------------------------------------------------------
     def expect(self, imm: int, count: int, callback: Optional[Callable[[Counter], Any]] = None) -> Counter:
@@ -606,7 +685,7 @@ class Engine:
         buf = np.frombuffer(bytes(data), dtype=np.uint8)
         if len(buf) > _fabric.MSG_MAX:
             raise InvalidArgumentError(f"control message of {len(buf)} bytes exceeds {_fabric.MSG_MAX}")
-        self._fab.send(peer.fi_addr, buf)
+        self._fab.send(peer.fi_addrs[0], buf)
 
     def recv(self, timeout: Optional[float] = None) -> bytes:
         """The next control message received; TimeoutError if none within ``timeout`` s."""

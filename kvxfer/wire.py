@@ -26,7 +26,7 @@ import numpy as np
 
 from kvxfer.errors import DescriptorError, InvalidArgumentError
 
-__all__ = ["Address", "Descriptor", "count_writes", "ADDRESS_VERSION", "DESCRIPTOR_VERSION"]
+__all__ = ["Address", "Descriptor", "count_writes", "stripe_bounds", "split_write", "ADDRESS_VERSION", "DESCRIPTOR_VERSION"]
 
 ADDRESS_MAGIC = b"KXA"
 DESCRIPTOR_MAGIC = b"KXM"
@@ -172,7 +172,23 @@ class Descriptor:
         return cls(prov, base, nbytes, keys, bool(flags & FLAG_VIRT_ADDR), raw, bool(flags & FLAG_DEVICE))
 
 
-def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int, pack_min: int = 0) -> int:
+def stripe_bounds(n: int, rails: int) -> list[int]:
+    """Where a list of ``n`` triples is cut for ``rails`` rails: rail k posts
+    ``[bounds[k], bounds[k+1])``, contiguous chunks in order, sizes differing by at most one."""
+    rails = max(1, int(rails))
+    return [n * k // rails for k in range(rails + 1)]
+
+
+def split_write(src_offset: int, dst_offset: int, nbytes: int, rails: int):
+    """``Engine.write`` as triples: one equal byte range per rail (one range with one rail)."""
+    rails = max(1, int(rails)) if nbytes >= rails else 1
+    cut = np.array([nbytes * k // rails for k in range(rails + 1)], dtype=np.uint64)
+    ln = np.diff(cut)
+    return cut[:-1] + np.uint64(src_offset), cut[:-1] + np.uint64(dst_offset), ln
+
+
+def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int, pack_min: int = 0,
+                 rails: int = 1) -> int:
     """How many RMA messages (= immediates at the target) a write of these triples posts.
 
     The rule, shared with the native poster (include/kvxfer/post.h):
@@ -180,7 +196,9 @@ def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int, pa
       2. segments are packed in order into messages of at most ``iov`` pieces and at most
          ``max_write`` bytes; a segment that does not fit is split at the message boundary;
       3. a piece shorter than ``pack_min`` bytes travels alone in its message.
-    ``iov``, ``max_write`` and ``pack_min`` are the engine's (``Engine.iov``, ...).
+    ``iov``, ``max_write`` and ``pack_min`` are the engine's (``Engine.iov``, ...). With
+    several rails the triples are first cut by ``stripe_bounds`` and each chunk is counted
+    on its own (rails never merge writes with each other).
     For ``write_pages`` the triples are ``(src_offset + src_pages*src_stride,
     dst_offset + dst_pages*dst_stride, page_bytes)``.
     """
@@ -189,6 +207,10 @@ def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int, pa
     ln = np.ascontiguousarray(lengths, dtype=np.uint64).ravel()
     if not (len(so) == len(do) == len(ln)):
         raise InvalidArgumentError("offset and length arrays differ in length")
+    if rails > 1:
+        b = stripe_bounds(len(ln), rails)
+        return sum(count_writes(so[b[k]:b[k + 1]], do[b[k]:b[k + 1]], ln[b[k]:b[k + 1]], iov, max_write, pack_min)
+                   for k in range(rails))
     iov = max(1, int(iov))
     max_write = int(max_write)
     if max_write <= 0:

@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
+#include <sys/syscall.h>
 
 #include "kvxfer/compat.h"
 
@@ -113,6 +115,22 @@ typedef struct kx_sendbuf {
     char data[];
 } kx_sendbuf;
 
+/* What the rails (one endpoint per NIC) of one engine share: the lock, the condition every
+ * waiter sleeps on, the immediate-counter table (so counts are exact however writes were
+ * striped over rails), the callback queue and the control-message queue. */
+typedef struct kx_hub {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int refs;              /* rails holding it */
+    int open;              /* rails not yet torn down */
+    kx_ctable table;
+    kx_counter *done_head, *done_tail;   /* counters with callbacks, for the dispatcher */
+    int dispatch_stop;
+    kx_msg *msg_head, *msg_tail;
+    size_t nmsgs;
+    uint64_t stat_imm;     /* immediates received */
+} kx_hub;
+
 struct kx_engine {
     struct fi_info *info;
     struct fid_fabric *fabric;
@@ -131,8 +149,7 @@ struct kx_engine {
     int has_wait;          /* the CQ has a wait object usable with fi_cq_sread */
     uint64_t next_key;
 
-    pthread_mutex_t lock;
-    pthread_cond_t cond;
+    kx_hub *hub;           /* shared with the engine's other rails */
 
     /* progress */
     pthread_t thread;
@@ -145,18 +162,14 @@ struct kx_engine {
     cpu_set_t cpus;
     int pin;
     int sleeping;          /* progress thread is blocked; posts must wake it */
+    int torn_down;
+    pid_t tid;             /* the progress thread's kernel id, for tests of pinning */
 
     kx_xfer *inflight;     /* transfers with operations outstanding */
     kx_xfer *q_head, *q_tail;   /* transfers with messages still to post (progress thread posts) */
-    kx_ctable table;
-    kx_counter *done_head, *done_tail;   /* counters with callbacks, for the dispatcher */
-    int dispatch_stop;
 
     kx_rxbuf rx[KX_RX_BUFS];
-    kx_msg *msg_head, *msg_tail;
-    size_t nmsgs;
 
-    uint64_t stat_imm;     /* immediates received */
     uint64_t stat_rx_err;  /* error completions not tied to a transfer */
     uint64_t stat_writes;  /* messages posted */
     int last_error;

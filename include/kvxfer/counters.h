@@ -6,7 +6,7 @@
  * for the next expectation of the same imm, so a finished imm can be expected again and
  * nothing that arrives early is lost. One expectation per imm may be active at a time.
  * An entry with no banked arrivals and no expectation is deleted, so the table stays as
- * small as the number of imm values in flight. All functions run under e->lock. */
+ * small as the number of imm values in flight. All functions run under e->hub->lock. */
 #ifndef KVXFER_COUNTERS_H
 #define KVXFER_COUNTERS_H
 
@@ -109,20 +109,20 @@ static void kx_counter_finish_locked(kx_engine *e, kx_counter *c)
     if (c->want_callback) {
         c->refs++;  /* the dispatcher queue holds it until popped */
         c->next_done = NULL;
-        if (e->done_tail)
-            e->done_tail->next_done = c;
+        if (e->hub->done_tail)
+            e->hub->done_tail->next_done = c;
         else
-            e->done_head = c;
-        e->done_tail = c;
+            e->hub->done_head = c;
+        e->hub->done_tail = c;
     }
-    pthread_cond_broadcast(&e->cond);
+    pthread_cond_broadcast(&e->hub->cond);
 }
 
 /* an arrival from the CQ */
 static void kx_arrival_locked(kx_engine *e, uint32_t imm)
 {
-    kx_centry *s = kx_ctable_get(&e->table, imm);
-    e->stat_imm++;
+    kx_centry *s = kx_ctable_get(&e->hub->table, imm);
+    e->hub->stat_imm++;
     if (!s) {            /* out of memory: cannot bank it; count it as an error */
         e->stat_rx_err++;
         return;
@@ -135,7 +135,7 @@ static void kx_arrival_locked(kx_engine *e, uint32_t imm)
             kx_counter_finish_locked(e, c);
             kx_counter_release_locked(c);   /* the table's reference */
             if (s->arrived == 0)
-                kx_ctable_del(&e->table, s);
+                kx_ctable_del(&e->hub->table, s);
         }
     } else {
         s->arrived++;
@@ -152,15 +152,15 @@ static int kx_expect(kx_engine *e, uint32_t imm, uint64_t count, int want_callba
     c->count = count;
     c->want_callback = want_callback;
     c->refs = 1;  /* Python owner */
-    pthread_mutex_lock(&e->lock);
-    kx_centry *s = kx_ctable_get(&e->table, imm);
+    pthread_mutex_lock(&e->hub->lock);
+    kx_centry *s = kx_ctable_get(&e->hub->table, imm);
     if (!s) {
-        pthread_mutex_unlock(&e->lock);
+        pthread_mutex_unlock(&e->hub->lock);
         free(c);
         return -FI_ENOMEM;
     }
     if (s->active) {
-        pthread_mutex_unlock(&e->lock);
+        pthread_mutex_unlock(&e->hub->lock);
         free(c);
         return -FI_EBUSY;
     }
@@ -170,13 +170,13 @@ static int kx_expect(kx_engine *e, uint32_t imm, uint64_t count, int want_callba
     if (c->arrived >= count) {
         kx_counter_finish_locked(e, c);
         if (s->arrived == 0)
-            kx_ctable_del(&e->table, s);
+            kx_ctable_del(&e->hub->table, s);
     } else {
         c->refs++;  /* the table entry's reference */
         s->active = c;
     }
     *out = c;
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&e->hub->lock);
     return 0;
 }
 
@@ -184,27 +184,27 @@ static int kx_expect(kx_engine *e, uint32_t imm, uint64_t count, int want_callba
  * arrivals it had been credited are banked again, so nothing is lost */
 static void kx_counter_drop(kx_engine *e, kx_counter *c)
 {
-    pthread_mutex_lock(&e->lock);
+    pthread_mutex_lock(&e->hub->lock);
     if (!c->done) {
-        kx_centry *s = kx_ctable_find(&e->table, c->imm);
+        kx_centry *s = kx_ctable_find(&e->hub->table, c->imm);
         if (s && s->active == c) {
             s->active = NULL;
             s->arrived += c->arrived;
             kx_counter_release_locked(c);
             if (s->arrived == 0)
-                kx_ctable_del(&e->table, s);
+                kx_ctable_del(&e->hub->table, s);
         }
     }
     kx_counter_release_locked(c);
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&e->hub->lock);
 }
 
 static uint64_t kx_banked(kx_engine *e, uint32_t imm)
 {
-    pthread_mutex_lock(&e->lock);
-    kx_centry *s = kx_ctable_find(&e->table, imm);
+    pthread_mutex_lock(&e->hub->lock);
+    kx_centry *s = kx_ctable_find(&e->hub->table, imm);
     uint64_t n = s ? s->arrived : 0;
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&e->hub->lock);
     return n;
 }
 

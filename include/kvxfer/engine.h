@@ -19,39 +19,53 @@
     } while (0)
 
 static void kx_engine_teardown(kx_engine *e);
+static void kx_engine_free(kx_engine *e);
 
-static void kx_engine_destroy(kx_engine *e)
-{
-    kx_engine_teardown(e);
-    pthread_mutex_destroy(&e->lock);
-    pthread_cond_destroy(&e->cond);
-    free(e->table.slots);
-    free(e);
-}
+static void kx_engine_destroy(kx_engine *e) { kx_engine_free(e); }
 
 static char *kx_rx_slab(kx_engine *e) { return e->rx[0].data; }
 
+static kx_hub *kx_hub_new(void)
+{
+    kx_hub *h = calloc(1, sizeof(*h));
+    if (!h)
+        return NULL;
+    if (kx_ctable_init(&h->table)) {
+        free(h);
+        return NULL;
+    }
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&h->cond, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_mutex_init(&h->lock, NULL);
+    return h;
+}
+
 /* Open fabric, domain, CQ, AV and one RDM endpoint on `prov` (NULL: libfabric's first
- * choice), bound to `node` when given. On failure returns -errno and names the call. */
-static int kx_engine_open(const char *prov, const char *node, int hmem, int spin,
-                          kx_engine **out, char *errcall, size_t errcall_len)
+ * choice), bound to `node` when given, on the domain (NIC) named `domain` when given.
+ * `join` is another rail of the same engine whose hub this one shares (NULL: a new hub).
+ * On failure returns -errno and names the call. */
+static int kx_engine_open(const char *prov, const char *node, const char *domain, int hmem, int spin,
+                          kx_engine *join, kx_engine **out, char *errcall, size_t errcall_len)
 {
     kx_engine *e = calloc(1, sizeof(*e));
     if (!e)
         return -FI_ENOMEM;
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&e->cond, &ca);
-    pthread_condattr_destroy(&ca);
-    pthread_mutex_init(&e->lock, NULL);
-    e->spin = spin;
-    e->next_key = 1;
-    e->last_activity_ns = kx_now_ns();
-    if (kx_ctable_init(&e->table)) {
+    if (join) {
+        e->hub = join->hub;
+    } else if (!(e->hub = kx_hub_new())) {
         free(e);
         return -FI_ENOMEM;
     }
+    pthread_mutex_lock(&e->hub->lock);
+    e->hub->refs++;
+    e->hub->open++;
+    pthread_mutex_unlock(&e->hub->lock);
+    e->spin = spin;
+    e->next_key = 1;
+    e->last_activity_ns = kx_now_ns();
 
     struct fi_info *hints = fi_allocinfo();
     if (!hints) {
@@ -66,6 +80,8 @@ static int kx_engine_open(const char *prov, const char *node, int hmem, int spin
     hints->domain_attr->threading = FI_THREAD_SAFE;
     if (prov)
         hints->fabric_attr->prov_name = strdup(prov);
+    if (domain)
+        hints->domain_attr->name = strdup(domain);
     int ret = fi_getinfo(KX_FI_API_VERSION, node, NULL, node ? FI_SOURCE : 0, hints, &e->info);
     fi_freeinfo(hints);
     if (ret) {
@@ -138,6 +154,7 @@ static int kx_engine_start(kx_engine *e, const int *cpus, int ncpus)
     int ret = pthread_create(&e->thread, NULL, kx_progress_main, e);
     if (ret)
         return -ret;
+    pthread_setname_np(e->thread, "kvxfer-progress");
     e->thread_started = 1;
     return 0;
 }
@@ -147,13 +164,16 @@ static int kx_engine_start(kx_engine *e, const int *cpus, int ncpus)
  * until kx_engine_free so late releases from Python stay safe. */
 static void kx_engine_teardown(kx_engine *e)
 {
+    if (e->torn_down)
+        return;
+    e->torn_down = 1;
     e->stop = 1;
     if (e->thread_started) {
         if (e->has_wait && e->cq)
             fi_cq_signal(e->cq);
-        pthread_mutex_lock(&e->lock);
-        pthread_cond_broadcast(&e->cond);
-        pthread_mutex_unlock(&e->lock);
+        pthread_mutex_lock(&e->hub->lock);
+        pthread_cond_broadcast(&e->hub->cond);
+        pthread_mutex_unlock(&e->hub->lock);
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         ts.tv_sec += 5;
@@ -168,7 +188,7 @@ static void kx_engine_teardown(kx_engine *e)
     if (e->fabric) { fi_close(&e->fabric->fid); e->fabric = NULL; }
     if (e->info) { fi_freeinfo(e->info); e->info = NULL; }
     if (e->rx[0].data) { free(kx_rx_slab(e)); e->rx[0].data = NULL; }
-    pthread_mutex_lock(&e->lock);
+    pthread_mutex_lock(&e->hub->lock);
     e->q_head = e->q_tail = NULL;
     while (e->inflight) {
         kx_xfer *x = e->inflight;
@@ -178,8 +198,13 @@ static void kx_engine_teardown(kx_engine *e)
         x->completed = x->posted;
         kx_xfer_check_done_locked(e, x);
     }
-    for (size_t i = 0; i < e->table.cap; i++) {
-        kx_centry *s = &e->table.slots[i];
+    if (--e->hub->open > 0) {           /* the other rails still use the shared state */
+        pthread_cond_broadcast(&e->hub->cond);
+        pthread_mutex_unlock(&e->hub->lock);
+        return;
+    }
+    for (size_t i = 0; i < e->hub->table.cap; i++) {
+        kx_centry *s = &e->hub->table.slots[i];
         if (s->used && s->active) {
             kx_counter *c = s->active;
             s->active = NULL;
@@ -188,30 +213,37 @@ static void kx_engine_teardown(kx_engine *e)
             kx_counter_release_locked(c);
         }
     }
-    while (e->msg_head) {
-        kx_msg *m = e->msg_head;
-        e->msg_head = m->next;
+    while (e->hub->msg_head) {
+        kx_msg *m = e->hub->msg_head;
+        e->hub->msg_head = m->next;
         free(m);
     }
-    e->msg_tail = NULL;
-    e->nmsgs = 0;
-    while (e->done_head) {
-        kx_counter *c = e->done_head;
-        e->done_head = c->next_done;
+    e->hub->msg_tail = NULL;
+    e->hub->nmsgs = 0;
+    while (e->hub->done_head) {
+        kx_counter *c = e->hub->done_head;
+        e->hub->done_head = c->next_done;
         kx_counter_release_locked(c);
     }
-    e->done_tail = NULL;
-    e->dispatch_stop = 1;
-    pthread_cond_broadcast(&e->cond);
-    pthread_mutex_unlock(&e->lock);
+    e->hub->done_tail = NULL;
+    e->hub->dispatch_stop = 1;
+    pthread_cond_broadcast(&e->hub->cond);
+    pthread_mutex_unlock(&e->hub->lock);
 }
 
 static void kx_engine_free(kx_engine *e)
 {
     kx_engine_teardown(e);
-    pthread_mutex_destroy(&e->lock);
-    pthread_cond_destroy(&e->cond);
-    free(e->table.slots);
+    kx_hub *h = e->hub;
+    pthread_mutex_lock(&h->lock);
+    int last = --h->refs == 0;
+    pthread_mutex_unlock(&h->lock);
+    if (last) {
+        pthread_mutex_destroy(&h->lock);
+        pthread_cond_destroy(&h->cond);
+        free(h->table.slots);
+        free(h);
+    }
     free(e);
 }
 
@@ -227,9 +259,9 @@ static int kx_mr_reg(kx_engine *e, void *buf, size_t len, int iface, int device,
     attr.mr_iov = &iov;
     attr.iov_count = 1;
     attr.access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
-    pthread_mutex_lock(&e->lock);
+    pthread_mutex_lock(&e->hub->lock);
     attr.requested_key = e->next_key++;
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&e->hub->lock);
     attr.iface = (enum fi_hmem_iface)iface;
     if (iface == FI_HMEM_CUDA)
         attr.device.cuda = device;
@@ -325,19 +357,19 @@ static int kx_recv_wait(kx_engine *e, int64_t slice_ns, kx_msg **out)
 {
     struct timespec ts;
     kx_deadline(&ts, slice_ns);
-    pthread_mutex_lock(&e->lock);
-    while (!e->msg_head && !e->stop) {
-        if (pthread_cond_timedwait(&e->cond, &e->lock, &ts) == ETIMEDOUT)
+    pthread_mutex_lock(&e->hub->lock);
+    while (!e->hub->msg_head && !e->stop) {
+        if (pthread_cond_timedwait(&e->hub->cond, &e->hub->lock, &ts) == ETIMEDOUT)
             break;
     }
-    kx_msg *m = e->msg_head;
+    kx_msg *m = e->hub->msg_head;
     if (m) {
-        e->msg_head = m->next;
-        if (!e->msg_head)
-            e->msg_tail = NULL;
-        e->nmsgs--;
+        e->hub->msg_head = m->next;
+        if (!e->hub->msg_head)
+            e->hub->msg_tail = NULL;
+        e->hub->nmsgs--;
     }
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&e->hub->lock);
     *out = m;
     return m != NULL;
 }
@@ -346,13 +378,13 @@ static int kx_xfer_wait(kx_engine *e, kx_xfer *x, int64_t slice_ns)
 {
     struct timespec ts;
     kx_deadline(&ts, slice_ns);
-    pthread_mutex_lock(&e->lock);
+    pthread_mutex_lock(&e->hub->lock);
     while (!x->done) {
-        if (pthread_cond_timedwait(&e->cond, &e->lock, &ts) == ETIMEDOUT)
+        if (pthread_cond_timedwait(&e->hub->cond, &e->hub->lock, &ts) == ETIMEDOUT)
             break;
     }
     int done = x->done;
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&e->hub->lock);
     return done;
 }
 
@@ -360,13 +392,13 @@ static int kx_counter_wait(kx_engine *e, kx_counter *c, int64_t slice_ns)
 {
     struct timespec ts;
     kx_deadline(&ts, slice_ns);
-    pthread_mutex_lock(&e->lock);
+    pthread_mutex_lock(&e->hub->lock);
     while (!c->done) {
-        if (pthread_cond_timedwait(&e->cond, &e->lock, &ts) == ETIMEDOUT)
+        if (pthread_cond_timedwait(&e->hub->cond, &e->hub->lock, &ts) == ETIMEDOUT)
             break;
     }
     int done = c->done;
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&e->hub->lock);
     return done;
 }
 
@@ -376,46 +408,46 @@ static int kx_next_done(kx_engine *e, int64_t slice_ns, kx_counter **out)
 {
     struct timespec ts;
     kx_deadline(&ts, slice_ns);
-    pthread_mutex_lock(&e->lock);
-    while (!e->done_head && !e->dispatch_stop) {
-        if (pthread_cond_timedwait(&e->cond, &e->lock, &ts) == ETIMEDOUT)
+    pthread_mutex_lock(&e->hub->lock);
+    while (!e->hub->done_head && !e->hub->dispatch_stop) {
+        if (pthread_cond_timedwait(&e->hub->cond, &e->hub->lock, &ts) == ETIMEDOUT)
             break;
     }
-    kx_counter *c = e->done_head;
+    kx_counter *c = e->hub->done_head;
     int ret = 0;
     if (c) {
-        e->done_head = c->next_done;
-        if (!e->done_head)
-            e->done_tail = NULL;
+        e->hub->done_head = c->next_done;
+        if (!e->hub->done_head)
+            e->hub->done_tail = NULL;
         ret = 1;
-    } else if (e->dispatch_stop) {
+    } else if (e->hub->dispatch_stop) {
         ret = -1;
     }
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&e->hub->lock);
     *out = c;
     return ret;
 }
 
 static void kx_counter_unref(kx_engine *e, kx_counter *c)
 {
-    pthread_mutex_lock(&e->lock);
+    pthread_mutex_lock(&e->hub->lock);
     kx_counter_release_locked(c);
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&e->hub->lock);
 }
 
 static void kx_xfer_drop(kx_engine *e, kx_xfer *x)
 {
-    pthread_mutex_lock(&e->lock);
+    pthread_mutex_lock(&e->hub->lock);
     kx_xfer_release_locked(x);
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&e->hub->lock);
 }
 
 static void kx_dispatch_stop(kx_engine *e)
 {
-    pthread_mutex_lock(&e->lock);
-    e->dispatch_stop = 1;
-    pthread_cond_broadcast(&e->cond);
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_lock(&e->hub->lock);
+    e->hub->dispatch_stop = 1;
+    pthread_cond_broadcast(&e->hub->cond);
+    pthread_mutex_unlock(&e->hub->lock);
 }
 
 /* ---- addresses and remote keys ---------------------------------------------------- */
@@ -455,6 +487,7 @@ static int kx_mr_close(struct fid_mr *mr)
 static const char *kx_prov_name(kx_engine *e) { return e->info->fabric_attr->prov_name; }
 static const char *kx_fabric_name(kx_engine *e) { return e->info->fabric_attr->name; }
 static const char *kx_domain_name(kx_engine *e) { return e->info->domain_attr->name; }
+static pid_t kx_thread_tid(kx_engine *e) { return e->tid; }
 static uint32_t kx_runtime_version(void) { return fi_version(); }
 static uint32_t kx_build_version(void) { return KX_FI_BUILD_VERSION; }
 static int kx_have_dmabuf(void) { return KX_HAVE_DMABUF; }

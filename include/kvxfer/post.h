@@ -149,12 +149,12 @@ static int kx_pump(kx_engine *e, kx_xfer *x, int64_t budget)
         __atomic_sub_fetch(&x->posted, 1, __ATOMIC_RELEASE);
         if (ret == -FI_EAGAIN)
             return 0;
-        pthread_mutex_lock(&e->lock);
+        pthread_mutex_lock(&e->hub->lock);
         if (!x->error)
             x->error = (int)-ret;
         e->last_error = (int)-ret;
         snprintf(e->last_error_call, sizeof(e->last_error_call), "fi_writemsg");
-        pthread_mutex_unlock(&e->lock);
+        pthread_mutex_unlock(&e->hub->lock);
         return 1;
     }
 }
@@ -171,22 +171,22 @@ static int kx_pump_queue(kx_engine *e)
 {
     int finished = 0;
     for (;;) {
-        pthread_mutex_lock(&e->lock);
+        pthread_mutex_lock(&e->hub->lock);
         kx_xfer *x = e->q_head;
-        pthread_mutex_unlock(&e->lock);
+        pthread_mutex_unlock(&e->hub->lock);
         if (!x)
             return finished;
         int64_t before = x->posted;
         int over = kx_pump(e, x, INT64_MAX);
         if (!over)
             return finished + (x->posted != before);
-        pthread_mutex_lock(&e->lock);
+        pthread_mutex_lock(&e->hub->lock);
         e->q_head = x->qnext;
         if (!e->q_head)
             e->q_tail = NULL;
         x->qnext = NULL;
         kx_finish_posting_locked(e, x);
-        pthread_mutex_unlock(&e->lock);
+        pthread_mutex_unlock(&e->hub->lock);
         finished++;
     }
 }
@@ -226,10 +226,10 @@ static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *des
     x->flags = FI_COMPLETION | (has_imm ? FI_REMOTE_CQ_DATA : 0);
     x->imm = imm;
 
-    pthread_mutex_lock(&e->lock);
+    pthread_mutex_lock(&e->hub->lock);
     kx_xfer_link_locked(e, x);
     int queued = e->q_head != NULL;   /* keep order behind transfers already queued */
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&e->hub->lock);
 
     int over = 0;
     if (!queued && !e->stop) {
@@ -237,7 +237,7 @@ static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *des
         over = kx_pump(e, x, KX_DIRECT_BUDGET);
         __atomic_sub_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
     }
-    pthread_mutex_lock(&e->lock);
+    pthread_mutex_lock(&e->hub->lock);
     if (over || e->stop) {
         if (e->stop && !over && !x->error)
             x->error = FI_ECANCELED;
@@ -249,7 +249,7 @@ static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *des
             e->q_head = x;
         e->q_tail = x;
     }
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&e->hub->lock);
     kx_wake(e);
     return x;
 }

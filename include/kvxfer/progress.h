@@ -52,7 +52,7 @@ static void kx_xfer_check_done_locked(kx_engine *e, kx_xfer *x)
 {
     if (!x->done && x->posting_done && x->completed >= x->posted) {
         x->done = 1;
-        pthread_cond_broadcast(&e->cond);
+        pthread_cond_broadcast(&e->hub->cond);
         kx_xfer_unlink_locked(e, x);
         kx_xfer_release_locked(x);  /* the in-flight reference */
     }
@@ -103,13 +103,13 @@ static void kx_complete_locked(kx_engine *e, void *context, uint64_t flags, uint
                 m->next = NULL;
                 m->len = len;
                 memcpy(m->data, b->data, len);
-                if (e->msg_tail)
-                    e->msg_tail->next = m;
+                if (e->hub->msg_tail)
+                    e->hub->msg_tail->next = m;
                 else
-                    e->msg_head = m;
-                e->msg_tail = m;
-                e->nmsgs++;
-                pthread_cond_broadcast(&e->cond);
+                    e->hub->msg_head = m;
+                e->hub->msg_tail = m;
+                e->hub->nmsgs++;
+                pthread_cond_broadcast(&e->hub->cond);
             }
         } else {
             e->stat_rx_err++;
@@ -132,10 +132,10 @@ static int kx_poll(kx_engine *e)
     struct fi_cq_data_entry ent[KX_CQ_BATCH];
     ssize_t n = fi_cq_read(e->cq, ent, KX_CQ_BATCH);
     if (n > 0) {
-        pthread_mutex_lock(&e->lock);
+        pthread_mutex_lock(&e->hub->lock);
         for (ssize_t i = 0; i < n; i++)
             kx_complete_locked(e, ent[i].op_context, ent[i].flags, ent[i].data, ent[i].len, 0);
-        pthread_mutex_unlock(&e->lock);
+        pthread_mutex_unlock(&e->hub->lock);
         e->last_activity_ns = kx_now_ns();
         return (int)n;
     }
@@ -146,9 +146,9 @@ static int kx_poll(kx_engine *e)
         memset(&err, 0, sizeof(err));
         ssize_t r = fi_cq_readerr(e->cq, &err, 0);
         if (r == 1 || r == sizeof(err)) {
-            pthread_mutex_lock(&e->lock);
+            pthread_mutex_lock(&e->hub->lock);
             kx_complete_locked(e, err.op_context, err.flags, err.data, err.len, err.err ? err.err : FI_EIO);
-            pthread_mutex_unlock(&e->lock);
+            pthread_mutex_unlock(&e->hub->lock);
             e->last_activity_ns = kx_now_ns();
             return 1;
         }
@@ -162,9 +162,9 @@ static void kx_wake(kx_engine *e)
     if (__atomic_load_n(&e->sleeping, __ATOMIC_ACQUIRE)) {
         if (e->has_wait)
             fi_cq_signal(e->cq);
-        pthread_mutex_lock(&e->lock);
-        pthread_cond_broadcast(&e->cond);
-        pthread_mutex_unlock(&e->lock);
+        pthread_mutex_lock(&e->hub->lock);
+        pthread_cond_broadcast(&e->hub->cond);
+        pthread_mutex_unlock(&e->hub->lock);
     }
 }
 
@@ -174,6 +174,7 @@ static void *kx_progress_main(void *arg)
 {
     kx_engine *e = (kx_engine *)arg;
     int64_t backoff = 1000;
+    e->tid = (pid_t)syscall(SYS_gettid);
     if (e->pin)
         pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &e->cpus);
     while (!e->stop) {
@@ -204,20 +205,20 @@ static void *kx_progress_main(void *arg)
             ssize_t r = fi_cq_sread(e->cq, ent, KX_CQ_BATCH, NULL, 50);
             __atomic_store_n(&e->sleeping, 0, __ATOMIC_RELEASE);
             if (r > 0) {
-                pthread_mutex_lock(&e->lock);
+                pthread_mutex_lock(&e->hub->lock);
                 for (ssize_t i = 0; i < r; i++)
                     kx_complete_locked(e, ent[i].op_context, ent[i].flags, ent[i].data, ent[i].len, 0);
-                pthread_mutex_unlock(&e->lock);
+                pthread_mutex_unlock(&e->hub->lock);
                 e->last_activity_ns = kx_now_ns();
             }
             continue;
         }
         struct timespec ts;
         kx_deadline(&ts, backoff);
-        pthread_mutex_lock(&e->lock);
+        pthread_mutex_lock(&e->hub->lock);
         if (!e->stop)
-            pthread_cond_timedwait(&e->cond, &e->lock, &ts);
-        pthread_mutex_unlock(&e->lock);
+            pthread_cond_timedwait(&e->hub->cond, &e->hub->lock, &ts);
+        pthread_mutex_unlock(&e->hub->lock);
         __atomic_store_n(&e->sleeping, 0, __ATOMIC_RELEASE);
         backoff = backoff * 2 > KX_MAX_BACKOFF_NS ? KX_MAX_BACKOFF_NS : backoff * 2;
     }

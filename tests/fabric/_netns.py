@@ -139,6 +139,8 @@ class NetnsPair:
             for ns in (self.a, self.b):
                 _ip("netns", "add", ns)
                 self._made.append(ns)
+            # `ip netns exec` also remounts /sys, which some containers refuse even to root
+            _ip("netns", "exec", self.a, sys.executable, "-c", "pass")
             _ip("-n", self.a, "link", "add", self.dev_a, "type", "veth", "peer", "name", self.dev_b, "netns", self.b)
             _ip("-n", self.a, "addr", "add", f"{self.addr_a}/24", "dev", self.dev_a)
             _ip("-n", self.b, "addr", "add", f"{self.addr_b}/24", "dev", self.dev_b)
