@@ -319,7 +319,8 @@ class Engine:
                 raise InvalidArgumentError("nics must name at least one NIC (libfabric domain)")
         domains = nics or [None]
         candidates = [provider] if provider else list(PREFERENCE)
-        errors = []
+        errors: list[str] = []
+        first_error: Optional[FabricError] = None
         self._fab = None
         self._rails: list = []
         for p in candidates:
@@ -329,6 +330,7 @@ class Engine:
             try:
                 self._fab = _fabric.Fabric(p, bind, hmem, progress == "spin", domains[0])
             except FabricError as exc:
+                first_error = first_error or exc
                 errors.append(f"{p}: {exc}")
                 continue
             self._rails = [self._fab]
@@ -341,8 +343,16 @@ class Engine:
                 raise
             break
         if self._fab is None:
+            if provider and hmem:
+                try:
+                    _fabric.Fabric(provider, None if provider.split(";")[0] == "shm" else node).close()
+                except FabricError:
+                    pass
+                else:
+                    raise UnsupportedError(f"provider {provider!r} offers no FI_HMEM (device memory); "
+                                           "use shm, efa or verbs;ofi_rxm for GPU buffers")
             if provider:
-                raise errors and FabricError("fi_getinfo", _errno.ENODATA, f"provider {provider!r} unavailable: {errors[0]}")
+                raise first_error
             raise UnsupportedError("no libfabric provider with RMA is available: " + "; ".join(errors))
         self._closed = False
         fab = self._fab

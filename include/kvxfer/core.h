@@ -111,6 +111,7 @@ typedef struct kx_msg {
 
 typedef struct kx_sendbuf {
     kx_op op;
+    struct fid_mr *mr;     /* registered only where the provider wants FI_MR_LOCAL */
     size_t len;
     char data[];
 } kx_sendbuf;
@@ -169,6 +170,8 @@ struct kx_engine {
     kx_xfer *q_head, *q_tail;   /* transfers with messages still to post (progress thread posts) */
 
     kx_rxbuf rx[KX_RX_BUFS];
+    struct fid_mr *rx_mr;  /* the receive slab's registration (FI_MR_LOCAL providers) */
+    void *rx_desc;
 
     uint64_t stat_rx_err;  /* error completions not tied to a transfer */
     uint64_t stat_writes;  /* messages posted */

@@ -22,6 +22,9 @@ static void kx_engine_teardown(kx_engine *e);
 static void kx_engine_free(kx_engine *e);
 
 static void kx_engine_destroy(kx_engine *e) { kx_engine_free(e); }
+static int kx_mr_reg(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd,
+                     struct fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
+                     const char **call);
 
 static char *kx_rx_slab(kx_engine *e) { return e->rx[0].data; }
 
@@ -139,6 +142,15 @@ static int kx_engine_open(const char *prov, const char *node, const char *domain
         e->rx[i].op.owner = &e->rx[i];
         e->rx[i].data = slab + (size_t)i * KX_MSG_MAX;
     }
+    if (e->mr_mode & FI_MR_LOCAL) {   /* message buffers must be registered too */
+        uint64_t key;
+        uint8_t raw[64];
+        size_t rawlen;
+        const char *call;
+        int r = kx_mr_reg(e, slab, (size_t)KX_RX_BUFS * KX_MSG_MAX, FI_HMEM_SYSTEM, 0, -1, &e->rx_mr, &key,
+                          &e->rx_desc, raw, &rawlen, &call);
+        KX_CHECK(r, call);
+    }
     for (int i = 0; i < KX_RX_BUFS; i++)
         KX_CHECK(kx_post_recv(e, &e->rx[i]), "fi_recv");
     *out = e;
@@ -182,6 +194,7 @@ static void kx_engine_teardown(kx_engine *e)
         e->thread_started = 0;
     }
     if (e->ep) { fi_close(&e->ep->fid); e->ep = NULL; }
+    if (e->rx_mr) { fi_close(&e->rx_mr->fid); e->rx_mr = NULL; }
     if (e->av) { fi_close(&e->av->fid); e->av = NULL; }
     if (e->cq) { fi_close(&e->cq->fid); e->cq = NULL; }
     if (e->domain) { fi_close(&e->domain->fid); e->domain = NULL; }
@@ -328,13 +341,26 @@ static int kx_send(kx_engine *e, fi_addr_t peer, const char *data, size_t len)
     memset(&s->op, 0, sizeof(s->op));
     s->op.kind = KX_OP_SEND;
     s->op.owner = s;
+    s->mr = NULL;
     s->len = len;
     memcpy(s->data, data, len);
+    void *desc = NULL;
+    if (e->mr_mode & FI_MR_LOCAL) {
+        uint64_t key;
+        uint8_t raw[64];
+        size_t rawlen;
+        const char *call;
+        int r = kx_mr_reg(e, s->data, len ? len : 1, FI_HMEM_SYSTEM, 0, -1, &s->mr, &key, &desc, raw, &rawlen, &call);
+        if (r) {
+            free(s);
+            return r;
+        }
+    }
     __atomic_add_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
     __atomic_add_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
     ssize_t ret;
     for (;;) {
-        ret = fi_send(e->ep, s->data, len, NULL, peer, &s->op.fi);
+        ret = fi_send(e->ep, s->data, len, desc, peer, &s->op.fi);
         if (ret != -FI_EAGAIN || e->stop)
             break;
         if (kx_poll(e) == 0)
@@ -343,6 +369,8 @@ static int kx_send(kx_engine *e, fi_addr_t peer, const char *data, size_t len)
     __atomic_sub_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
     if (ret) {
         __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
+        if (s->mr)
+            fi_close(&s->mr->fid);
         free(s);
         return (int)ret;
     }

@@ -60,7 +60,7 @@ static void kx_xfer_check_done_locked(kx_engine *e, kx_xfer *x)
 
 static int kx_post_recv(kx_engine *e, kx_rxbuf *b)
 {
-    return (int)fi_recv(e->ep, b->data, KX_MSG_MAX, NULL, FI_ADDR_UNSPEC, &b->op.fi);
+    return (int)fi_recv(e->ep, b->data, KX_MSG_MAX, e->rx_desc, FI_ADDR_UNSPEC, &b->op.fi);
 }
 
 static void kx_complete_locked(kx_engine *e, void *context, uint64_t flags, uint64_t data,
@@ -92,6 +92,8 @@ static void kx_complete_locked(kx_engine *e, void *context, uint64_t flags, uint
         __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
         if (err)
             e->stat_rx_err++;
+        if (s->mr)
+            fi_close(&s->mr->fid);
         free(s);
         break;
     }

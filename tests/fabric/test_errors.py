@@ -184,3 +184,30 @@ def test_fabric_error_carries_errno_and_text():
         kvxfer.Engine("no-such-provider", "127.0.0.1")
     e = ei.value
     assert e.fi_errno > 0 and e.call == "fi_getinfo" and e.text
+
+
+def test_device_memory_on_hmem_engine_without_cuda_fails_cleanly():
+    # shm offers FI_HMEM; with no CUDA runtime the registration fails with libfabric's
+    # error (errno and text), never a crash
+    try:
+        eng = kvxfer.Engine("shm", hmem=True)
+    except errors.KvxferError as exc:
+        pytest.skip(f"shm with FI_HMEM unavailable: {exc}")
+    host = np.zeros(4096, np.uint8)
+
+    class HostPretendingToBeDevice:
+        __cuda_array_interface__ = {"data": (host.ctypes.data, False), "shape": (4096,), "typestr": "|u1", "version": 3}
+
+    with eng:
+        assert eng.info["hmem"]
+        try:
+            eng.register(HostPretendingToBeDevice())
+        except errors.FabricError as exc:
+            assert exc.call == "fi_mr_regattr" and exc.fi_errno > 0
+        else:  # a CUDA-capable libfabric with a GPU present may accept it; nothing to check then
+            pass
+
+
+def test_hmem_on_provider_without_it_is_unsupported():
+    with pytest.raises(errors.UnsupportedError):
+        kvxfer.Engine("tcp;ofi_rxm", "127.0.0.1", hmem=True)
