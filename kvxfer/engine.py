@@ -215,7 +215,9 @@ class Transfer:
         if not err:
             return None
         text = os.strerror(err)
-        if err in _PEER_ERRNOS or err == _errno.ECANCELED:
+        if err == _errno.ECANCELED:
+            return PeerError(err, "transfer failed: the peer connection was lost or the engine closed (operation canceled)")
+        if err in _PEER_ERRNOS:
             return PeerError(err, f"transfer failed: {text}")
         return FabricError("fi_writemsg", err, text)
 
