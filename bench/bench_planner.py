@@ -3,7 +3,7 @@
 The goal (issue 5): a 128k-token prompt (8192 pages of 16 tokens) over 80 layers, TP8 -> TP4,
 planned in well under 50 ms so planning never shows in time to first token.
 
-    .venv/bin/python bench/bench_planner.py            # the table in docs/_bench_planner.md
+    .venv/bin/python bench/bench_planner.py            # the table in docs/benchmarks.md ("Planner")
     .venv/bin/python bench/bench_planner.py --repeat 5 --pages 2048
 
 ``plan`` is the time of ``kvxfer.plan`` (what sits on the critical path before the first

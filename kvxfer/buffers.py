@@ -14,7 +14,7 @@ Two kinds, one life cycle:
   exported as a POSIX fd (and a FABRIC handle where the device and IMEX allow), reserved,
   mapped and made read-write; sizes rounded to the allocation granularity.
 
-Lifetime rules (see docs/_arch_buffers.md):
+Lifetime rules (see docs/architecture.md, "KV buffers"):
 
 - The mapping is owned by a small mapping object, not by the ``KVBuffer``. Views (numpy,
   torch, memoryview, ``__cuda_array_interface__``) and ``lease()`` hold that object, so

@@ -5,7 +5,7 @@ frozen dataclasses at once, so the placement rules, the engine and the tests nev
 pyhwloc object. ``import kvxfer.topology`` works without pyhwloc: it is imported only by
 :meth:`Topology.discover` and :meth:`Topology.from_xml`.
 
-Vocabulary (see docs/_arch_topology.md for the reasons):
+Vocabulary (see docs/architecture.md, "Topology and placement" for the reasons):
 
 * A **PCIe switch** of a device is the nearest bridge above it where PCIe links fan out:
   walking up from the device, single-link bridges (root ports, a switch's downstream ports)

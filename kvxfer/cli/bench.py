@@ -6,7 +6,7 @@ target check every byte, and prints GB/s, writes/s and p50/p99 per transfer next
 memmove baseline. ``kvxfer-bench lat`` ping-pongs a small write with immediate.
 ``kvxfer-bench topo`` (when installed) prints the NIC/CPU placement per GPU.
 
-The method is written up in docs/_bench_cli.md. Uses the public API only.
+The method is written up in docs/benchmarks.md ("Method of kvxfer-bench"). Uses the public API only.
 """
 
 from __future__ import annotations
