@@ -281,7 +281,9 @@ class Engine:
     shorter than this travel one per message; default: what the provider can inject, since
     an injected small write beats a packed copy on shm). ``nics``: libfabric domain names,
     one rail (endpoint, progress thread) each, over which paged writes are striped;
-    ``placement``: a ``kvxfer.Placement`` from ``Topology.assign``, giving NICs and CPUs.
+    ``placement``: a ``kvxfer.Placement`` from ``Topology.assign``, giving NICs and CPUs;
+    ``rails``: without ``nics``, open this many endpoints on the provider's default domain
+    (on shm, two rails copy in parallel).
     """
 
     def __init__(
@@ -297,6 +299,7 @@ class Engine:
         pack_min: Optional[int] = None,
         nics: Optional[Sequence[str]] = None,
         placement: Any = None,
+        rails: Optional[int] = None,
     ) -> None:
         _need_native()
         if progress not in ("block", "spin"):
@@ -315,6 +318,8 @@ class Engine:
                 nics = list(placement.domains)
             if cpus is None:
                 cpus = tuple(placement.cpus)
+        if rails is not None and (isinstance(rails, bool) or int(rails) < 1):
+            raise InvalidArgumentError(f"rails must be a positive int, got {rails!r}")
         if nics is not None:
             nics = [str(n) for n in nics]
             if not nics:
@@ -336,6 +341,8 @@ class Engine:
                 errors.append(f"{p}: {exc}")
                 continue
             self._rails = [self._fab]
+            if nics is None and rails is not None and int(rails) > 1:
+                domains = [self._fab.domain_name] * int(rails)
             try:
                 for d in domains[1:]:
                     self._rails.append(_fabric.Fabric(p, bind, hmem, progress == "spin", d, self._fab))

@@ -29,7 +29,7 @@ import numpy as np
 import kvxfer
 from kvxfer.cli._cases import Case, Checker, dst_pages, parse_case, pattern
 from kvxfer.errors import KvxferError, PeerError, TimeoutError
-from kvxfer.wire import Address, count_writes
+from kvxfer.wire import Address, count_writes, split_write
 
 __all__ = ["Channel", "RemoteFailure", "serve", "TargetProcess", "Initiator", "CaseResult", "LatResult",
            "machine_info", "ADDR_PREFIX"]
@@ -185,6 +185,7 @@ def _serve_bw(eng, ch: Channel, req: dict, alive) -> None:
     case = parse_case(req["case"])
     seed, base, timeout = int(req["seed"]), int(req["imm_base"]), float(req["timeout"])
     iov, max_write, pack_min = int(req["iov"]), int(req["max_write"]), int(req.get("pack_min", 0))
+    rails = int(req.get("rails", 1))
     chk = Checker(case, seed)
     with eng.register(chk.buf) as mr:
         ch.send("desc", desc=mr.descriptor().hex())
@@ -200,14 +201,13 @@ def _serve_bw(eng, ch: Channel, req: dict, alive) -> None:
                 measuring = True
                 continue
             perm = chk.mapping(i)
-            if perm is None:
-                so = do = np.zeros(1, np.uint64)
-                ln = np.array([case.nbytes], np.uint64)
+            if perm is None:      # Engine.write: one range per rail of the initiator
+                so, do, ln = split_write(0, 0, case.nbytes, rails)
             else:
                 so = np.arange(case.pages, dtype=np.uint64) * np.uint64(case.page_bytes)
                 do = perm.astype(np.uint64) * np.uint64(case.page_bytes)
                 ln = np.full(case.pages, case.page_bytes, np.uint64)
-            n = count_writes(so, do, ln, iov, max_write, pack_min)
+            n = count_writes(so, do, ln, iov, max_write, pack_min, rails=rails)
             c = eng.expect(base + i, n)
             _wait_counter(c, timeout, alive)
             ch.send("landed", i=i, clock=time.perf_counter())
@@ -235,11 +235,11 @@ def _serve_lat(eng, ch: Channel, req: dict, alive) -> None:
 
 
 def target_main(provider: str, node: Optional[str], *, progress: str, parent_pid: Optional[int],
-                idle_timeout: float, deadline: Optional[float], listen: bool = False) -> int:
+                idle_timeout: float, deadline: Optional[float], listen: bool = False, rails: int = 1) -> int:
     """Entry of ``kvxfer-bench _target`` (spawned) and ``--listen`` (by hand)."""
     if deadline:
         signal.alarm(max(1, int(deadline)))  # the last resort: SIGALRM ends the process
-    with kvxfer.Engine(provider, node=node, progress=progress) as eng:
+    with kvxfer.Engine(provider, node=node, progress=progress, rails=rails) as eng:
         addr = eng.address.hex()
         if listen:
             print(f"kvxfer-bench: target on {eng.provider} is listening; on the other host run\n"
@@ -253,14 +253,14 @@ class TargetProcess:
     """A target child on this machine. Its stderr goes to a file, shown if it fails."""
 
     def __init__(self, provider: str, node: Optional[str], *, progress: str, idle_timeout: float,
-                 deadline: float, start_timeout: float = 60.0) -> None:
+                 deadline: float, start_timeout: float = 60.0, rails: int = 1) -> None:
         self._err = tempfile.TemporaryFile(mode="w+b")
         root = os.path.dirname(os.path.dirname(os.path.abspath(kvxfer.__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [sys.executable, "-m", "kvxfer.cli.bench", "_target", "--provider", provider,
                "--progress", progress, "--parent-pid", str(os.getpid()),
-               "--idle-timeout", str(idle_timeout), "--deadline", str(int(deadline))]
+               "--idle-timeout", str(idle_timeout), "--deadline", str(int(deadline)), "--rails", str(rails)]
         if node:
             cmd += ["--node", node]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._err,
@@ -436,7 +436,7 @@ class Initiator:
         base = self.next_imm
         with eng.register(src) as mr:
             ch.send("bw", case=case.spec, seed=seed, warmup=warmup, imm_base=base, iov=eng.iov,
-                    max_write=eng.max_write, pack_min=eng.pack_min, timeout=timeout)
+                    max_write=eng.max_write, pack_min=eng.pack_min, rails=eng.rails, timeout=timeout)
             rr = eng.remote(bytes.fromhex(ch.recv("desc", timeout)["desc"]))
             src_pages = np.arange(case.pages, dtype=np.int64)
 

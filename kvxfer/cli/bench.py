@@ -64,6 +64,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine")
     e.add_argument("--progress", choices=("block", "spin"), default="block",
                    help="engine progress mode, both processes (default: block)")
+    e.add_argument("--rails", type=int, default=1, metavar="N",
+                   help="endpoints per engine on the provider's domain, pages striped over them (default: 1)")
     e.add_argument("--iov", type=int, metavar="N",
                    help="pieces per RMA message on the initiator (default: the provider's limit)")
     e.add_argument("--max-write", type=_size_arg, metavar="SIZE",
@@ -133,6 +135,7 @@ def _target_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent-pid", type=int)
     p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--deadline", type=float, default=1800.0)
+    p.add_argument("--rails", type=int, default=1)
     return p
 
 
@@ -145,7 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         a = _target_parser().parse_args(argv[1:])
         return target_main(a.provider, a.node, progress=a.progress, parent_pid=a.parent_pid,
-                           idle_timeout=a.idle_timeout, deadline=a.deadline)
+                           idle_timeout=a.idle_timeout, deadline=a.deadline, rails=a.rails)
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("iters", "warmup", "min_iters", "max_iters"):
@@ -280,7 +283,7 @@ class _Run:
             else:
                 node = a.node or default_node(self.provider)
                 self.record["mode"] = "local"
-            self.eng = kvxfer.Engine(self.provider, node=node, progress=a.progress,
+            self.eng = kvxfer.Engine(self.provider, node=node, progress=a.progress, rails=getattr(a, "rails", 1),
                                      iov=getattr(a, "iov", None), max_write=getattr(a, "max_write", None))
             self.provider = self.eng.provider
             self.record["provider"] = self.provider
@@ -288,7 +291,8 @@ class _Run:
             if not a.connect:
                 budget = 900.0 + 120.0 * len(getattr(a, "case", None) or DEFAULT_CASES)
                 self.target = TargetProcess(self.provider, node, progress=a.progress,
-                                            idle_timeout=max(60.0, 2 * a.timeout), deadline=budget)
+                                            idle_timeout=max(60.0, 2 * a.timeout), deadline=budget,
+                                            rails=getattr(a, "rails", 1))
                 addr = self.target.address
                 alive = self.target.dead
             self.ini = Initiator(self.eng, addr, timeout=a.timeout, alive=alive)
