@@ -8,6 +8,7 @@ cdef extern from "rdma/fabric.h" nogil:
     uint64_t FI_MR_LOCAL, FI_MR_VIRT_ADDR, FI_MR_ALLOCATED, FI_MR_PROV_KEY, FI_MR_ENDPOINT, FI_MR_RAW
     uint64_t FI_RMA_EVENT, FI_HMEM
     int FI_MAJOR_VERSION, FI_MINOR_VERSION
+    int FI_EAGAIN
 
 cdef extern from "rdma/fi_domain.h" nogil:
     struct fid_mr:
@@ -53,12 +54,13 @@ cdef extern from "kvxfer/engine.h" nogil:
                        kx_engine *join, kx_engine **out, char *errcall, size_t errcall_len)
     int kx_thread_tid(kx_engine *e)
     int kx_engine_start(kx_engine *e, const int *cpus, int ncpus)
+    void kx_engine_quiesce(kx_engine *e)
     void kx_engine_teardown(kx_engine *e)
     void kx_engine_free(kx_engine *e)
 
-    int kx_mr_reg(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd,
-                  fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
-                  const char **call)
+    int kx_mr_reg_user(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd,
+                       fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
+                       uint64_t *raw_base, const char **call)
     int kx_mr_close(fid_mr *mr)
     int kx_getname(kx_engine *e, void *buf, size_t *len)
     int kx_av_insert(kx_engine *e, const void *addr, fi_addr_t *out)
@@ -74,6 +76,7 @@ cdef extern from "kvxfer/engine.h" nogil:
                       int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min)
     int kx_xfer_wait(kx_engine *e, kx_xfer *x, int64_t slice_ns)
     void kx_xfer_drop(kx_engine *e, kx_xfer *x)
+    void kx_xfer_cancel(kx_engine *e, kx_xfer *x)
 
     int kx_expect(kx_engine *e, uint32_t imm, uint64_t count, int want_callback, kx_counter **out)
     int kx_counter_wait(kx_engine *e, kx_counter *c, int64_t slice_ns)
@@ -87,6 +90,7 @@ cdef extern from "kvxfer/engine.h" nogil:
     int kx_recv_wait(kx_engine *e, int64_t slice_ns, kx_msg **out)
 
     const char *kx_prov_name(kx_engine *e)
+    int kx_addr_is_str(kx_engine *e)
     const char *kx_fabric_name(kx_engine *e)
     const char *kx_domain_name(kx_engine *e)
     uint32_t kx_runtime_version()

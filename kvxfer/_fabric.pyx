@@ -115,6 +115,13 @@ cdef class Fabric:
             raise _error("pthread_create", ret)
         self.started = True
 
+    def quiesce(self):
+        """First half of close: refuse new native calls, wait for those inside, join the
+        progress thread. Registrations can then be closed safely, before ``close``."""
+        if self.e != NULL and not self.closed:
+            with nogil:
+                kx_engine_quiesce(self.e)
+
     def close(self):
         """Stop the progress thread and close every fid; pending work fails with ECANCELED."""
         if self.closed:
@@ -127,6 +134,11 @@ cdef class Fabric:
     @property
     def provider(self):
         return kx_prov_name(self._e()).decode()
+
+    @property
+    def addr_is_str(self):
+        """Endpoint names are NUL-terminated strings (FI_ADDR_STR), not fixed-size structs."""
+        return bool(kx_addr_is_str(self._e()))
 
     @property
     def fabric_name(self):
@@ -279,17 +291,27 @@ cdef class Fabric:
             kx_dispatch_stop(self.e)
 
     # -- control messages ------------------------------------------------------------------
-    def send(self, fi_addr_t peer, const uint8_t[::1] data):
+    def send(self, fi_addr_t peer, const uint8_t[::1] data, timeout=None):
+        """Post one message; while the provider's queue stays full, retry in 50 ms native
+        slices until `timeout` (seconds, None: forever), answering signals in between."""
         cdef kx_engine *e = self._e()
         cdef size_t n = data.shape[0]
         cdef const char *p = <const char *>"\0"
         if n:
             p = <const char *>&data[0]
         cdef int ret
-        with nogil:
-            ret = kx_send(e, peer, p, n)
+        deadline = None if timeout is None else _time.monotonic() + timeout
+        while True:
+            with nogil:
+                ret = kx_send(e, peer, p, n)
+            if ret != -FI_EAGAIN:
+                break
+            if _sliced_wait_done(deadline):
+                return False
+            e = self._e()
         if ret:
             raise _error("fi_send", ret)
+        return True
 
     def recv(self, timeout):
         """The next control message, or None when `timeout` (seconds, None: forever) passes."""
@@ -322,23 +344,26 @@ cdef class MR:
     cdef void *desc
     cdef readonly uint64_t key
     cdef readonly bytes raw_key
+    cdef readonly uint64_t raw_base
     cdef readonly uintptr_t ptr
     cdef readonly size_t nbytes
 
     def __cinit__(self, Fabric fab, uintptr_t ptr, size_t nbytes, int iface, int device, int dmabuf_fd):
         cdef uint8_t raw[64]
         cdef size_t rawlen = 0
+        cdef uint64_t raw_base = 0
         cdef const char *call = "fi_mr_regattr"
         cdef kx_engine *e = fab._e()
         cdef int ret
         self.fab = fab
         self.mr = NULL
         with nogil:
-            ret = kx_mr_reg(e, <void *>ptr, nbytes, iface, device, dmabuf_fd,
-                            &self.mr, &self.key, &self.desc, raw, &rawlen, &call)
+            ret = kx_mr_reg_user(e, <void *>ptr, nbytes, iface, device, dmabuf_fd,
+                                 &self.mr, &self.key, &self.desc, raw, &rawlen, &raw_base, &call)
         if ret:
             raise _error(call.decode(), ret)
         self.raw_key = PyBytes_FromStringAndSize(<char *>raw, rawlen)
+        self.raw_base = raw_base
         self.ptr = ptr
         self.nbytes = nbytes
 
@@ -389,6 +414,10 @@ cdef class Xfer:
     @property
     def errno(self):
         return self.x.error
+
+    def cancel(self):
+        """Post nothing more of this transfer; what was posted still completes."""
+        kx_xfer_cancel(self.fab.e, self.x)
 
     def wait(self, timeout=None):
         """True once every posted message completed; False if `timeout` seconds pass first."""

@@ -84,7 +84,9 @@ def _as_offsets(a, name: str) -> np.ndarray:
     arr = _as_index(a, name)
     if arr.size and int(arr.max()) >= 2**62:
         raise OutOfBoundsError(f"{name} has an entry beyond any region ({int(arr.max())})")
-    return np.ascontiguousarray(arr, dtype=np.uint64)
+    # always a private copy: the progress thread reads it after the call returns, so the
+    # caller must not be able to change what was validated
+    return np.array(arr, dtype=np.uint64, copy=True)
 
 
 def _check_imm(imm) -> Optional[int]:
@@ -104,13 +106,14 @@ class Peer:
     Local rail i talks to the peer's rail ``i % remote_rails``.
     """
 
-    __slots__ = ("engine", "address", "fi_addrs", "remote_rails", "__weakref__")
+    __slots__ = ("engine", "address", "fi_addrs", "remote_rails", "owner", "__weakref__")
 
     def __init__(self, engine: "Engine", address: bytes, fi_addrs: tuple, remote_rails: int) -> None:
         self.engine = engine
         self.address = address
         self.fi_addrs = fi_addrs
         self.remote_rails = remote_rails
+        self.owner = wire.owner_digest(address)
 
     @property
     def fi_addr(self) -> int:
@@ -137,9 +140,13 @@ class MemoryRegion:
         virt = bool(self.engine._fab.mr_mode & _fabric.MR_VIRT_ADDR)
         raw = bool(mrs[0].raw_key)
         keys = tuple(mr.raw_key if raw else int(mr.key).to_bytes(8, "little") for mr in mrs)
+        base = self.ptr if virt else 0
+        if raw and mrs[0].raw_base:          # what fi_mr_map_raw at the peer expects
+            base = int(mrs[0].raw_base)
         return wire.Descriptor(
+            owner=wire.owner_digest(self.engine.address),
             provider=self.engine.provider,
-            base=self.ptr if virt else 0,
+            base=base,
             nbytes=self.nbytes,
             keys=keys,
             virt_addr=virt,
@@ -157,7 +164,13 @@ class MemoryRegion:
         return not self._mrs or self._mrs[0].closed
 
     def close(self) -> None:
-        """Deregister (on every rail)."""
+        """Deregister (on every rail). Refused while a transfer from this region is still
+        posting or in flight: wait for it (or cancel it) first."""
+        if self._mrs and not self.engine.closed and self.engine._busy_region(self):
+            raise InvalidArgumentError("memory region has transfers in flight; wait for them before closing it")
+        self._close()
+
+    def _close(self) -> None:
         for mr in self._mrs:
             mr.close()
         self._mrs = []
@@ -220,6 +233,12 @@ class Transfer:
         if err in _PEER_ERRNOS:
             return PeerError(err, f"transfer failed: {text}")
         return FabricError("fi_writemsg", err, text)
+
+    def cancel(self) -> None:
+        """Post nothing more of this transfer (for a peer that stopped answering): writes
+        already posted still complete or fail; ``wait`` then raises ``PeerError``."""
+        for x in self._xs:
+            x.cancel()
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every write completed at the sender; raise its error, or TimeoutError."""
@@ -304,6 +323,18 @@ class Engine:
         _need_native()
         if progress not in ("block", "spin"):
             raise InvalidArgumentError(f"progress must be 'block' or 'spin', not {progress!r}")
+        for name, v in (("iov", iov), ("max_write", max_write)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+                raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
+        if pack_min is not None and (isinstance(pack_min, bool) or not isinstance(pack_min, (int, np.integer))
+                                     or pack_min < 0):
+            raise InvalidArgumentError(f"pack_min must be a non-negative int, got {pack_min!r}")
+        if cpus is not None:
+            cpus = tuple(cpus)
+            allowed = os.sched_getaffinity(0)
+            bad = [c for c in cpus if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c not in allowed]
+            if bad:
+                raise InvalidArgumentError(f"cpus {bad} are not CPUs this process may run on {sorted(allowed)}")
         self._closed = True
         self._lock = threading.Lock()
         self._regions: "weakref.WeakSet[MemoryRegion]" = weakref.WeakSet()
@@ -386,8 +417,10 @@ class Engine:
         self._closed = True
         fab = self._fab
         fab.dispatch_stop()
+        for r in self._rails:           # nobody posts from here on, so registrations can go
+            r.quiesce()
         for r in list(self._regions):
-            r.close()
+            r._close()
         for rail, k in self._raw_keys:
             rail.unmap_key(k)
         for r in reversed(self._rails):
@@ -401,6 +434,10 @@ class Engine:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _busy_region(self, region: "MemoryRegion") -> bool:
+        with self._lock:
+            return any(t._keep and t._keep[0] is region and not t.done for t in self._pending)
 
     def __enter__(self) -> "Engine":
         return self
@@ -483,6 +520,15 @@ class Engine:
         a = wire.Address.decode(address)
         if a.provider != self.provider:
             raise DescriptorError(f"address is for provider {a.provider!r}, this engine runs {self.provider!r}")
+        local = self._rails[0].getname()
+        for n in a.names:
+            # libfabric reads as many bytes as its address format implies: a name of another
+            # size (or an unterminated string name) would be read out of bounds
+            if self._fab.addr_is_str:
+                if not n.endswith(b"\0") or b"\0" in n[:-1] or len(n) > 256:
+                    raise DescriptorError("address has a malformed endpoint name for this provider")
+            elif len(n) != len(local):
+                raise DescriptorError(f"address has a {len(n)}-byte endpoint name; this provider's are {len(local)} bytes")
         fi_addrs = tuple(
             r.av_insert(np.frombuffer(a.names[i % len(a.names)], dtype=np.uint8)) for i, r in enumerate(self._rails)
         )
@@ -545,6 +591,8 @@ class Engine:
             raise InvalidArgumentError("peer must come from this engine's connect()")
         if not isinstance(dst, RemoteRegion) or dst.engine is not self:
             raise InvalidArgumentError("dst must come from this engine's remote()")
+        if dst.descriptor.owner != peer.owner:
+            raise DescriptorError("the remote region belongs to another engine than this peer")
         if len(dst.descriptor.keys) != peer.remote_rails:
             raise DescriptorError(
                 f"descriptor has {len(dst.descriptor.keys)} rail key(s) but the peer has {peer.remote_rails} rail(s)"
@@ -657,15 +705,19 @@ class Engine:
             raise InvalidArgumentError(f"count must be a positive int, got {count!r}")
         if callback is not None and not callable(callback):
             raise InvalidArgumentError("callback must be callable")
-        try:
-            h = self._fab.expect(imm, int(count), callback is not None)
-        except FabricError as exc:
-            if exc.fi_errno == _errno.EBUSY:
-                raise InvalidArgumentError(f"imm {imm} already has an unfinished expectation") from None
-            raise
-        c = Counter(h, imm, int(count), callback)
-        if callback is not None:
-            with self._lock:
+        if count >= 2**63:
+            raise InvalidArgumentError(f"count {count} is beyond any transfer")
+        # the lock orders registration before the dispatcher can pop a counter that
+        # completes at once from banked arrivals
+        with self._lock:
+            try:
+                h = self._fab.expect(imm, int(count), callback is not None)
+            except FabricError as exc:
+                if exc.fi_errno == _errno.EBUSY:
+                    raise InvalidArgumentError(f"imm {imm} already has an unfinished expectation") from None
+                raise
+            c = Counter(h, imm, int(count), callback)
+            if callback is not None:
                 self._callbacks[h.address] = c
                 if self._dispatcher is None:
                     self._dispatcher = threading.Thread(target=self._dispatch, name="kvxfer-dispatch", daemon=True)
@@ -675,7 +727,10 @@ class Engine:
     def banked(self, imm: int) -> int:
         """Arrivals of ``imm`` received and not yet consumed by an expectation."""
         self._check_open()
-        return self._fab.banked(_check_imm(imm))
+        imm = _check_imm(imm)
+        if imm is None:
+            raise InvalidArgumentError("banked needs an imm")
+        return self._fab.banked(imm)
 
     def _dispatch(self) -> None:
         fab = self._fab
@@ -696,15 +751,19 @@ class Engine:
                     traceback.print_exc()
 
     # -- control messages ----------------------------------------------------------------
-    def send(self, peer: Peer, data: bytes) -> None:
-        """A small control message (at most 64 KiB) over FI_MSG, for protocol coordination."""
+    def send(self, peer: Peer, data: bytes, timeout: Optional[float] = 30.0) -> None:
+        """A small control message (at most 64 KiB) over FI_MSG, for protocol coordination.
+        Raises TimeoutError if the provider's queue stays full for ``timeout`` seconds."""
         self._check_open()
         if not isinstance(peer, Peer) or peer.engine is not self:
             raise InvalidArgumentError("peer must come from this engine's connect()")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(f"a control message is bytes, not {type(data).__name__}")
         buf = np.frombuffer(bytes(data), dtype=np.uint8)
         if len(buf) > _fabric.MSG_MAX:
             raise InvalidArgumentError(f"control message of {len(buf)} bytes exceeds {_fabric.MSG_MAX}")
-        self._fab.send(peer.fi_addrs[0], buf)
+        if not self._fab.send(peer.fi_addrs[0], buf, timeout):
+            raise TimeoutError(f"control message not accepted by the provider within {timeout} s")
 
     def recv(self, timeout: Optional[float] = None) -> bytes:
         """The next control message received; TimeoutError if none within ``timeout`` s."""

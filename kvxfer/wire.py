@@ -10,15 +10,18 @@ Address, version 1::
 Memory descriptor, version 1 (little-endian)::
 
     b"KXM" | u8 version | u8 flags | u8 len + provider name | u64 base | u64 nbytes
-           | u8 keys | per key: u8 len + key bytes
+           | 8-byte owner | u8 keys | per key: u8 len + key bytes
 
 flags: bit 0 VIRT_ADDR (remote addresses are base + offset, else offsets), bit 1 RAW keys
 (provider raw keys, mapped with fi_mr_map_raw; otherwise each key is a u64), bit 2 device
 memory. One key per rail, so a region registered on several NICs travels as one descriptor.
+``owner`` is ``owner_digest(address)`` of the engine that registered the region: an engine
+refuses to use a descriptor with a peer other than its owner.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 
@@ -26,7 +29,7 @@ import numpy as np
 
 from kvxfer.errors import DescriptorError, InvalidArgumentError
 
-__all__ = ["Address", "Descriptor", "count_writes", "stripe_bounds", "split_write", "ADDRESS_VERSION", "DESCRIPTOR_VERSION"]
+__all__ = ["Address", "Descriptor", "count_writes", "stripe_bounds", "split_write", "owner_digest", "ADDRESS_VERSION", "DESCRIPTOR_VERSION"]
 
 ADDRESS_MAGIC = b"KXA"
 DESCRIPTOR_MAGIC = b"KXM"
@@ -128,6 +131,12 @@ class Descriptor:
     virt_addr: bool = False
     raw: bool = False
     device: bool = False
+    owner: bytes = bytes(8)
+
+    def _owner(self) -> bytes:
+        if len(self.owner) != 8:
+            raise InvalidArgumentError("a descriptor's owner digest is 8 bytes")
+        return bytes(self.owner)
 
     def encode(self) -> bytes:
         flags = (FLAG_VIRT_ADDR if self.virt_addr else 0) | (FLAG_RAW_KEY if self.raw else 0) | (
@@ -140,6 +149,7 @@ class Descriptor:
             bytes([DESCRIPTOR_VERSION, flags]),
             _name(self.provider),
             struct.pack("<QQ", self.base, self.nbytes),
+            self._owner(),
             bytes([len(self.keys)]),
         ]
         for k in self.keys:
@@ -159,6 +169,7 @@ class Descriptor:
             raise DescriptorError(f"descriptor has unknown flags {flags:#x}")
         prov = r.take(r.u8()).decode("utf-8", "replace")
         base, nbytes = r.u64(), r.u64()
+        owner = r.take(8)
         n = r.u8()
         if n == 0:
             raise DescriptorError("descriptor has no keys")
@@ -169,7 +180,12 @@ class Descriptor:
         if base + nbytes > 2**64:
             raise DescriptorError("descriptor range wraps around the address space")
         r.end()
-        return cls(prov, base, nbytes, keys, bool(flags & FLAG_VIRT_ADDR), raw, bool(flags & FLAG_DEVICE))
+        return cls(prov, base, nbytes, keys, bool(flags & FLAG_VIRT_ADDR), raw, bool(flags & FLAG_DEVICE), owner)
+
+
+def owner_digest(address: bytes) -> bytes:
+    """8 bytes naming the engine whose address this is (BLAKE2b of the encoded address)."""
+    return hashlib.blake2b(bytes(address), digest_size=8).digest()
 
 
 def stripe_bounds(n: int, rails: int) -> list[int]:

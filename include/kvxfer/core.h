@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <sys/syscall.h>
+#include <sys/random.h>
 
 #include "kvxfer/compat.h"
 
@@ -70,6 +71,7 @@ typedef struct kx_xfer {
     uint64_t dst_base, key, flags;
     uint32_t imm;
     int have_msg;                  /* a built message is waiting for queue space */
+    int cancel;                    /* set by kx_xfer_cancel: post nothing more */
     int np;
     uint64_t ps[KX_MAX_IOV], pd[KX_MAX_IOV], pl[KX_MAX_IOV];
 } kx_xfer;
@@ -101,6 +103,7 @@ typedef struct kx_ctable {
 typedef struct kx_rxbuf {
     kx_op op;
     char *data;
+    int repost;            /* its message was taken; post it again */
 } kx_rxbuf;
 
 typedef struct kx_msg {
@@ -157,13 +160,16 @@ struct kx_engine {
     int thread_started;
     volatile int stop;
     int spin;              /* busy-poll instead of blocking */
-    int posting;           /* threads inside a posting call (atomic) */
+    int posting;           /* threads inside a direct posting burst: the progress thread yields */
+    int busy;              /* threads inside any native call on the endpoint: teardown waits */
+    int leaked;            /* the progress thread could not be joined: never free what it uses */
     int64_t outstanding;   /* tx operations posted and not completed (atomic) */
     int64_t last_activity_ns;
     cpu_set_t cpus;
     int pin;
     int sleeping;          /* progress thread is blocked; posts must wake it */
     int torn_down;
+    int quiesced;
     pid_t tid;             /* the progress thread's kernel id, for tests of pinning */
 
     kx_xfer *inflight;     /* transfers with operations outstanding */

@@ -174,12 +174,20 @@ static int kx_engine_start(kx_engine *e, const int *cpus, int ncpus)
 /* Stop the thread (with a deadline) and close every fid, children first. Idempotent.
  * Transfers and counters still pending fail with ECANCELED; the struct itself lives on
  * until kx_engine_free so late releases from Python stay safe. */
-static void kx_engine_teardown(kx_engine *e)
+/* First half of closing: no thread uses the endpoint afterwards. Sets stop, waits (5 s at
+ * most) for Python threads inside native calls to leave, then joins the progress thread.
+ * Idempotent. Registrations may be closed after this and before the teardown. */
+static void kx_engine_quiesce(kx_engine *e)
 {
-    if (e->torn_down)
+    if (e->quiesced)
         return;
-    e->torn_down = 1;
-    e->stop = 1;
+    e->quiesced = 1;
+    __atomic_store_n(&e->stop, 1, __ATOMIC_SEQ_CST);
+    int64_t until = kx_now_ns() + 5000000000LL;
+    while (__atomic_load_n(&e->busy, __ATOMIC_SEQ_CST) > 0 && kx_now_ns() < until)
+        sched_yield();
+    if (__atomic_load_n(&e->busy, __ATOMIC_SEQ_CST) > 0)
+        e->leaked = 1;
     if (e->thread_started) {
         if (e->has_wait && e->cq)
             fi_cq_signal(e->cq);
@@ -189,9 +197,28 @@ static void kx_engine_teardown(kx_engine *e)
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         ts.tv_sec += 5;
-        if (pthread_timedjoin_np(e->thread, NULL, &ts) != 0)
-            pthread_detach(e->thread);  /* stuck in the provider: leak it rather than crash */
+        if (pthread_timedjoin_np(e->thread, NULL, &ts) != 0) {
+            pthread_detach(e->thread);
+            e->leaked = 1;   /* stuck in the provider: leak everything it may touch */
+        }
         e->thread_started = 0;
+    }
+}
+
+static void kx_engine_teardown(kx_engine *e)
+{
+    if (e->torn_down)
+        return;
+    kx_engine_quiesce(e);
+    e->torn_down = 1;
+    if (e->leaked) {
+        /* a thread may still be inside libfabric: close nothing, free nothing */
+        pthread_mutex_lock(&e->hub->lock);
+        e->hub->open--;
+        e->hub->dispatch_stop = 1;
+        pthread_cond_broadcast(&e->hub->cond);
+        pthread_mutex_unlock(&e->hub->lock);
+        return;
     }
     if (e->ep) { fi_close(&e->ep->fid); e->ep = NULL; }
     if (e->rx_mr) { fi_close(&e->rx_mr->fid); e->rx_mr = NULL; }
@@ -247,6 +274,8 @@ static void kx_engine_teardown(kx_engine *e)
 static void kx_engine_free(kx_engine *e)
 {
     kx_engine_teardown(e);
+    if (e->leaked)
+        return;
     kx_hub *h = e->hub;
     pthread_mutex_lock(&h->lock);
     int last = --h->refs == 0;
@@ -262,9 +291,49 @@ static void kx_engine_free(kx_engine *e)
 
 /* ---- memory registration ---------------------------------------------------------- */
 
+/* Requested keys are random: where the provider does not choose keys (tcp, shm), a key is
+ * all a peer needs to write into a region, so a peer given one region must not be able to
+ * guess the key of another. */
+static uint64_t kx_random_key(kx_engine *e)
+{
+    uint64_t k = 0;
+    if (getrandom(&k, sizeof(k), 0) != (ssize_t)sizeof(k)) {
+        pthread_mutex_lock(&e->hub->lock);
+        k = (e->next_key++) * 0x9E3779B97F4A7C15ULL ^ (uint64_t)kx_now_ns();
+        pthread_mutex_unlock(&e->hub->lock);
+    }
+    return k ? k : 1;
+}
+
+static int kx_mr_reg_entered(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd,
+                             struct fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
+                             uint64_t *raw_base, const char **call);
+
 static int kx_mr_reg(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd,
                      struct fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
                      const char **call)
+{
+    uint64_t base;
+    return kx_mr_reg_entered(e, buf, len, iface, device, dmabuf_fd, mr, key, desc, raw, rawlen, &base, call);
+}
+
+/* registration from Python: refused once the engine is closing */
+static int kx_mr_reg_user(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd,
+                          struct fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
+                          uint64_t *raw_base, const char **call)
+{
+    if (!kx_enter(e)) {
+        *call = "fi_mr_regattr";
+        return -FI_ECANCELED;
+    }
+    int ret = kx_mr_reg_entered(e, buf, len, iface, device, dmabuf_fd, mr, key, desc, raw, rawlen, raw_base, call);
+    kx_leave(e);
+    return ret;
+}
+
+static int kx_mr_reg_entered(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd,
+                             struct fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
+                             uint64_t *raw_base, const char **call)
 {
     struct iovec iov = {buf, len};
     struct fi_mr_attr attr;
@@ -272,9 +341,7 @@ static int kx_mr_reg(kx_engine *e, void *buf, size_t len, int iface, int device,
     attr.mr_iov = &iov;
     attr.iov_count = 1;
     attr.access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
-    pthread_mutex_lock(&e->hub->lock);
-    attr.requested_key = e->next_key++;
-    pthread_mutex_unlock(&e->hub->lock);
+    attr.requested_key = (e->mr_mode & FI_MR_PROV_KEY) ? 0 : kx_random_key(e);
     attr.iface = (enum fi_hmem_iface)iface;
     if (iface == FI_HMEM_CUDA)
         attr.device.cuda = device;
@@ -327,6 +394,7 @@ static int kx_mr_reg(kx_engine *e, void *buf, size_t len, int iface, int device,
             return ret;
         }
         *rawlen = n;
+        *raw_base = base;
     }
     return 0;
 }
@@ -346,27 +414,32 @@ static int kx_send(kx_engine *e, fi_addr_t peer, const char *data, size_t len)
     memcpy(s->data, data, len);
     void *desc = NULL;
     if (e->mr_mode & FI_MR_LOCAL) {
-        uint64_t key;
+        uint64_t key, base;
         uint8_t raw[64];
         size_t rawlen;
         const char *call;
-        int r = kx_mr_reg(e, s->data, len ? len : 1, FI_HMEM_SYSTEM, 0, -1, &s->mr, &key, &desc, raw, &rawlen, &call);
+        int r = kx_mr_reg_user(e, s->data, len ? len : 1, FI_HMEM_SYSTEM, 0, -1, &s->mr, &key, &desc, raw, &rawlen,
+                               &base, &call);
         if (r) {
             free(s);
             return r;
         }
     }
-    __atomic_add_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
-    ssize_t ret;
-    for (;;) {
-        ret = fi_send(e->ep, s->data, len, desc, peer, &s->op.fi);
-        if (ret != -FI_EAGAIN || e->stop)
-            break;
-        if (kx_poll(e) == 0)
-            sched_yield();
+    __atomic_add_fetch(&e->outstanding, 1, __ATOMIC_SEQ_CST);
+    ssize_t ret = -FI_ECANCELED;
+    /* queue full: let the progress thread drain it, for 50 ms at most; the caller retries */
+    int64_t until = kx_now_ns() + 50000000LL;
+    if (kx_enter(e)) {
+        for (;;) {
+            ret = fi_send(e->ep, s->data, len, desc, peer, &s->op.fi);
+            if (ret != -FI_EAGAIN || e->stop || kx_now_ns() > until)
+                break;
+            kx_wake(e);
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
+        kx_leave(e);
     }
-    __atomic_sub_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
     if (ret) {
         __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
         if (s->mr)
@@ -513,9 +586,11 @@ static int kx_mr_close(struct fid_mr *mr)
 }
 
 static const char *kx_prov_name(kx_engine *e) { return e->info->fabric_attr->prov_name; }
+static int kx_addr_is_str(kx_engine *e) { return e->info->addr_format == FI_ADDR_STR; }
 static const char *kx_fabric_name(kx_engine *e) { return e->info->fabric_attr->name; }
 static const char *kx_domain_name(kx_engine *e) { return e->info->domain_attr->name; }
 static pid_t kx_thread_tid(kx_engine *e) { return e->tid; }
+static const char *kx_last_error_call(kx_engine *e) { return e->last_error_call; }
 static uint32_t kx_runtime_version(void) { return fi_version(); }
 static uint32_t kx_build_version(void) { return KX_FI_BUILD_VERSION; }
 static int kx_have_dmabuf(void) { return KX_HAVE_DMABUF; }

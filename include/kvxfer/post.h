@@ -113,9 +113,25 @@ static int kx_pump(kx_engine *e, kx_xfer *x, int64_t budget)
     for (;;) {
         if (x->error)
             return 1;
+        if (__atomic_load_n(&x->cancel, __ATOMIC_ACQUIRE)) {
+            pthread_mutex_lock(&e->hub->lock);
+            if (!x->error)
+                x->error = FI_ECANCELED;
+            pthread_mutex_unlock(&e->hub->lock);
+            return 1;
+        }
         if (!x->have_msg) {
             if (!kx_next_msg(x))
                 return 1;
+            if (x->posted >= x->planned) {
+                /* the walk yields more than it counted: the offset arrays changed under us.
+                 * Engine copies them, so this is a bug; refuse rather than overrun x->ops. */
+                pthread_mutex_lock(&e->hub->lock);
+                if (!x->error)
+                    x->error = FI_EINVAL;
+                pthread_mutex_unlock(&e->hub->lock);
+                return 1;
+            }
             x->have_msg = 1;
         }
         if (budget <= 0)
@@ -194,6 +210,14 @@ static int kx_pump_queue(kx_engine *e)
 /* Allocate a transfer for the triples and post what the provider takes now; the rest is
  * queued for the progress thread. Runs without the GIL; never blocks on the wire. Returns
  * NULL only when out of memory. x->planned is the number of messages (= immediates). */
+/* Ask a transfer to post nothing more; what is already posted still completes. Safe at any
+ * time: only the thread pumping the transfer acts on the flag (and dequeues it). */
+static void kx_xfer_cancel(kx_engine *e, kx_xfer *x)
+{
+    __atomic_store_n(&x->cancel, 1, __ATOMIC_RELEASE);
+    kx_wake(e);
+}
+
 static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *desc,
                          uint64_t dst_base, uint64_t key,
                          const uint64_t *so, const uint64_t *dof, const uint64_t *ln, size_t n,
@@ -232,10 +256,11 @@ static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *des
     pthread_mutex_unlock(&e->hub->lock);
 
     int over = 0;
-    if (!queued && !e->stop) {
-        __atomic_add_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
+    if (!queued && kx_enter(e)) {
+        __atomic_add_fetch(&e->posting, 1, __ATOMIC_SEQ_CST);
         over = kx_pump(e, x, KX_DIRECT_BUDGET);
-        __atomic_sub_fetch(&e->posting, 1, __ATOMIC_ACQ_REL);
+        __atomic_sub_fetch(&e->posting, 1, __ATOMIC_SEQ_CST);
+        kx_leave(e);
     }
     pthread_mutex_lock(&e->hub->lock);
     if (over || e->stop) {

@@ -28,6 +28,24 @@ static void kx_xfer_release_locked(kx_xfer *x)
     }
 }
 
+/* Every native call that uses the endpoint or domain from a Python thread is bracketed by
+ * kx_enter/kx_leave; teardown sets stop and then waits for busy == 0 before closing fids.
+ * (seq_cst on both sides: a caller either sees stop, or teardown sees it busy.) */
+static int kx_enter(kx_engine *e)
+{
+    __atomic_add_fetch(&e->busy, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&e->stop, __ATOMIC_SEQ_CST)) {
+        __atomic_sub_fetch(&e->busy, 1, __ATOMIC_SEQ_CST);
+        return 0;
+    }
+    return 1;
+}
+
+static void kx_leave(kx_engine *e)
+{
+    __atomic_sub_fetch(&e->busy, 1, __ATOMIC_SEQ_CST);
+}
+
 static void kx_xfer_link_locked(kx_engine *e, kx_xfer *x)
 {
     x->prev = NULL;
@@ -116,29 +134,56 @@ static void kx_complete_locked(kx_engine *e, void *context, uint64_t flags, uint
         } else {
             e->stat_rx_err++;
         }
-        if (!e->stop) {
-            /* repost outside the CQ lock's critical path is not needed: fi_recv never blocks */
-            int ret;
-            do {
-                ret = kx_post_recv(e, b);
-            } while (ret == -FI_EAGAIN && !e->stop);
-        }
+        b->repost = 1;     /* reposted by kx_poll once the lock is released */
         break;
     }
     }
 }
 
-/* read up to one batch from the CQ; returns the number of entries handled, or <0 */
+/* repost the receive buffers whose messages were taken (never under the hub lock) */
+static void kx_repost(kx_engine *e)
+{
+    for (int i = 0; i < KX_RX_BUFS; i++) {
+        kx_rxbuf *b = &e->rx[i];
+        if (!b->repost || e->stop)
+            continue;
+        int ret, tries = 0;
+        do {
+            ret = kx_post_recv(e, b);
+        } while (ret == -FI_EAGAIN && ++tries < 1000);
+        if (ret == 0) {
+            b->repost = 0;
+        } else if (ret != -FI_EAGAIN) {
+            b->repost = 0;     /* lost: say so rather than retry forever */
+            e->last_error = -ret;
+            snprintf(e->last_error_call, sizeof(e->last_error_call), "fi_recv");
+            e->stat_rx_err++;
+        }
+    }
+}
+
+static void kx_handle_batch(kx_engine *e, struct fi_cq_data_entry *ent, ssize_t n)
+{
+    int rx = 0;
+    pthread_mutex_lock(&e->hub->lock);
+    for (ssize_t i = 0; i < n; i++) {
+        kx_complete_locked(e, ent[i].op_context, ent[i].flags, ent[i].data, ent[i].len, 0);
+        rx |= (ent[i].flags & FI_RECV) && !(ent[i].flags & FI_REMOTE_CQ_DATA);
+    }
+    pthread_mutex_unlock(&e->hub->lock);
+    if (rx)
+        kx_repost(e);
+    e->last_activity_ns = kx_now_ns();
+}
+
+/* read up to one batch from the CQ; returns the number of entries handled, or <0.
+ * Only the progress thread calls it: completions are then handled in CQ order. */
 static int kx_poll(kx_engine *e)
 {
     struct fi_cq_data_entry ent[KX_CQ_BATCH];
     ssize_t n = fi_cq_read(e->cq, ent, KX_CQ_BATCH);
     if (n > 0) {
-        pthread_mutex_lock(&e->hub->lock);
-        for (ssize_t i = 0; i < n; i++)
-            kx_complete_locked(e, ent[i].op_context, ent[i].flags, ent[i].data, ent[i].len, 0);
-        pthread_mutex_unlock(&e->hub->lock);
-        e->last_activity_ns = kx_now_ns();
+        kx_handle_batch(e, ent, n);
         return (int)n;
     }
     if (n == -FI_EAGAIN)
@@ -151,6 +196,7 @@ static int kx_poll(kx_engine *e)
             pthread_mutex_lock(&e->hub->lock);
             kx_complete_locked(e, err.op_context, err.flags, err.data, err.len, err.err ? err.err : FI_EIO);
             pthread_mutex_unlock(&e->hub->lock);
+            kx_repost(e);
             e->last_activity_ns = kx_now_ns();
             return 1;
         }
@@ -161,8 +207,8 @@ static int kx_poll(kx_engine *e)
 
 static void kx_wake(kx_engine *e)
 {
-    if (__atomic_load_n(&e->sleeping, __ATOMIC_ACQUIRE)) {
-        if (e->has_wait)
+    if (__atomic_load_n(&e->sleeping, __ATOMIC_SEQ_CST)) {
+        if (e->has_wait && e->cq && !e->quiesced)
             fi_cq_signal(e->cq);
         pthread_mutex_lock(&e->hub->lock);
         pthread_cond_broadcast(&e->hub->cond);
@@ -200,19 +246,20 @@ static void *kx_progress_main(void *arg)
             sched_yield();
             continue;
         }
-        /* idle: block */
-        __atomic_store_n(&e->sleeping, 1, __ATOMIC_RELEASE);
+        /* idle: block. Announce it first, then look again, so a post that raced with us
+         * either sees `sleeping` (and signals) or is seen here (no lost wake-up). */
+        __atomic_store_n(&e->sleeping, 1, __ATOMIC_SEQ_CST);
+        outstanding = __atomic_load_n(&e->outstanding, __ATOMIC_SEQ_CST) + (e->q_head != NULL);
         if (e->has_wait && outstanding == 0) {
             struct fi_cq_data_entry ent[KX_CQ_BATCH];
             ssize_t r = fi_cq_sread(e->cq, ent, KX_CQ_BATCH, NULL, 50);
-            __atomic_store_n(&e->sleeping, 0, __ATOMIC_RELEASE);
-            if (r > 0) {
-                pthread_mutex_lock(&e->hub->lock);
-                for (ssize_t i = 0; i < r; i++)
-                    kx_complete_locked(e, ent[i].op_context, ent[i].flags, ent[i].data, ent[i].len, 0);
-                pthread_mutex_unlock(&e->hub->lock);
-                e->last_activity_ns = kx_now_ns();
-            }
+            __atomic_store_n(&e->sleeping, 0, __ATOMIC_SEQ_CST);
+            if (r > 0)
+                kx_handle_batch(e, ent, r);
+            continue;
+        }
+        if (outstanding > 0 && quiet < KX_STALL_NS) {
+            __atomic_store_n(&e->sleeping, 0, __ATOMIC_SEQ_CST);
             continue;
         }
         struct timespec ts;

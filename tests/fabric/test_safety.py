@@ -1,0 +1,173 @@
+"""Lifetime and isolation: closing under load, caller-owned arrays, keys a peer was not given,
+callbacks racing with banked arrivals, cancellation, and inputs that must never reach libfabric."""
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import kvxfer
+from kvxfer import errors, wire
+
+
+@pytest.fixture
+def pair(provider):
+    a = kvxfer.Engine(provider, "127.0.0.1")
+    b = kvxfer.Engine(provider, "127.0.0.1")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_close_with_transfers_queued_does_not_crash(provider):
+    # the progress thread is still posting the queued part when close() runs: it must stop
+    # before any registration goes (run in a child so a crash is a failure, not a dead pytest)
+    code = textwrap.dedent(f"""
+        import numpy as np, kvxfer
+        for _ in range(5):
+            a = kvxfer.Engine({provider!r}, "127.0.0.1"); b = kvxfer.Engine({provider!r}, "127.0.0.1")
+            src = np.ones(32768 * 1024, np.uint8); dst = np.zeros(len(src), np.uint8)
+            ms, md = a.register(src), b.register(dst)
+            t = a.write_pages(ms, np.arange(32768), a.connect(b.address), a.remote(md.descriptor()),
+                              np.random.default_rng(0).permutation(32768), 1024, imm=1)
+            del src
+            a.close(); b.close()
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_region_with_transfer_in_flight_refuses_to_close(pair):
+    a, b = pair
+    src = np.ones(8192 * 1024, np.uint8)
+    dst = np.zeros(len(src), np.uint8)
+    ms, md = a.register(src), b.register(dst)
+    t = a.write_pages(ms, np.arange(8192), a.connect(b.address), a.remote(md.descriptor()),
+                      np.arange(8192)[::-1], 1024, imm=2)
+    if not t.done:
+        with pytest.raises(errors.InvalidArgumentError):
+            ms.close()
+    t.wait(30)
+    ms.close()
+    assert ms.closed
+
+
+def test_caller_arrays_are_copied(pair):
+    # the caller reuses its offset arrays right after the call; what was validated is posted
+    a, b = pair
+    n, size = 8192, 1024
+    src = np.random.default_rng(3).integers(0, 256, n * size, dtype=np.uint8)
+    dst = np.zeros(2 * n * size, np.uint8)
+    ms, md = a.register(src), b.register(dst)
+    so = np.arange(n, dtype=np.uint64) * size
+    do = np.random.default_rng(4).permutation(2 * n)[:n].astype(np.uint64) * size
+    ln = np.full(n, size, np.uint64)
+    expect_do = do.copy()
+    t = a.write_batch(ms, a.connect(b.address), a.remote(md.descriptor()), so, do, ln, imm=7)
+    do[:] = len(dst) - 64
+    ln[:] = 64
+    c = b.expect(7, t.num_writes)
+    t.wait(30)
+    c.wait(30)
+    assert b.banked(7) == 0
+    for i in range(0, n, 97):
+        d = int(expect_do[i])
+        assert np.array_equal(dst[d : d + size], src[i * size : (i + 1) * size])
+
+
+def test_guessed_key_does_not_reach_another_region(pair, provider):
+    a, b = pair
+    given = np.zeros(4096, np.uint8)
+    secret = np.zeros(4096, np.uint8)
+    mg, msec = b.register(given), b.register(secret)
+    d = wire.Descriptor.decode(mg.descriptor())
+    assert d.keys[0] != wire.Descriptor.decode(msec.descriptor()).keys[0]
+    src = a.register(np.full(4096, 0xEE, np.uint8))
+    peer = a.connect(b.address)
+    key = int.from_bytes(d.keys[0], "little")
+    for guess in (key + 1, key - 1, 1, 2):
+        forged = wire.Descriptor(d.provider, d.base, d.nbytes, ((guess % 2**64).to_bytes(8, "little"),),
+                                 d.virt_addr, d.raw, d.device, d.owner).encode()
+        t = a.write(src, 0, peer, a.remote(forged), 0, 4096)
+        try:
+            t.wait(3)
+        except errors.KvxferError:
+            pass
+    assert not secret.any()
+
+
+def test_descriptor_bound_to_its_engine(provider):
+    with kvxfer.Engine(provider, "127.0.0.1") as a, kvxfer.Engine(provider, "127.0.0.1") as b, \
+            kvxfer.Engine(provider, "127.0.0.1") as c:
+        src = a.register(np.ones(4096, np.uint8))
+        of_b = a.remote(b.register(np.zeros(4096, np.uint8)).descriptor())
+        with pytest.raises(errors.DescriptorError):
+            a.write(src, 0, a.connect(c.address), of_b, 0, 64)
+
+
+def test_callback_for_counter_complete_at_once(pair):
+    a, b = pair
+    src, dst = np.ones(4096, np.uint8), np.zeros(4096, np.uint8)
+    ms, md = a.register(src), b.register(dst)
+    peer, rr = a.connect(b.address), a.remote(md.descriptor())
+    fired = []
+    for imm in range(100, 120):
+        a.write(ms, 0, peer, rr, 0, 64, imm=imm).wait(10)
+    for imm in range(100, 120):
+        for _ in range(1000):
+            if b.banked(imm):
+                break
+            threading.Event().wait(0.005)
+        b.expect(imm, 1, callback=lambda c: fired.append(c.imm))
+    for _ in range(1000):
+        if len(fired) == 20:
+            break
+        threading.Event().wait(0.005)
+    assert sorted(fired) == list(range(100, 120))
+    assert not b._callbacks
+
+
+def test_cancel_stops_posting(pair):
+    a, b = pair
+    n = 32768
+    src, dst = np.ones(n * 1024, np.uint8), np.zeros(n * 1024, np.uint8)
+    ms, md = a.register(src), b.register(dst)
+    t = a.write_pages(ms, np.arange(n), a.connect(b.address), a.remote(md.descriptor()), np.arange(n)[::-1], 1024,
+                      imm=3)
+    t.cancel()
+    try:
+        t.wait(30)
+    except errors.PeerError:
+        pass          # cancelled before everything was posted
+    assert t.done
+    assert a.stats()["writes_posted"] <= t.num_writes
+
+
+@pytest.mark.parametrize("bad", [
+    lambda e, p: e.send(p, 5),
+    lambda e, p: e.send(p, "text"),
+    lambda e, p: e.expect(1, 2**64),
+    lambda e, p: e.banked(None),
+])
+def test_bad_inputs_raise_kvxfer_errors(pair, bad):
+    a, b = pair
+    with pytest.raises(errors.InvalidArgumentError):
+        bad(a, a.connect(b.address))
+
+
+def test_bad_engine_options(provider):
+    for kw in ({"iov": 0}, {"max_write": 0}, {"pack_min": -1}, {"cpus": [10_000]}, {"rails": 0},
+               {"progress": "busy"}):
+        with pytest.raises(errors.InvalidArgumentError):
+            kvxfer.Engine(provider, "127.0.0.1", **kw)
+
+
+def test_address_with_wrong_name_size_rejected(engine):
+    a = wire.Address.decode(engine.address)
+    for name in (b"\x01\x02", a.names[0] + b"\x00\x01", b"no-terminator" * 3):
+        with pytest.raises(errors.DescriptorError):
+            engine.connect(wire.Address(a.provider, (name,)).encode())
