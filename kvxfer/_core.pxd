@@ -58,7 +58,7 @@ cdef extern from "kvxfer/engine.h" nogil:
     void kx_engine_teardown(kx_engine *e)
     void kx_engine_free(kx_engine *e)
 
-    int kx_mr_reg_user(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd,
+    int kx_mr_reg_user(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd, int remote,
                        fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
                        uint64_t *raw_base, const char **call)
     int kx_mr_close(fid_mr *mr)

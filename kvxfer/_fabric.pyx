@@ -226,8 +226,9 @@ cdef class Fabric:
             kx_unmap_key(self.e, key)
 
     # -- registration ----------------------------------------------------------------------
-    def mr_reg(self, uintptr_t ptr, size_t nbytes, int iface=FI_HMEM_SYSTEM, int device=0, int dmabuf_fd=-1):
-        return MR(self, ptr, nbytes, iface, device, dmabuf_fd)
+    def mr_reg(self, uintptr_t ptr, size_t nbytes, int iface=FI_HMEM_SYSTEM, int device=0, int dmabuf_fd=-1,
+               bint remote=True):
+        return MR(self, ptr, nbytes, iface, device, dmabuf_fd, remote)
 
     # -- writes ----------------------------------------------------------------------------
     def write(self, fi_addr_t peer, uintptr_t src_base, MR mr, uint64_t dst_base, uint64_t key,
@@ -348,7 +349,7 @@ cdef class MR:
     cdef readonly uintptr_t ptr
     cdef readonly size_t nbytes
 
-    def __cinit__(self, Fabric fab, uintptr_t ptr, size_t nbytes, int iface, int device, int dmabuf_fd):
+    def __cinit__(self, Fabric fab, uintptr_t ptr, size_t nbytes, int iface, int device, int dmabuf_fd, bint remote):
         cdef uint8_t raw[64]
         cdef size_t rawlen = 0
         cdef uint64_t raw_base = 0
@@ -358,7 +359,7 @@ cdef class MR:
         self.fab = fab
         self.mr = NULL
         with nogil:
-            ret = kx_mr_reg_user(e, <void *>ptr, nbytes, iface, device, dmabuf_fd,
+            ret = kx_mr_reg_user(e, <void *>ptr, nbytes, iface, device, dmabuf_fd, remote,
                                  &self.mr, &self.key, &self.desc, raw, &rawlen, &raw_base, &call)
         if ret:
             raise _error(call.decode(), ret)

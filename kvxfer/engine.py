@@ -126,8 +126,10 @@ class Peer:
 class MemoryRegion:
     """Local memory registered with the engine. Keeps its buffer alive until closed."""
 
-    def __init__(self, engine: "Engine", mrs: list, obj: Any, ptr: int, nbytes: int, device: str) -> None:
+    def __init__(self, engine: "Engine", mrs: list, obj: Any, ptr: int, nbytes: int, device: str,
+                 remote: bool = True) -> None:
         self.engine = engine
+        self.remote = remote
         self._mrs = mrs          # one registration per rail (NIC)
         self._obj = obj
         self.ptr = ptr
@@ -137,6 +139,8 @@ class MemoryRegion:
     def descriptor(self) -> bytes:
         """Compact, versioned bytes a peer passes to ``Engine.remote`` to write here."""
         mrs = self._live()
+        if not self.remote:
+            raise InvalidArgumentError("region was registered with remote=False: it has no descriptor")
         virt = bool(self.engine._fab.mr_mode & _fabric.MR_VIRT_ADDR)
         raw = bool(mrs[0].raw_key)
         keys = tuple(mr.raw_key if raw else int(mr.key).to_bytes(8, "little") for mr in mrs)
@@ -534,9 +538,10 @@ class Engine:
         )
         return Peer(self, bytes(address), fi_addrs, len(a.names))
 
-    def register(self, obj: Any) -> MemoryRegion:
+    def register(self, obj: Any, *, remote: bool = True) -> MemoryRegion:
         """Register memory for RMA: a writable buffer, a DLPack/CPU-torch tensor, a KVBuffer,
-        an object with ``__cuda_array_interface__``, or ``(ptr, nbytes)``."""
+        an object with ``__cuda_array_interface__``, or ``(ptr, nbytes)``. ``remote=False``
+        registers a source only: no peer can write into it, and it has no descriptor."""
         self._check_open()
         ptr, nbytes, device, iface, ordinal, dmabuf, keep = _resolve_buffer(obj)
         if nbytes <= 0:
@@ -549,7 +554,7 @@ class Engine:
         mrs = []
         try:
             for r in self._rails:
-                mrs.append(r.mr_reg(ptr, nbytes, iface, ordinal, dmabuf))
+                mrs.append(r.mr_reg(ptr, nbytes, iface, ordinal, dmabuf, bool(remote)))
         except BaseException:
             for mr in mrs:
                 mr.close()
@@ -557,7 +562,7 @@ class Engine:
         finally:
             if dmabuf >= 0:       # each registration holds its own reference to the dma-buf
                 os.close(dmabuf)
-        region = MemoryRegion(self, mrs, keep, ptr, nbytes, device)
+        region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote))
         self._regions.add(region)
         return region
 

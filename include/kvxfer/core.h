@@ -170,6 +170,8 @@ struct kx_engine {
     int sleeping;          /* progress thread is blocked; posts must wake it */
     int torn_down;
     int quiesced;
+    pthread_mutex_t reg_lock;  /* serialises registrations (reg_local_only) */
+    int reg_local_only;        /* the registration under way grants no remote access */
     pid_t tid;             /* the progress thread's kernel id, for tests of pinning */
 
     kx_xfer *inflight;     /* transfers with operations outstanding */

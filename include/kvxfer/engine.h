@@ -62,6 +62,7 @@ static int kx_engine_open(const char *prov, const char *node, const char *domain
         free(e);
         return -FI_ENOMEM;
     }
+    pthread_mutex_init(&e->reg_lock, NULL);
     pthread_mutex_lock(&e->hub->lock);
     e->hub->refs++;
     e->hub->open++;
@@ -286,6 +287,7 @@ static void kx_engine_free(kx_engine *e)
         free(h->table.slots);
         free(h);
     }
+    pthread_mutex_destroy(&e->reg_lock);
     free(e);
 }
 
@@ -318,7 +320,7 @@ static int kx_mr_reg(kx_engine *e, void *buf, size_t len, int iface, int device,
 }
 
 /* registration from Python: refused once the engine is closing */
-static int kx_mr_reg_user(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd,
+static int kx_mr_reg_user(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd, int remote,
                           struct fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
                           uint64_t *raw_base, const char **call)
 {
@@ -326,7 +328,11 @@ static int kx_mr_reg_user(kx_engine *e, void *buf, size_t len, int iface, int de
         *call = "fi_mr_regattr";
         return -FI_ECANCELED;
     }
+    pthread_mutex_lock(&e->reg_lock);
+    e->reg_local_only = !remote;
     int ret = kx_mr_reg_entered(e, buf, len, iface, device, dmabuf_fd, mr, key, desc, raw, rawlen, raw_base, call);
+    e->reg_local_only = 0;
+    pthread_mutex_unlock(&e->reg_lock);
     kx_leave(e);
     return ret;
 }
@@ -340,7 +346,7 @@ static int kx_mr_reg_entered(kx_engine *e, void *buf, size_t len, int iface, int
     memset(&attr, 0, sizeof(attr));
     attr.mr_iov = &iov;
     attr.iov_count = 1;
-    attr.access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    attr.access = FI_READ | FI_WRITE | FI_SEND | FI_RECV | (e->reg_local_only ? 0 : FI_REMOTE_READ | FI_REMOTE_WRITE);
     attr.requested_key = (e->mr_mode & FI_MR_PROV_KEY) ? 0 : kx_random_key(e);
     attr.iface = (enum fi_hmem_iface)iface;
     if (iface == FI_HMEM_CUDA)
@@ -418,8 +424,8 @@ static int kx_send(kx_engine *e, fi_addr_t peer, const char *data, size_t len)
         uint8_t raw[64];
         size_t rawlen;
         const char *call;
-        int r = kx_mr_reg_user(e, s->data, len ? len : 1, FI_HMEM_SYSTEM, 0, -1, &s->mr, &key, &desc, raw, &rawlen,
-                               &base, &call);
+        int r = kx_mr_reg_user(e, s->data, len ? len : 1, FI_HMEM_SYSTEM, 0, -1, 0, &s->mr, &key, &desc, raw,
+                               &rawlen, &base, &call);
         if (r) {
             free(s);
             return r;

@@ -171,3 +171,21 @@ def test_address_with_wrong_name_size_rejected(engine):
     for name in (b"\x01\x02", a.names[0] + b"\x00\x01", b"no-terminator" * 3):
         with pytest.raises(errors.DescriptorError):
             engine.connect(wire.Address(a.provider, (name,)).encode())
+
+
+def test_source_only_region_cannot_be_written(pair):
+    a, b = pair
+    src = a.register(np.full(4096, 7, np.uint8))
+    private = np.zeros(4096, np.uint8)
+    mp = b.register(private, remote=False)
+    with pytest.raises(errors.InvalidArgumentError):
+        mp.descriptor()
+    # b can still send from it
+    dst = np.zeros(4096, np.uint8)
+    md = a.register(dst)
+    private[:] = 9
+    t = b.write(mp, 0, b.connect(a.address), b.remote(md.descriptor()), 0, 4096, imm=1)
+    a.expect(1, t.num_writes).wait(10)
+    t.wait(10)
+    assert (dst == 9).all()
+    del src
