@@ -74,12 +74,11 @@ cdef extern from "kvxfer/engine.h" nogil:
                       uint64_t dst_base, uint64_t key,
                       const uint64_t *so, const uint64_t *dof, const uint64_t *ln, size_t n,
                       int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min)
-    int kx_xfer_wait(kx_engine *e, kx_xfer *x, int64_t slice_ns)
+    int kx_wait_done(kx_engine *e, const int *done, int64_t slice_ns)
     void kx_xfer_drop(kx_engine *e, kx_xfer *x)
     void kx_xfer_cancel(kx_engine *e, kx_xfer *x)
 
     int kx_expect(kx_engine *e, uint32_t imm, uint64_t count, int want_callback, kx_counter **out)
-    int kx_counter_wait(kx_engine *e, kx_counter *c, int64_t slice_ns)
     void kx_counter_drop(kx_engine *e, kx_counter *c)
     void kx_counter_unref(kx_engine *e, kx_counter *c)
     uint64_t kx_banked(kx_engine *e, uint32_t imm)

@@ -54,6 +54,28 @@ cdef inline bint _sliced_wait_done(deadline) except -1:
     return deadline is not None and _time.monotonic() >= deadline
 
 
+cdef inline int64_t _slice_ns(deadline):
+    """The next native wait: a full slice, or what is left before the deadline."""
+    if deadline is None:
+        return SLICE_NS
+    return min(SLICE_NS, max(0, <int64_t>((deadline - _time.monotonic()) * 1e9)))
+
+
+cdef bint _wait_done(kx_engine *e, const int *done, timeout) except -1:
+    """Block on a native `done` flag in GIL-free slices until it is set or `timeout` passes."""
+    cdef int d = 0
+    cdef int64_t slice_ns
+    deadline = None if timeout is None else _time.monotonic() + timeout
+    while True:
+        slice_ns = _slice_ns(deadline)
+        with nogil:
+            d = kx_wait_done(e, done, slice_ns)
+        if d:
+            return True
+        if _sliced_wait_done(deadline):
+            return False
+
+
 cdef class Fabric:
     """One libfabric endpoint with its fabric, domain, CQ, AV and progress thread."""
 
@@ -321,9 +343,7 @@ cdef class Fabric:
         cdef int64_t slice_ns
         deadline = None if timeout is None else _time.monotonic() + timeout
         while True:
-            slice_ns = SLICE_NS
-            if deadline is not None:
-                slice_ns = min(SLICE_NS, max(0, <int64_t>((deadline - _time.monotonic()) * 1e9)))
+            slice_ns = _slice_ns(deadline)
             with nogil:
                 kx_recv_wait(e, slice_ns, &m)
             if m != NULL:
@@ -422,20 +442,7 @@ cdef class Xfer:
 
     def wait(self, timeout=None):
         """True once every posted message completed; False if `timeout` seconds pass first."""
-        cdef int done = 0
-        cdef int64_t slice_ns
-        cdef kx_engine *e = self.fab.e
-        deadline = None if timeout is None else _time.monotonic() + timeout
-        while True:
-            slice_ns = SLICE_NS
-            if deadline is not None:
-                slice_ns = min(SLICE_NS, max(0, <int64_t>((deadline - _time.monotonic()) * 1e9)))
-            with nogil:
-                done = kx_xfer_wait(e, self.x, slice_ns)
-            if done:
-                return True
-            if _sliced_wait_done(deadline):
-                return False
+        return _wait_done(self.fab.e, &self.x.done, timeout)
 
 
 @cython.no_gc_clear  # __dealloc__ needs its Fabric; a Fabric holds no Python refs, so it is never in a cycle
@@ -475,20 +482,8 @@ cdef class CounterHandle:
         return self.c.error
 
     def wait(self, timeout=None):
-        cdef int done = 0
-        cdef int64_t slice_ns
-        cdef kx_engine *e = self.fab.e
-        deadline = None if timeout is None else _time.monotonic() + timeout
-        while True:
-            slice_ns = SLICE_NS
-            if deadline is not None:
-                slice_ns = min(SLICE_NS, max(0, <int64_t>((deadline - _time.monotonic()) * 1e9)))
-            with nogil:
-                done = kx_counter_wait(e, self.c, slice_ns)
-            if done:
-                return True
-            if _sliced_wait_done(deadline):
-                return False
+        """True once all arrivals were credited; False if `timeout` seconds pass first."""
+        return _wait_done(self.fab.e, &self.c.done, timeout)
 
 
 def count_messages(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,

@@ -24,6 +24,11 @@
 #define KX_HAVE_DMABUF 0
 #endif
 
+/* libfabric 2.x keeps FI_CONTEXT2 as the context mode; guard the older bit */
+#ifndef FI_CONTEXT
+#define FI_CONTEXT 0ULL
+#endif
+
 #ifndef FI_MR_HMEM
 #define FI_MR_HMEM (1 << 10)
 #endif

@@ -481,32 +481,19 @@ static int kx_recv_wait(kx_engine *e, int64_t slice_ns, kx_msg **out)
     return m != NULL;
 }
 
-static int kx_xfer_wait(kx_engine *e, kx_xfer *x, int64_t slice_ns)
+/* wait for a `done` flag (a transfer's or a counter's) set under the hub lock */
+static int kx_wait_done(kx_engine *e, const int *done, int64_t slice_ns)
 {
     struct timespec ts;
     kx_deadline(&ts, slice_ns);
     pthread_mutex_lock(&e->hub->lock);
-    while (!x->done) {
+    while (!*done) {
         if (pthread_cond_timedwait(&e->hub->cond, &e->hub->lock, &ts) == ETIMEDOUT)
             break;
     }
-    int done = x->done;
+    int d = *done;
     pthread_mutex_unlock(&e->hub->lock);
-    return done;
-}
-
-static int kx_counter_wait(kx_engine *e, kx_counter *c, int64_t slice_ns)
-{
-    struct timespec ts;
-    kx_deadline(&ts, slice_ns);
-    pthread_mutex_lock(&e->hub->lock);
-    while (!c->done) {
-        if (pthread_cond_timedwait(&e->hub->cond, &e->hub->lock, &ts) == ETIMEDOUT)
-            break;
-    }
-    int done = c->done;
-    pthread_mutex_unlock(&e->hub->lock);
-    return done;
+    return d;
 }
 
 /* the callback dispatcher: pops the next finished counter that wants a callback;
