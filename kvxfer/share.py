@@ -43,14 +43,20 @@ _MAX_BODY = 1 << 20
 _PACK_MAGIC = b"KVXP"
 
 
+def _open_handles(handles, verb: str):
+    """Each handle, checked to be an open SharedHandle before anything is sent."""
+    for h in handles:
+        if not isinstance(h, SharedHandle):
+            raise InvalidArgumentError(f"{verb}_handles takes SharedHandles, got {type(h).__name__}")
+        if h.closed:
+            raise ClosedError(f"cannot {verb} a closed SharedHandle")
+        yield h
+
+
 def _body(handles: list[SharedHandle]) -> tuple[bytes, list[int]]:
     fds: list[int] = []
     items = []
-    for h in handles:
-        if not isinstance(h, SharedHandle):
-            raise InvalidArgumentError(f"send_handles takes SharedHandles, got {type(h).__name__}")
-        if h.closed:
-            raise ClosedError("cannot send a closed SharedHandle")
+    for h in _open_handles(handles, "send"):
         d = h.describe()
         if h.fd >= 0:
             d["fd_index"] = len(fds)
@@ -244,11 +250,7 @@ def pack_handles(handles: Iterable[SharedHandle]) -> bytes:
     Nothing is duplicated here: keep the handles open until the importer has unpacked them.
     """
     items = []
-    for h in handles:
-        if not isinstance(h, SharedHandle):
-            raise InvalidArgumentError(f"pack_handles takes SharedHandles, got {type(h).__name__}")
-        if h.closed:
-            raise ClosedError("cannot pack a closed SharedHandle")
+    for h in _open_handles(handles, "pack"):
         d = h.describe()
         d["fd_number"] = h.fileno() if h.fd >= 0 else -1
         items.append(d)
