@@ -54,8 +54,10 @@ cdef extern from "kvxfer/engine.h" nogil:
                        kx_engine *join, kx_engine **out, char *errcall, size_t errcall_len)
     int kx_thread_tid(kx_engine *e)
     int kx_engine_start(kx_engine *e, const int *cpus, int ncpus)
+    void kx_engine_drain(kx_engine *e, int64_t timeout_ns)
     void kx_engine_quiesce(kx_engine *e)
     void kx_engine_teardown(kx_engine *e)
+    void kx_engine_close_domain(kx_engine *e)
     void kx_engine_free(kx_engine *e)
 
     int kx_mr_reg_user(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd, int remote,

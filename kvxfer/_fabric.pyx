@@ -80,7 +80,8 @@ cdef class Fabric:
     """One libfabric endpoint with its fabric, domain, CQ, AV and progress thread."""
 
     cdef kx_engine *e
-    cdef readonly bint closed
+    cdef readonly bint closed           # the endpoint is closed
+    cdef readonly bint domain_closed    # ... and the domain (registrations are gone)
     cdef readonly bint started
     cdef readonly object join
 
@@ -137,6 +138,13 @@ cdef class Fabric:
             raise _error("pthread_create", ret)
         self.started = True
 
+    def drain(self, double timeout=1.0):
+        """Cancel queued writes and wait up to `timeout` s for posted ones to complete."""
+        cdef int64_t ns = <int64_t>(timeout * 1e9)
+        if self.e != NULL and not self.closed:
+            with nogil:
+                kx_engine_drain(self.e, ns)
+
     def quiesce(self):
         """First half of close: refuse new native calls, wait for those inside, join the
         progress thread. Registrations can then be closed safely, before ``close``."""
@@ -144,13 +152,22 @@ cdef class Fabric:
             with nogil:
                 kx_engine_quiesce(self.e)
 
-    def close(self):
-        """Stop the progress thread and close every fid; pending work fails with ECANCELED."""
+    def close_endpoint(self):
+        """Stop the progress thread and close the endpoint, AV and CQ; pending work fails
+        with ECANCELED. The domain stays open so registrations can still be closed."""
         if self.closed:
             return
         self.closed = True
         with nogil:
             kx_engine_teardown(self.e)
+
+    def close(self):
+        """Close everything; registrations still open on the domain are closed by libfabric."""
+        self.close_endpoint()
+        if not self.domain_closed:
+            self.domain_closed = True
+            with nogil:
+                kx_engine_close_domain(self.e)
 
     # -- properties the face validates against ------------------------------------------
     @property
@@ -244,7 +261,7 @@ cdef class Fabric:
         return key
 
     def unmap_key(self, uint64_t key):
-        if not self.closed:
+        if not self.domain_closed:
             kx_unmap_key(self.e, key)
 
     # -- registration ----------------------------------------------------------------------
@@ -390,7 +407,7 @@ cdef class MR:
 
     def close(self):
         if self.mr != NULL:
-            if not self.fab.closed:
+            if not self.fab.domain_closed:
                 kx_mr_close(self.mr)
             self.mr = NULL
 
@@ -399,7 +416,7 @@ cdef class MR:
         return self.mr == NULL
 
     def __dealloc__(self):
-        if self.mr != NULL and self.fab is not None and not self.fab.closed:
+        if self.mr != NULL and self.fab is not None and not self.fab.domain_closed:
             kx_mr_close(self.mr)
         self.mr = NULL
 

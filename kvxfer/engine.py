@@ -421,8 +421,12 @@ class Engine:
         self._closed = True
         fab = self._fab
         fab.dispatch_stop()
-        for r in self._rails:           # nobody posts from here on, so registrations can go
+        for r in self._rails:           # let posted writes finish (bounded), queued ones go
+            r.drain(1.0)
+        for r in self._rails:           # nobody posts from here on
             r.quiesce()
+        for r in self._rails:           # endpoints go before the registrations they used
+            r.close_endpoint()
         for r in list(self._regions):
             r._close()
         for rail, k in self._raw_keys:

@@ -114,7 +114,7 @@ static int kx_engine_open(const char *prov, const char *node, const char *domain
     memset(&cqa, 0, sizeof(cqa));
     cqa.format = FI_CQ_FORMAT_DATA;
     cqa.size = fi->tx_attr->size + fi->rx_attr->size;
-    cqa.wait_obj = spin ? FI_WAIT_NONE : FI_WAIT_UNSPEC;
+    cqa.wait_obj = spin ? FI_WAIT_NONE : FI_WAIT_FD;   /* a real sleep; WAIT_UNSPEC may pick a yield loop (shm) */
     ret = fi_cq_open(e->domain, &cqa, &e->cq, NULL);
     if (ret && cqa.wait_obj != FI_WAIT_NONE) {
         cqa.wait_obj = FI_WAIT_NONE;
@@ -175,6 +175,31 @@ static int kx_engine_start(kx_engine *e, const int *cpus, int ncpus)
 /* Stop the thread (with a deadline) and close every fid, children first. Idempotent.
  * Transfers and counters still pending fail with ECANCELED; the struct itself lives on
  * until kx_engine_free so late releases from Python stay safe. */
+/* Before closing: cancel what is still queued and give the operations already posted up to
+ * `timeout_ns` to complete, with the progress thread still running. A peer then never sees
+ * an endpoint vanish under commands it is processing (shm crashed in libfabric 1.17 when a
+ * peer closed with writes in flight). A dead peer only costs the deadline. */
+static void kx_engine_drain(kx_engine *e, int64_t timeout_ns)
+{
+    if (e->quiesced || !e->thread_started)
+        return;
+    pthread_mutex_lock(&e->hub->lock);
+    for (kx_xfer *x = e->q_head; x; x = x->qnext)
+        __atomic_store_n(&x->cancel, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&e->hub->lock);
+    kx_wake(e);
+    int64_t until = kx_now_ns() + timeout_ns;
+    while (kx_now_ns() < until) {
+        /* done when nothing of ours is pending and incoming traffic has been quiet for 20 ms
+         * (rxm in 1.17 crashed closing an endpoint that still had a peer's data in flight) */
+        if (__atomic_load_n(&e->outstanding, __ATOMIC_SEQ_CST) == 0 && e->q_head == NULL &&
+            kx_now_ns() - e->last_activity_ns > 20000000LL)
+            break;
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /* First half of closing: no thread uses the endpoint afterwards. Sets stop, waits (5 s at
  * most) for Python threads inside native calls to leave, then joins the progress thread.
  * Idempotent. Registrations may be closed after this and before the teardown. */
@@ -225,9 +250,9 @@ static void kx_engine_teardown(kx_engine *e)
     if (e->rx_mr) { fi_close(&e->rx_mr->fid); e->rx_mr = NULL; }
     if (e->av) { fi_close(&e->av->fid); e->av = NULL; }
     if (e->cq) { fi_close(&e->cq->fid); e->cq = NULL; }
-    if (e->domain) { fi_close(&e->domain->fid); e->domain = NULL; }
-    if (e->fabric) { fi_close(&e->fabric->fid); e->fabric = NULL; }
-    if (e->info) { fi_freeinfo(e->info); e->info = NULL; }
+    /* domain and fabric stay open until kx_engine_close_domain: registrations go first,
+     * after the endpoint (rxm's endpoint close still touches the descriptors of what it
+     * cancels), and a domain with registrations refuses to close */
     if (e->rx[0].data) { free(kx_rx_slab(e)); e->rx[0].data = NULL; }
     pthread_mutex_lock(&e->hub->lock);
     e->q_head = e->q_tail = NULL;
@@ -272,9 +297,20 @@ static void kx_engine_teardown(kx_engine *e)
     pthread_mutex_unlock(&e->hub->lock);
 }
 
-static void kx_engine_free(kx_engine *e)
+/* Last step of closing, once every registration on the domain is closed. Idempotent. */
+static void kx_engine_close_domain(kx_engine *e)
 {
     kx_engine_teardown(e);
+    if (e->leaked)
+        return;
+    if (e->domain) { fi_close(&e->domain->fid); e->domain = NULL; }
+    if (e->fabric) { fi_close(&e->fabric->fid); e->fabric = NULL; }
+    if (e->info) { fi_freeinfo(e->info); e->info = NULL; }
+}
+
+static void kx_engine_free(kx_engine *e)
+{
+    kx_engine_close_domain(e);
     if (e->leaked)
         return;
     kx_hub *h = e->hub;
