@@ -53,6 +53,7 @@ cdef extern from "kvxfer/engine.h" nogil:
     int kx_engine_open(const char *prov, const char *node, const char *domain, int hmem, int spin,
                        kx_engine *join, kx_engine **out, char *errcall, size_t errcall_len)
     int kx_thread_tid(kx_engine *e)
+    int kx_leaked(kx_engine *e)
     int kx_engine_start(kx_engine *e, const int *cpus, int ncpus)
     void kx_engine_drain(kx_engine *e, int64_t timeout_ns)
     void kx_engine_quiesce(kx_engine *e)

@@ -84,6 +84,7 @@ cdef class Fabric:
     cdef readonly bint domain_closed    # ... and the domain (registrations are gone)
     cdef readonly bint started
     cdef readonly object join
+    cdef list pending      # Xfers not yet done: each keeps its source MR (and buffer) alive
 
     def __cinit__(self, provider, node, bint hmem=False, bint spin=False, domain=None, Fabric join=None):
         cdef char errcall[64]
@@ -107,6 +108,7 @@ cdef class Fabric:
         errcall[0] = 0
         self.e = NULL
         self.closed = True
+        self.pending = []
         with nogil:
             ret = kx_engine_open(pp, np, dp, hmem, spin, j, &self.e, errcall, sizeof(errcall))
         if ret:
@@ -160,6 +162,10 @@ cdef class Fabric:
         self.closed = True
         with nogil:
             kx_engine_teardown(self.e)
+        if kx_leaked(self.e):
+            # a thread is stuck inside libfabric: touch nothing of the domain any more
+            self.domain_closed = True
+        self.pending = [p for p in self.pending if not (<Xfer>p).x.done]
 
     def close(self):
         """Close everything; registrations still open on the domain are closed by libfabric."""
@@ -286,15 +292,35 @@ cdef class Fabric:
             so = &src_off[0]
             do_ = &dst_off[0]
             ln = &length[0]
+        if mr.fab is not self or mr.mr == NULL:
+            raise ClosedError("source registration is closed or belongs to another rail")
+        mr.busy += 1          # MR.close refuses while a post is under way
         with nogil:
             x = kx_write(e, peer, <char *>src_base, mr.desc, dst_base, key, so, do_, ln, n,
                          has_imm, immv, iov, max_write, pack_min)
+        mr.busy -= 1
         if x == NULL:
             raise MemoryError()
+        # recorded before any Python code can run (a signal handler raising right after the
+        # native call must not free what the progress thread still reads)
         cdef Xfer t = Xfer.__new__(Xfer)
         t.fab = self
         t.x = x
+        t.mr = mr
+        if not x.done:
+            if len(self.pending) > 64:
+                self.pending = [p for p in self.pending if not (<Xfer>p).x.done]
+            self.pending.append(t)
         return t
+
+    def busy_with(self, MR mr):
+        """Whether a transfer from `mr` is being posted or still in flight on this rail."""
+        if mr.busy:
+            return True
+        for p in self.pending:
+            if (<Xfer>p).mr is mr and not (<Xfer>p).x.done:
+                return True
+        return False
 
     # -- counters --------------------------------------------------------------------------
     def expect(self, uint32_t imm, uint64_t count, bint callback=False):
@@ -385,6 +411,8 @@ cdef class MR:
     cdef readonly uint64_t raw_base
     cdef readonly uintptr_t ptr
     cdef readonly size_t nbytes
+    cdef public int busy       # posts under way from this region
+    cdef public object keep    # the memory's owner, alive as long as the registration
 
     def __cinit__(self, Fabric fab, uintptr_t ptr, size_t nbytes, int iface, int device, int dmabuf_fd, bint remote):
         cdef uint8_t raw[64]
@@ -410,6 +438,8 @@ cdef class MR:
             if not self.fab.domain_closed:
                 kx_mr_close(self.mr)
             self.mr = NULL
+            self.desc = NULL
+        self.keep = None
 
     @property
     def closed(self):
@@ -427,6 +457,7 @@ cdef class Xfer:
 
     cdef readonly Fabric fab
     cdef kx_xfer *x
+    cdef readonly MR mr        # the source registration, alive while the transfer is
 
     def __dealloc__(self):
         if self.x != NULL:

@@ -9,6 +9,7 @@ its regions, peer and index arrays until its last completion has been read.
 from __future__ import annotations
 
 import errno as _errno
+import operator
 import os
 import threading
 import time
@@ -87,6 +88,17 @@ def _as_offsets(a, name: str) -> np.ndarray:
     # always a private copy: the progress thread reads it after the call returns, so the
     # caller must not be able to change what was validated
     return np.array(arr, dtype=np.uint64, copy=True)
+
+
+def _nonneg(v, name: str, positive: bool = False) -> int:
+    """A plain Python int from an int or numpy integer scalar (numpy scalars wrap around in
+    arithmetic, which would defeat the bounds checks)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise InvalidArgumentError(f"{name} must be an int, got {v!r}")
+    v = operator.index(v)
+    if v < (1 if positive else 0):
+        raise InvalidArgumentError(f"{name} must be {'positive' if positive else 'non-negative'}, got {v}")
+    return v
 
 
 def _check_imm(imm) -> Optional[int]:
@@ -333,16 +345,9 @@ class Engine:
         if pack_min is not None and (isinstance(pack_min, bool) or not isinstance(pack_min, (int, np.integer))
                                      or pack_min < 0):
             raise InvalidArgumentError(f"pack_min must be a non-negative int, got {pack_min!r}")
-        if cpus is not None:
-            cpus = tuple(cpus)
-            allowed = os.sched_getaffinity(0)
-            bad = [c for c in cpus if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c not in allowed]
-            if bad:
-                raise InvalidArgumentError(f"cpus {bad} are not CPUs this process may run on {sorted(allowed)}")
         self._closed = True
         self._lock = threading.Lock()
         self._regions: "weakref.WeakSet[MemoryRegion]" = weakref.WeakSet()
-        self._pending: set[Transfer] = set()
         self._callbacks: dict[int, Counter] = {}
         self._dispatcher: Optional[threading.Thread] = None
         self._raw_keys: list[int] = []
@@ -355,6 +360,12 @@ class Engine:
                 cpus = tuple(placement.cpus)
         if rails is not None and (isinstance(rails, bool) or int(rails) < 1):
             raise InvalidArgumentError(f"rails must be a positive int, got {rails!r}")
+        if cpus is not None:     # from the caller or the placement
+            cpus = tuple(cpus)
+            allowed = os.sched_getaffinity(0)
+            bad = [c for c in cpus if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c not in allowed]
+            if bad:
+                raise InvalidArgumentError(f"cpus {bad} are not CPUs this process may run on {sorted(allowed)}")
         if nics is not None:
             nics = [str(n) for n in nics]
             if not nics:
@@ -416,9 +427,10 @@ class Engine:
     # -- life cycle ----------------------------------------------------------------------
     def close(self) -> None:
         """Close regions, then the endpoint; pending transfers fail, the progress thread stops."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         fab = self._fab
         fab.dispatch_stop()
         for r in self._rails:           # let posted writes finish (bounded), queued ones go
@@ -436,7 +448,6 @@ class Engine:
         d = self._dispatcher
         if d is not None and d is not threading.current_thread():
             d.join(timeout=5)
-        self._pending.clear()
         self._callbacks.clear()
 
     @property
@@ -444,8 +455,7 @@ class Engine:
         return self._closed
 
     def _busy_region(self, region: "MemoryRegion") -> bool:
-        with self._lock:
-            return any(t._keep and t._keep[0] is region and not t.done for t in self._pending)
+        return any(r.busy_with(mr) for r, mr in zip(self._rails, region._mrs))
 
     def __enter__(self) -> "Engine":
         return self
@@ -559,6 +569,7 @@ class Engine:
         try:
             for r in self._rails:
                 mrs.append(r.mr_reg(ptr, nbytes, iface, ordinal, dmabuf, bool(remote)))
+                mrs[-1].keep = keep      # a registration keeps its memory alive
         except BaseException:
             for mr in mrs:
                 mr.close()
@@ -567,7 +578,11 @@ class Engine:
             if dmabuf >= 0:       # each registration holds its own reference to the dma-buf
                 os.close(dmabuf)
         region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote))
-        self._regions.add(region)
+        with self._lock:
+            if self._closed:       # close() ran while we registered: undo, not leak
+                region._close()
+                raise ClosedError("engine is closed")
+            self._regions.add(region)
         return region
 
     def remote(self, descriptor: bytes) -> RemoteRegion:
@@ -619,21 +634,17 @@ class Engine:
             if b > a or (i == 0 and len(ln) == 0):
                 xs.append(r.write(peer.fi_addrs[i], src.ptr, mrs[i], dst.base, dst.keys[i], so[a:b], do[a:b], ln[a:b],
                                   imm, self.iov, self.max_write, self.pack_min))
-        t = Transfer(xs, (src, peer, dst, so, do, ln, keep), int(ln.sum()) if len(ln) else 0, imm)
-        if not t.done:
-            with self._lock:
-                if len(self._pending) > 256:
-                    self._pending = {p for p in self._pending if not p.done}
-                self._pending.add(t)
-        return t
+        # what stays alive for the progress thread is owned natively: the triples are copied,
+        # and each rail keeps its pending transfers' source registration (with the buffer)
+        return Transfer(xs, (src, peer, dst), int(ln.sum()) if len(ln) else 0, imm)
 
     def write(self, src: MemoryRegion, src_offset: int, peer: Peer, dst: RemoteRegion, dst_offset: int,
               nbytes: int, imm: Optional[int] = None) -> Transfer:
         """One contiguous write (split above ``max_write``)."""
         self._endpoints(src, peer, dst)
-        for name, v in (("src_offset", src_offset), ("dst_offset", dst_offset), ("nbytes", nbytes)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise InvalidArgumentError(f"{name} must be a non-negative int, got {v!r}")
+        src_offset = _nonneg(src_offset, "src_offset")
+        dst_offset = _nonneg(dst_offset, "dst_offset")
+        nbytes = _nonneg(nbytes, "nbytes")
         if src_offset + nbytes > src.nbytes:
             raise OutOfBoundsError(f"source range [{src_offset}, {src_offset + nbytes}) is outside the {src.nbytes}-byte region")
         if dst_offset + nbytes > dst.nbytes:
@@ -652,16 +663,11 @@ class Engine:
         dp = _as_index(dst_pages, "dst_pages")
         if len(sp) != len(dp):
             raise InvalidArgumentError(f"src_pages has {len(sp)} pages, dst_pages {len(dp)}")
-        for name, v in (("page_bytes", page_bytes), ("src_offset", src_offset), ("dst_offset", dst_offset)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise InvalidArgumentError(f"{name} must be a non-negative int, got {v!r}")
-        if page_bytes == 0:
-            raise InvalidArgumentError("page_bytes must be positive")
-        ss = page_bytes if src_stride is None else src_stride
-        ds = page_bytes if dst_stride is None else dst_stride
-        for name, v in (("src_stride", ss), ("dst_stride", ds)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-                raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
+        page_bytes = _nonneg(page_bytes, "page_bytes", positive=True)
+        src_offset = _nonneg(src_offset, "src_offset")
+        dst_offset = _nonneg(dst_offset, "dst_offset")
+        ss = page_bytes if src_stride is None else _nonneg(src_stride, "src_stride", positive=True)
+        ds = page_bytes if dst_stride is None else _nonneg(dst_stride, "dst_stride", positive=True)
         if len(sp):
             for side, pages, off, stride, size in (("source", sp, src_offset, ss, src.nbytes),
                                                    ("destination", dp, dst_offset, ds, dst.nbytes)):

@@ -59,8 +59,9 @@ typedef struct kx_xfer {
     struct kx_xfer *prev, *next;   /* the engine's in-flight list */
     struct kx_xfer *qnext;         /* the engine's posting queue */
 
-    /* posting state: a resumable walk over the caller's triples (kept alive by Python) */
+    /* posting state: a resumable walk over a private copy of the caller's triples */
     const uint64_t *so, *dof, *ln;
+    uint64_t *owned;               /* that copy (3 n words), freed with the transfer */
     size_t n, i;                   /* triples, next triple */
     uint64_t s, d, l;              /* the segment being cut into pieces */
     size_t iov;

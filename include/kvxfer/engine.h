@@ -148,8 +148,10 @@ static int kx_engine_open(const char *prov, const char *node, const char *domain
         uint8_t raw[64];
         size_t rawlen;
         const char *call;
+        e->reg_local_only = 1;            /* the slab is ours: no remote access */
         int r = kx_mr_reg(e, slab, (size_t)KX_RX_BUFS * KX_MSG_MAX, FI_HMEM_SYSTEM, 0, -1, &e->rx_mr, &key,
                           &e->rx_desc, raw, &rawlen, &call);
+        e->reg_local_only = 0;
         KX_CHECK(r, call);
     }
     for (int i = 0; i < KX_RX_BUFS; i++)
@@ -238,9 +240,23 @@ static void kx_engine_teardown(kx_engine *e)
     kx_engine_quiesce(e);
     e->torn_down = 1;
     if (e->leaked) {
-        /* a thread may still be inside libfabric: close nothing, free nothing */
+        /* a thread may still be inside libfabric: close nothing, free nothing, but let no
+         * waiter hang: pending transfers and counters fail now */
         pthread_mutex_lock(&e->hub->lock);
-        e->hub->open--;
+        for (kx_xfer *x = e->inflight; x; x = x->next) {
+            if (!x->error)
+                x->error = FI_ECANCELED;
+            x->done = 1;
+        }
+        if (--e->hub->open == 0) {
+            for (size_t i = 0; i < e->hub->table.cap; i++) {
+                kx_centry *s = &e->hub->table.slots[i];
+                if (s->used && s->active) {
+                    s->active->error = FI_ECANCELED;
+                    s->active->done = 1;
+                }
+            }
+        }
         e->hub->dispatch_stop = 1;
         pthread_cond_broadcast(&e->hub->cond);
         pthread_mutex_unlock(&e->hub->lock);
@@ -455,40 +471,48 @@ static int kx_send(kx_engine *e, fi_addr_t peer, const char *data, size_t len)
     s->len = len;
     memcpy(s->data, data, len);
     void *desc = NULL;
+    if (!kx_enter(e)) {                  /* one bracket: registration, post and cleanup */
+        free(s);
+        return -FI_ECANCELED;
+    }
     if (e->mr_mode & FI_MR_LOCAL) {
         uint64_t key, base;
         uint8_t raw[64];
         size_t rawlen;
         const char *call;
-        int r = kx_mr_reg_user(e, s->data, len ? len : 1, FI_HMEM_SYSTEM, 0, -1, 0, &s->mr, &key, &desc, raw,
-                               &rawlen, &base, &call);
+        pthread_mutex_lock(&e->reg_lock);
+        e->reg_local_only = 1;
+        int r = kx_mr_reg_entered(e, s->data, len ? len : 1, FI_HMEM_SYSTEM, 0, -1, &s->mr, &key, &desc, raw,
+                                  &rawlen, &base, &call);
+        e->reg_local_only = 0;
+        pthread_mutex_unlock(&e->reg_lock);
         if (r) {
+            kx_leave(e);
             free(s);
             return r;
         }
     }
     __atomic_add_fetch(&e->outstanding, 1, __ATOMIC_SEQ_CST);
-    ssize_t ret = -FI_ECANCELED;
+    ssize_t ret;
     /* queue full: let the progress thread drain it, for 50 ms at most; the caller retries */
     int64_t until = kx_now_ns() + 50000000LL;
-    if (kx_enter(e)) {
-        for (;;) {
-            ret = fi_send(e->ep, s->data, len, desc, peer, &s->op.fi);
-            if (ret != -FI_EAGAIN || e->stop || kx_now_ns() > until)
-                break;
-            kx_wake(e);
-            struct timespec ts = {0, 20000};
-            nanosleep(&ts, NULL);
-        }
-        kx_leave(e);
+    for (;;) {
+        ret = fi_send(e->ep, s->data, len, desc, peer, &s->op.fi);
+        if (ret != -FI_EAGAIN || e->stop || kx_now_ns() > until)
+            break;
+        kx_wake(e);
+        struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
     }
     if (ret) {
         __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
         if (s->mr)
             fi_close(&s->mr->fid);
         free(s);
-        return (int)ret;
     }
+    kx_leave(e);
+    if (ret)
+        return (int)ret;
     kx_wake(e);
     return 0;
 }
@@ -620,6 +644,7 @@ static const char *kx_fabric_name(kx_engine *e) { return e->info->fabric_attr->n
 static const char *kx_domain_name(kx_engine *e) { return e->info->domain_attr->name; }
 static pid_t kx_thread_tid(kx_engine *e) { return e->tid; }
 static const char *kx_last_error_call(kx_engine *e) { return e->last_error_call; }
+static int kx_leaked(kx_engine *e) { return e->leaked; }
 static uint32_t kx_runtime_version(void) { return fi_version(); }
 static uint32_t kx_build_version(void) { return KX_FI_BUILD_VERSION; }
 static int kx_have_dmabuf(void) { return KX_HAVE_DMABUF; }

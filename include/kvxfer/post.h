@@ -241,6 +241,22 @@ static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *des
     x->shared_op.kind = KX_OP_WRITE;
     x->shared_op.owner = x;
     x->refs = 2;  /* Python owner + in-flight */
+    if (n) {
+        /* a private copy: the progress thread walks it after the caller has returned, and
+         * nothing the caller does afterwards (reuse, free, an exception) may change it */
+        x->owned = malloc(3 * n * sizeof(uint64_t));
+        if (!x->owned) {
+            free(x->ops);
+            free(x);
+            return NULL;
+        }
+        memcpy(x->owned, so, n * sizeof(uint64_t));
+        memcpy(x->owned + n, dof, n * sizeof(uint64_t));
+        memcpy(x->owned + 2 * n, ln, n * sizeof(uint64_t));
+        so = x->owned;
+        dof = x->owned + n;
+        ln = x->owned + 2 * n;
+    }
     kx_walk_init(x, so, dof, ln, n, iov, max_write, pack_min);
     x->peer = peer;
     x->src_base = src_base;

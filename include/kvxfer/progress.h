@@ -24,6 +24,7 @@ static void kx_xfer_release_locked(kx_xfer *x)
 {
     if (--x->refs == 0) {
         free(x->ops);
+        free(x->owned);
         free(x);
     }
 }
@@ -208,8 +209,10 @@ static int kx_poll(kx_engine *e)
 static void kx_wake(kx_engine *e)
 {
     if (__atomic_load_n(&e->sleeping, __ATOMIC_SEQ_CST)) {
-        if (e->has_wait && e->cq && !e->quiesced)
+        if (e->has_wait && kx_enter(e)) {      /* never signal a CQ that teardown may close */
             fi_cq_signal(e->cq);
+            kx_leave(e);
+        }
         pthread_mutex_lock(&e->hub->lock);
         pthread_cond_broadcast(&e->hub->cond);
         pthread_mutex_unlock(&e->hub->lock);
@@ -265,7 +268,7 @@ static void *kx_progress_main(void *arg)
         struct timespec ts;
         kx_deadline(&ts, backoff);
         pthread_mutex_lock(&e->hub->lock);
-        if (!e->stop)
+        if (!e->stop && !e->q_head)        /* re-checked under the lock posters signal under */
             pthread_cond_timedwait(&e->hub->cond, &e->hub->lock, &ts);
         pthread_mutex_unlock(&e->hub->lock);
         __atomic_store_n(&e->sleeping, 0, __ATOMIC_RELEASE);

@@ -203,3 +203,46 @@ def test_source_only_region_cannot_be_written(pair):
     t.wait(10)
     assert (dst == 9).all()
     del src
+
+
+def test_numpy_scalars_cannot_wrap_the_bounds_checks(pair):
+    a, b = pair
+    src = a.register(np.zeros(4096, np.uint8))
+    peer, dst = a.connect(b.address), a.remote(b.register(np.zeros(4096, np.uint8)).descriptor())
+    with pytest.raises((errors.OutOfBoundsError, errors.InvalidArgumentError)):
+        a.write(src, np.uint64(2**64 - 16), peer, dst, 0, 16)
+    with pytest.raises((errors.OutOfBoundsError, errors.InvalidArgumentError)):
+        a.write(src, 0, peer, dst, np.uint64(2**64 - 16), 16)
+    with pytest.raises(errors.OutOfBoundsError):
+        a.write_pages(src, [1, 4], peer, dst, [0, 0], 16, src_stride=np.uint64(2**62))
+    with pytest.raises(errors.OutOfBoundsError):
+        a.write_pages(src, [0], peer, dst, [0], 16, src_offset=np.uint64(2**64 - 16))
+    assert a.stats()["writes_posted"] == 0
+
+
+def test_dropping_everything_after_posting_is_safe(pair):
+    # the caller forgets the transfer, the region and the buffer at once: the queued part
+    # still reads valid memory (the rail keeps the registration, the registration its buffer)
+    import gc
+
+    a, b = pair
+    n, size = 16384, 1024
+    dst = np.zeros(n * size, np.uint8)
+    md = b.register(dst)
+    src_array = np.random.default_rng(5).integers(0, 256, n * size, dtype=np.uint8)
+    expected = src_array.copy()
+    ms = a.register(src_array)
+    t = a.write_pages(ms, np.arange(n), a.connect(b.address), a.remote(md.descriptor()), np.arange(n), size, imm=4)
+    count = t.num_writes
+    del t, ms, src_array
+    gc.collect()
+    b.expect(4, count).wait(30)
+    assert np.array_equal(dst, expected)
+
+
+def test_placement_cpus_are_validated(provider):
+    from types import SimpleNamespace
+
+    bad = SimpleNamespace(nics=(), domains=(), cpus=(10_000,))
+    with pytest.raises(errors.InvalidArgumentError):
+        kvxfer.Engine(provider, "127.0.0.1", placement=bad)
