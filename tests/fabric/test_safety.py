@@ -94,6 +94,9 @@ def test_caller_arrays_are_copied(pair):
 
 
 def test_guessed_key_does_not_reach_another_region(pair, provider):
+    if provider == "shm":
+        pytest.skip("shm checks neither keys nor bounds at the target (docs/architecture.md, "
+                    "'Known provider limits'): nothing for random keys to protect there")
     a, b = pair
     given = np.zeros(4096, np.uint8)
     secret = np.zeros(4096, np.uint8)
