@@ -85,6 +85,7 @@ cdef class Fabric:
     cdef readonly bint started
     cdef readonly object join
     cdef list pending      # Xfers not yet done: each keeps its source MR (and buffer) alive
+    cdef Py_ssize_t pruned  # len(pending) after the last prune (amortises pruning)
 
     def __cinit__(self, provider, node, bint hmem=False, bint spin=False, domain=None, Fabric join=None):
         cdef char errcall[64]
@@ -298,8 +299,8 @@ cdef class Fabric:
         with nogil:
             x = kx_write(e, peer, <char *>src_base, mr.desc, dst_base, key, so, do_, ln, n,
                          has_imm, immv, iov, max_write, pack_min)
-        mr.busy -= 1
         if x == NULL:
+            mr.busy -= 1
             raise MemoryError()
         # recorded before any Python code can run (a signal handler raising right after the
         # native call must not free what the progress thread still reads)
@@ -308,10 +309,30 @@ cdef class Fabric:
         t.x = x
         t.mr = mr
         if not x.done:
-            if len(self.pending) > 64:
-                self.pending = [p for p in self.pending if not (<Xfer>p).x.done]
             self.pending.append(t)
+        mr.busy -= 1
+        if len(self.pending) > max(64, 2 * self.pruned):
+            self.prune()
         return t
+
+    def prune(self):
+        """Forget finished transfers (and so release their registrations' buffers)."""
+        self.pending = [p for p in self.pending if not (<Xfer>p).x.done]
+        self.pruned = len(self.pending)
+
+    def close_if_idle(self, list mrs):
+        """Close these registrations (one per rail) unless a transfer from any of them is
+        being posted or in flight; all checks and closes without Python code in between, so
+        no other thread can start a post from them meanwhile. Returns whether it closed."""
+        cdef MR m
+        for m in mrs:
+            if m.fab.busy_with(m):
+                return False
+        for m in mrs:            # the fids first: releasing buffers may run Python code
+            m.close_fid()
+        for m in mrs:
+            m.keep = None
+        return True
 
     def busy_with(self, MR mr):
         """Whether a transfer from `mr` is being posted or still in flight on this rail."""
@@ -399,7 +420,7 @@ cdef class Fabric:
                 return None
 
 
-@cython.no_gc_clear  # __dealloc__ needs its Fabric; a Fabric holds no Python refs, so it is never in a cycle
+@cython.no_gc_clear  # __dealloc__ needs its Fabric (GC clears Fabric.pending first, so it outlives them)
 cdef class MR:
     """One registered memory region (fid_mr) on a Fabric."""
 
@@ -433,12 +454,15 @@ cdef class MR:
         self.ptr = ptr
         self.nbytes = nbytes
 
-    def close(self):
+    cdef close_fid(self):
         if self.mr != NULL:
             if not self.fab.domain_closed:
                 kx_mr_close(self.mr)
             self.mr = NULL
             self.desc = NULL
+
+    def close(self):
+        self.close_fid()
         self.keep = None
 
     @property
@@ -451,7 +475,7 @@ cdef class MR:
         self.mr = NULL
 
 
-@cython.no_gc_clear  # __dealloc__ needs its Fabric; a Fabric holds no Python refs, so it is never in a cycle
+@cython.no_gc_clear  # __dealloc__ needs its Fabric (GC clears Fabric.pending first, so it outlives them)
 cdef class Xfer:
     """The native side of a Transfer: counts of planned, posted and completed messages."""
 
@@ -493,7 +517,7 @@ cdef class Xfer:
         return _wait_done(self.fab.e, &self.x.done, timeout)
 
 
-@cython.no_gc_clear  # __dealloc__ needs its Fabric; a Fabric holds no Python refs, so it is never in a cycle
+@cython.no_gc_clear  # __dealloc__ needs its Fabric (GC clears Fabric.pending first, so it outlives them)
 cdef class CounterHandle:
     """The native side of a Counter: an expectation of `count` arrivals of one imm."""
 

@@ -182,8 +182,9 @@ class MemoryRegion:
     def close(self) -> None:
         """Deregister (on every rail). Refused while a transfer from this region is still
         posting or in flight: wait for it (or cancel it) first."""
-        if self._mrs and not self.engine.closed and self.engine._busy_region(self):
-            raise InvalidArgumentError("memory region has transfers in flight; wait for them before closing it")
+        if self._mrs and not self.engine.closed:
+            if not self.engine._fab.close_if_idle(self._mrs):
+                raise InvalidArgumentError("memory region has transfers in flight; wait for them before closing it")
         self._close()
 
     def _close(self) -> None:
@@ -453,9 +454,6 @@ class Engine:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def _busy_region(self, region: "MemoryRegion") -> bool:
-        return any(r.busy_with(mr) for r, mr in zip(self._rails, region._mrs))
 
     def __enter__(self) -> "Engine":
         return self
