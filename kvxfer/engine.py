@@ -32,6 +32,7 @@ from kvxfer.errors import (
     UnsupportedError,
 )
 
+_fabric: Any
 try:
     from kvxfer import _fabric
 except ImportError as _exc:  # pragma: no cover - exercised only on broken installs
@@ -351,11 +352,11 @@ class Engine:
         self._regions: "weakref.WeakSet[MemoryRegion]" = weakref.WeakSet()
         self._callbacks: dict[int, Counter] = {}
         self._dispatcher: Optional[threading.Thread] = None
-        self._raw_keys: list[int] = []
+        self._raw_keys: list[tuple[Any, int]] = []
         if provider is None:
             provider = os.environ.get("FI_PROVIDER") or None
         if placement is not None:
-            if nics is None and getattr(placement, "nics", ()):
+            if nics is None and getattr(placement, "nics", None):
                 nics = list(placement.domains)
             if cpus is None:
                 cpus = tuple(placement.cpus)
@@ -371,34 +372,34 @@ class Engine:
             nics = [str(n) for n in nics]
             if not nics:
                 raise InvalidArgumentError("nics must name at least one NIC (libfabric domain)")
-        domains = nics or [None]
+        domains: list[Optional[str]] = list(nics) if nics else [None]
         candidates = [provider] if provider else list(PREFERENCE)
         errors: list[str] = []
         first_error: Optional[FabricError] = None
-        self._fab = None
+        fab0: Optional[Any] = None
         self._rails: list = []
         for p in candidates:
             # shm names its endpoint after `node`: two processes naming 127.0.0.1 would
             # collide (EBUSY), so shm always takes its own, per-process default name
             bind = None if p.split(";")[0] == "shm" else node
             try:
-                self._fab = _fabric.Fabric(p, bind, hmem, progress == "spin", domains[0])
+                fab0 = _fabric.Fabric(p, bind, hmem, progress == "spin", domains[0])
             except FabricError as exc:
                 first_error = first_error or exc
                 errors.append(f"{p}: {exc}")
                 continue
-            self._rails = [self._fab]
+            self._rails = [fab0]
             if nics is None and rails is not None and int(rails) > 1:
-                domains = [self._fab.domain_name] * int(rails)
+                domains = [fab0.domain_name] * int(rails)
             try:
                 for d in domains[1:]:
-                    self._rails.append(_fabric.Fabric(p, bind, hmem, progress == "spin", d, self._fab))
+                    self._rails.append(_fabric.Fabric(p, bind, hmem, progress == "spin", d, fab0))
             except BaseException:
                 for r in reversed(self._rails):
                     r.close()
                 raise
             break
-        if self._fab is None:
+        if fab0 is None:
             if provider and hmem:
                 try:
                     _fabric.Fabric(provider, None if provider.split(";")[0] == "shm" else node).close()
@@ -407,9 +408,10 @@ class Engine:
                 else:
                     raise UnsupportedError(f"provider {provider!r} offers no FI_HMEM (device memory); "
                                            "use shm, efa or verbs;ofi_rxm for GPU buffers")
-            if provider:
+            if provider and first_error is not None:
                 raise first_error
             raise UnsupportedError("no libfabric provider with RMA is available: " + "; ".join(errors))
+        self._fab: Any = fab0
         self._closed = False
         fab = self._fab
         self.provider: str = fab.provider
@@ -711,9 +713,10 @@ class Engine:
         ``callback(counter)`` runs once, on the engine's dispatcher thread, when all arrived.
         """
         self._check_open()
-        imm = _check_imm(imm)
-        if imm is None:
+        checked = _check_imm(imm)
+        if checked is None:
             raise InvalidArgumentError("expect needs an imm")
+        imm = checked
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count <= 0:
             raise InvalidArgumentError(f"count must be a positive int, got {count!r}")
         if callback is not None and not callable(callback):
@@ -740,10 +743,10 @@ class Engine:
     def banked(self, imm: int) -> int:
         """Arrivals of ``imm`` received and not yet consumed by an expectation."""
         self._check_open()
-        imm = _check_imm(imm)
-        if imm is None:
+        checked = _check_imm(imm)
+        if checked is None:
             raise InvalidArgumentError("banked needs an imm")
-        return self._fab.banked(imm)
+        return self._fab.banked(checked)
 
     def _dispatch(self) -> None:
         fab = self._fab

@@ -6,6 +6,7 @@ A leaf module: it imports nothing from kvxfer, so every layer may raise these.
 
 from __future__ import annotations
 
+import builtins as _builtins
 import errno as _errno
 
 __all__ = [
@@ -63,7 +64,7 @@ class PeerError(KvxferError, ConnectionError):
     """A peer is unreachable or died with transfers pending."""
 
 
-class TimeoutError(KvxferError, TimeoutError):  # noqa: A001 - deliberately shadows the built-in
+class TimeoutError(KvxferError, _builtins.TimeoutError):  # noqa: A001 - deliberately shadows the built-in
     """A wait ran out of time. Subclasses the built-in ``TimeoutError``."""
 
 
@@ -83,5 +84,5 @@ class TopologyError(KvxferError, ValueError):
     """A topology XML is missing or malformed, or a placement cannot be made."""
 
 
-class BufferError(KvxferError, BufferError):  # noqa: A001
+class BufferError(KvxferError, _builtins.BufferError):  # noqa: A001
     """A KV buffer cannot be allocated, exported, imported or viewed as asked."""

@@ -299,6 +299,8 @@ class KVLayout:
             raise LayoutError(
                 f"page_stride={page_stride} is smaller than a page ({dense_page} bytes for {lh} local heads)")
         pool = self.num_pages * page_stride  # one (layer, pool) span
+        plane_region: tuple[int, ...]
+        plane_base: tuple[int, ...]
         if self.kv == "fused":
             plane_region, plane_base = (0, 0), (0, block)
         elif self.kv == "stacked":

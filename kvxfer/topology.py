@@ -367,6 +367,7 @@ class Topology:
         return best if counts[best] else None  # type: ignore[return-value]
 
     def _pool(self, nic_kind: str | None) -> tuple[str | None, list[NIC]]:
+        kind: str | None
         if nic_kind is None:
             kind = self.default_nic_kind()
         elif nic_kind in NIC_KINDS:
@@ -375,7 +376,7 @@ class Topology:
             raise InvalidArgumentError(f"nic_kind must be one of {NIC_KINDS} or None, not {nic_kind!r}")
         pool = sorted((n for n in self.nics if n.kind == kind), key=lambda n: (n.busid, n.name))
         if nic_kind is not None and not pool:
-            have = sorted({n.kind for n in self.nics}) or ["none"]
+            have: list[str] = sorted({n.kind for n in self.nics}) or ["none"]
             raise TopologyError(f"no {nic_kind} NIC in {self.source} (NIC kinds present: {', '.join(have)})")
         return kind, pool
 

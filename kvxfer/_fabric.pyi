@@ -1,0 +1,105 @@
+"""Type stub of kvxfer._fabric: the native handles under kvxfer.engine (not public API)."""
+
+from typing import Any, Iterable, Optional
+
+import numpy as np
+import numpy.typing as npt
+
+HMEM_SYSTEM: int
+HMEM_CUDA: int
+MR_LOCAL: int
+MR_VIRT_ADDR: int
+MR_ALLOCATED: int
+MR_PROV_KEY: int
+MR_ENDPOINT: int
+MR_RAW: int
+CAP_RMA_EVENT: int
+CAP_HMEM: int
+MSG_MAX: int
+MAX_IOV: int
+HAVE_DMABUF: bool
+RUNTIME_VERSION: tuple[int, int]
+BUILD_VERSION: tuple[int, int]
+
+_U8 = npt.NDArray[np.uint8]
+_U64 = npt.NDArray[np.uint64]
+
+class Fabric:
+    closed: bool
+    domain_closed: bool
+    started: bool
+    join: Optional[Fabric]
+    def __init__(self, provider: Optional[str], node: Optional[str], hmem: bool = ..., spin: bool = ...,
+                 domain: Optional[str] = ..., join: Optional[Fabric] = ...) -> None: ...
+    def start(self, cpus: Iterable[int] = ...) -> None: ...
+    def drain(self, timeout: float = ...) -> None: ...
+    def quiesce(self) -> None: ...
+    def close_endpoint(self) -> None: ...
+    def close(self) -> None: ...
+    provider: str
+    addr_is_str: bool
+    fabric_name: str
+    domain_name: str
+    mr_mode: int
+    caps: int
+    iov_limit: int
+    max_msg_size: int
+    inject_size: int
+    cq_data_size: int
+    has_wait: bool
+    need_ctx: bool
+    thread_id: int
+    def stats(self) -> dict[str, int]: ...
+    def getname(self) -> bytes: ...
+    def av_insert(self, addr: _U8) -> int: ...
+    def av_remove(self, a: int) -> None: ...
+    def map_raw(self, base: int, raw: _U8) -> int: ...
+    def unmap_key(self, key: int) -> None: ...
+    def mr_reg(self, ptr: int, nbytes: int, iface: int = ..., device: int = ..., dmabuf_fd: int = ...,
+               remote: bool = ...) -> MR: ...
+    def write(self, peer: int, src_base: int, mr: MR, dst_base: int, key: int, src_off: _U64, dst_off: _U64,
+              length: _U64, imm: Optional[int], iov: int, max_write: int, pack_min: int) -> Xfer: ...
+    def prune(self) -> None: ...
+    def close_if_idle(self, mrs: list[MR]) -> bool: ...
+    def busy_with(self, mr: MR) -> bool: ...
+    def expect(self, imm: int, count: int, callback: bool = ...) -> CounterHandle: ...
+    def banked(self, imm: int) -> int: ...
+    def next_done(self, timeout: float) -> Optional[int]: ...
+    def dispatch_stop(self) -> None: ...
+    def send(self, peer: int, data: _U8, timeout: Optional[float] = ...) -> bool: ...
+    def recv(self, timeout: Optional[float]) -> Optional[bytes]: ...
+
+class MR:
+    fab: Fabric
+    key: int
+    raw_key: bytes
+    raw_base: int
+    ptr: int
+    nbytes: int
+    busy: int
+    keep: Any
+    closed: bool
+    def close(self) -> None: ...
+
+class Xfer:
+    fab: Fabric
+    mr: MR
+    planned: int
+    posted: int
+    completed: int
+    done: bool
+    errno: int
+    def cancel(self) -> None: ...
+    def wait(self, timeout: Optional[float] = ...) -> bool: ...
+
+class CounterHandle:
+    fab: Fabric
+    address: int
+    imm: int
+    count: int
+    arrived: int
+    done: bool
+    errno: int
+    def wait(self, timeout: Optional[float] = ...) -> bool: ...
+
+def count_messages(src_off: _U64, dst_off: _U64, length: _U64, iov: int, max_write: int, pack_min: int = ...) -> int: ...
