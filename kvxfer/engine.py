@@ -2,8 +2,9 @@
 
 This is the validating face over kvxfer._fabric. Everything a caller can get wrong is
 checked here, before anything is posted; the native layer then posts whole batches with
-the GIL released. Objects keep what they depend on alive: a region its buffer, a transfer
-its regions, peer and index arrays until its last completion has been read.
+the GIL released. What the progress thread reads stays alive natively: a transfer owns a
+copy of its offsets, each rail holds its pending transfers' source registrations, and a
+registration holds its buffer, until the last completion has been read.
 """
 
 from __future__ import annotations
@@ -225,11 +226,10 @@ class RemoteRegion:
 class Transfer:
     """A batch of posted writes. ``num_writes`` is the number of immediates the target sees."""
 
-    __slots__ = ("_xs", "_keep", "num_writes", "nbytes", "imm", "__weakref__")
+    __slots__ = ("_xs", "num_writes", "nbytes", "imm", "__weakref__")
 
-    def __init__(self, xs: list, keep: tuple, nbytes: int, imm: Optional[int]) -> None:
-        self._xs = xs             # one native transfer per rail used
-        self._keep = keep
+    def __init__(self, xs: list, nbytes: int, imm: Optional[int]) -> None:
+        self._xs = xs             # one native transfer per rail used; they keep what they read
         self.num_writes: int = sum(x.planned for x in xs)
         self.nbytes = nbytes
         self.imm = imm
@@ -266,7 +266,6 @@ class Transfer:
             if not x.wait(left):
                 done = sum(x.completed for x in self._xs)
                 raise TimeoutError(f"transfer not complete after {timeout} s ({done}/{self.num_writes} writes done)")
-        self._keep = ()
         err = self.error
         if err is not None:
             raise err
@@ -622,7 +621,7 @@ class Engine:
                 f"descriptor has {len(dst.descriptor.keys)} rail key(s) but the peer has {peer.remote_rails} rail(s)"
             )
 
-    def _post(self, src, peer, dst, so, do, ln, imm, keep) -> Transfer:
+    def _post(self, src, peer, dst, so, do, ln, imm) -> Transfer:
         imm = _check_imm(imm)
         if imm is not None and self._fab.cq_data_size < 4:
             raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")
@@ -636,7 +635,7 @@ class Engine:
                                   imm, self.iov, self.max_write, self.pack_min))
         # what stays alive for the progress thread is owned natively: the triples are copied,
         # and each rail keeps its pending transfers' source registration (with the buffer)
-        return Transfer(xs, (src, peer, dst), int(ln.sum()) if len(ln) else 0, imm)
+        return Transfer(xs, int(ln.sum()) if len(ln) else 0, imm)
 
     def write(self, src: MemoryRegion, src_offset: int, peer: Peer, dst: RemoteRegion, dst_offset: int,
               nbytes: int, imm: Optional[int] = None) -> Transfer:
@@ -651,7 +650,7 @@ class Engine:
             raise OutOfBoundsError(f"destination range [{dst_offset}, {dst_offset + nbytes}) is outside the {dst.nbytes}-byte remote region")
         # with several rails the range is cut into one equal part per rail (wire.split_write)
         so, do, ln = wire.split_write(src_offset, dst_offset, nbytes, len(self._rails))
-        return self._post(src, peer, dst, so, do, ln, imm, None)
+        return self._post(src, peer, dst, so, do, ln, imm)
 
     def write_pages(self, src: MemoryRegion, src_pages, peer: Peer, dst: RemoteRegion, dst_pages, page_bytes: int,
                     *, src_stride: Optional[int] = None, dst_stride: Optional[int] = None,
@@ -680,7 +679,7 @@ class Engine:
         so = sp.astype(np.uint64) * np.uint64(ss) + np.uint64(src_offset)
         do = dp.astype(np.uint64) * np.uint64(ds) + np.uint64(dst_offset)
         ln = np.full(len(sp), page_bytes, dtype=np.uint64)
-        return self._post(src, peer, dst, so, do, ln, imm, None)
+        return self._post(src, peer, dst, so, do, ln, imm)
 
     def write_batch(self, src: MemoryRegion, peer: Peer, dst: RemoteRegion, src_offsets, dst_offsets, lengths,
                     imm: Optional[int] = None) -> Transfer:
@@ -699,7 +698,7 @@ class Engine:
                 raise OutOfBoundsError(f"source write {i} ends at byte {int(se[i])}, beyond the {src.nbytes}-byte region")
             if int(de[j]) > dst.nbytes:
                 raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
-        return self._post(src, peer, dst, so, do, ln, imm, None)
+        return self._post(src, peer, dst, so, do, ln, imm)
 
     def count_writes(self, src_offsets, dst_offsets, lengths) -> int:
         """``wire.count_writes`` with this engine's ``iov``, ``max_write``, ``pack_min`` and rails."""
