@@ -235,7 +235,8 @@ def _serve_lat(eng, ch: Channel, req: dict, alive) -> None:
 
 
 def target_main(provider: str, node: Optional[str], *, progress: str, parent_pid: Optional[int],
-                idle_timeout: float, deadline: Optional[float], listen: bool = False, rails: int = 1) -> int:
+                idle_timeout: float, deadline: Optional[float], listen: bool = False, rails: int = 1,
+                listen_timeout: Optional[float] = None) -> int:
     """Entry of ``kvxfer-bench _target`` (spawned) and ``--listen`` (by hand)."""
     if deadline:
         signal.alarm(max(1, int(deadline)))  # the last resort: SIGALRM ends the process
@@ -246,7 +247,7 @@ def target_main(provider: str, node: Optional[str], *, progress: str, parent_pid
                   f"  kvxfer-bench {listen} --connect {addr}", file=sys.stderr, flush=True)
         print(ADDR_PREFIX + addr, flush=True)
         return serve(eng, parent_pid=parent_pid, idle_timeout=idle_timeout,
-                     first_timeout=None if listen else idle_timeout)
+                     first_timeout=listen_timeout if listen else idle_timeout)
 
 
 class TargetProcess:

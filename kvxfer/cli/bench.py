@@ -58,6 +58,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     where.add_argument("--listen", action="store_true",
                        help="be the target for an initiator on another host; prints the --connect address")
     where.add_argument("--connect", metavar="ADDR", help="run against a target started with --listen (hex address)")
+    g.add_argument("--listen-timeout", type=float, metavar="S",
+                   help="with --listen: give up if no initiator arrives within S seconds (default: wait)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write every result, the command line, provider and machine facts")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -345,7 +347,8 @@ def _listen(args: argparse.Namespace) -> int:
     prov = args.provider[0] if args.provider else None
     try:
         return target_main(prov, args.node, progress=args.progress, parent_pid=None,
-                           idle_timeout=max(120.0, 2 * args.timeout), deadline=None, listen=args.cmd)
+                           idle_timeout=max(120.0, 2 * args.timeout), deadline=None, listen=args.cmd,
+                           rails=getattr(args, "rails", 1), listen_timeout=args.listen_timeout)
     except KvxferError as exc:
         print(f"kvxfer-bench: {exc}", file=sys.stderr)
         return 1
