@@ -45,7 +45,6 @@ cdef extern from "kvxfer/engine.h" nogil:
         int64_t outstanding
         uint64_t stat_rx_err
         uint64_t stat_writes
-        int last_error
 
     int KX_MSG_MAX
     int KX_MAX_IOV
@@ -67,7 +66,6 @@ cdef extern from "kvxfer/engine.h" nogil:
     int kx_mr_close(fid_mr *mr)
     int kx_getname(kx_engine *e, void *buf, size_t *len)
     int kx_av_insert(kx_engine *e, const void *addr, fi_addr_t *out)
-    int kx_av_remove(kx_engine *e, fi_addr_t a)
     int kx_map_raw(kx_engine *e, uint64_t base, uint8_t *raw, size_t rawlen, uint64_t *key)
     int kx_unmap_key(kx_engine *e, uint64_t key)
 

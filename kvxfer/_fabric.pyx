@@ -255,11 +255,6 @@ cdef class Fabric:
             raise _error("fi_av_insert", ret)
         return a
 
-    def av_remove(self, fi_addr_t a):
-        cdef int ret = kx_av_remove(self._e(), a)
-        if ret:
-            raise _error("fi_av_remove", ret)
-
     def map_raw(self, uint64_t base, const uint8_t[::1] raw):
         cdef uint64_t key = 0
         cdef int ret = kx_map_raw(self._e(), base, <uint8_t *>&raw[0], raw.shape[0], &key)

@@ -129,10 +129,6 @@ class Peer:
         self.remote_rails = remote_rails
         self.owner = wire.owner_digest(address)
 
-    @property
-    def fi_addr(self) -> int:
-        return self.fi_addrs[0]
-
     def __repr__(self) -> str:
         return f"<Peer {self.remote_rails} rail(s) of {self.engine.provider}>"
 

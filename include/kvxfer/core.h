@@ -5,10 +5,10 @@
  * its Python owner and the in-flight operations (refcount); a kx_counter likewise by its
  * Python owner and the table entry that will complete it.
  *
- * Threads: posting threads (Python callers, GIL released) call fi_writemsg and, on
- * -FI_EAGAIN, progress the CQ themselves; the progress thread polls or waits on the CQ.
- * Neither ever touches a Python object. All shared bookkeeping is under e->lock; state
- * changes that a waiter cares about broadcast e->cond. */
+ * Threads: posting threads (Python callers, GIL released) post until the provider says
+ * -FI_EAGAIN and queue the rest; the progress thread alone reads the CQ and posts what is
+ * queued. Neither ever touches a Python object. Shared bookkeeping is under the hub's lock;
+ * state changes that a waiter cares about broadcast the hub's condition variable. */
 #ifndef KVXFER_CORE_H
 #define KVXFER_CORE_H
 
@@ -184,8 +184,6 @@ struct kx_engine {
 
     uint64_t stat_rx_err;  /* error completions not tied to a transfer */
     uint64_t stat_writes;  /* messages posted */
-    int last_error;
-    char last_error_call[48];
 };
 
 static inline int64_t kx_now_ns(void)

@@ -13,7 +13,7 @@
         int _r = (int)(call);                                                       \
         if (_r) {                                                                   \
             snprintf(errcall, errcall_len, "%s", name);                             \
-            kx_engine_destroy(e);                                                   \
+            kx_engine_free(e);                                                   \
             return _r;                                                              \
         }                                                                           \
     } while (0)
@@ -21,7 +21,6 @@
 static void kx_engine_teardown(kx_engine *e);
 static void kx_engine_free(kx_engine *e);
 
-static void kx_engine_destroy(kx_engine *e) { kx_engine_free(e); }
 static int kx_mr_reg(kx_engine *e, void *buf, size_t len, int iface, int device, int dmabuf_fd,
                      struct fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
                      const char **call);
@@ -73,7 +72,7 @@ static int kx_engine_open(const char *prov, const char *node, const char *domain
 
     struct fi_info *hints = fi_allocinfo();
     if (!hints) {
-        kx_engine_destroy(e);
+        kx_engine_free(e);
         return -FI_ENOMEM;
     }
     hints->caps = FI_MSG | FI_RMA | (hmem ? FI_HMEM : 0);
@@ -90,7 +89,7 @@ static int kx_engine_open(const char *prov, const char *node, const char *domain
     fi_freeinfo(hints);
     if (ret) {
         snprintf(errcall, errcall_len, "fi_getinfo");
-        kx_engine_destroy(e);
+        kx_engine_free(e);
         return ret;
     }
     struct fi_info *fi = e->info;
@@ -135,7 +134,7 @@ static int kx_engine_open(const char *prov, const char *node, const char *domain
     /* one slab for the posted receive buffers */
     char *slab = malloc((size_t)KX_RX_BUFS * KX_MSG_MAX);
     if (!slab) {
-        kx_engine_destroy(e);
+        kx_engine_free(e);
         return -FI_ENOMEM;
     }
     for (int i = 0; i < KX_RX_BUFS; i++) {
@@ -622,11 +621,6 @@ static int kx_av_insert(kx_engine *e, const void *addr, fi_addr_t *out)
     return n == 1 ? 0 : (n < 0 ? n : -FI_EINVAL);
 }
 
-static int kx_av_remove(kx_engine *e, fi_addr_t a)
-{
-    return fi_av_remove(e->av, &a, 1, 0);
-}
-
 /* a peer's raw key (FI_MR_RAW providers) becomes a 64-bit key usable in RMA calls */
 static int kx_map_raw(kx_engine *e, uint64_t base, uint8_t *raw, size_t rawlen, uint64_t *key)
 {
@@ -648,7 +642,6 @@ static int kx_addr_is_str(kx_engine *e) { return e->info->addr_format == FI_ADDR
 static const char *kx_fabric_name(kx_engine *e) { return e->info->fabric_attr->name; }
 static const char *kx_domain_name(kx_engine *e) { return e->info->domain_attr->name; }
 static pid_t kx_thread_tid(kx_engine *e) { return e->tid; }
-static const char *kx_last_error_call(kx_engine *e) { return e->last_error_call; }
 static int kx_leaked(kx_engine *e) { return e->leaked; }
 static uint32_t kx_runtime_version(void) { return fi_version(); }
 static uint32_t kx_build_version(void) { return KX_FI_BUILD_VERSION; }

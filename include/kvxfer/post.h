@@ -168,8 +168,6 @@ static int kx_pump(kx_engine *e, kx_xfer *x, int64_t budget)
         pthread_mutex_lock(&e->hub->lock);
         if (!x->error)
             x->error = (int)-ret;
-        e->last_error = (int)-ret;
-        snprintf(e->last_error_call, sizeof(e->last_error_call), "fi_writemsg");
         pthread_mutex_unlock(&e->hub->lock);
         return 1;
     }

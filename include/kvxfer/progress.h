@@ -1,8 +1,8 @@
 /* progress.h: reading the CQ and the progress thread.
  *
  * Both providers kvxfer is tested on progress data manually: nothing lands at a target, and
- * no send finishes, unless someone reads the CQ. kx_poll() is that someone; the progress
- * thread calls it in a loop, and posting threads call it when the provider says -FI_EAGAIN.
+ * no send finishes, unless someone reads the CQ. kx_poll() is that someone, and only the
+ * progress thread calls it, so completions are handled in CQ order.
  *
  * Blocking mode (the default, for 2-core machines): while tx operations are outstanding, or
  * for a short window after the last completion, the thread polls with sched_yield between
@@ -155,9 +155,7 @@ static void kx_repost(kx_engine *e)
         if (ret == 0) {
             b->repost = 0;
         } else if (ret != -FI_EAGAIN) {
-            b->repost = 0;     /* lost: say so rather than retry forever */
-            e->last_error = -ret;
-            snprintf(e->last_error_call, sizeof(e->last_error_call), "fi_recv");
+            b->repost = 0;     /* lost: count it rather than retry forever */
             e->stat_rx_err++;
         }
     }

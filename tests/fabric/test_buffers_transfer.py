@@ -32,12 +32,6 @@ SHARD = (1 << 20) + 4096 + 13  # not a page multiple: nbytes, not alloc_nbytes, 
 IMM = 7
 
 
-def node_for(provider: str) -> str | None:
-    """tcp binds loopback; shm names its region after ``node``, so two processes given the same
-    node collide (fi_enable: EBUSY): let shm pick a unique name."""
-    return None if provider == "shm" else "127.0.0.1"
-
-
 def pattern(rank: int, n: int) -> bytes:
     return np.random.default_rng(1000 + rank).integers(0, 256, n, dtype=np.uint8).tobytes()
 
@@ -112,23 +106,30 @@ def _take_shards(socks) -> list[KVBuffer]:
     return shards
 
 
+def _close_and_check(mrs: list, shards: list[KVBuffer]) -> None:
+    """Deregister and close every shard; then no memfd may be left open or mapped."""
+    for mr in mrs:
+        mr.close()
+    for s in shards:
+        s.close()
+    mrs.clear()
+    shards.clear()
+    gc.collect()
+    assert not memfds_open(), f"memfds left open: {memfds_open()}"
+    assert not memfds_mapped(), f"memfds left mapped: {memfds_mapped()}"
+
+
 def decode_engine(conn, provider: str, socks, peer_conn) -> str:
     shards = _take_shards(socks)
-    eng = kvxfer.Engine(provider, node=node_for(provider))
+    eng = kvxfer.Engine(provider, node="127.0.0.1")
     try:
         mrs = [eng.register(s) for s in shards]
         done = eng.expect(IMM, TP)
         peer_conn.send((eng.address, [mr.descriptor() for mr in mrs]))
         done.wait(DEADLINE)
         peer_conn.send("received")
-        for mr in mrs:
-            mr.close()
-        for s in shards:
-            s.close()
+        _close_and_check(mrs, shards)
         del mrs, shards
-        gc.collect()
-        assert not memfds_open(), f"memfds left open: {memfds_open()}"
-        assert not memfds_mapped(), f"memfds left mapped: {memfds_mapped()}"
     finally:
         eng.close()
         peer_conn.close()
@@ -141,7 +142,7 @@ def prefill_engine(conn, provider: str, socks, peer_conn) -> str:
     if not conn.poll(DEADLINE):  # the test lets us write once the prefill workers are gone
         raise TimeoutError("no go-ahead from the test")
     assert conn.recv() == "go"
-    eng = kvxfer.Engine(provider, node=node_for(provider))
+    eng = kvxfer.Engine(provider, node="127.0.0.1")
     try:
         mrs = [eng.register(s) for s in shards]
         if not peer_conn.poll(DEADLINE):
@@ -157,14 +158,8 @@ def prefill_engine(conn, provider: str, socks, peer_conn) -> str:
         if not peer_conn.poll(DEADLINE):  # keep the endpoint up until decode has it all
             raise TimeoutError("decode engine never confirmed")
         assert peer_conn.recv() == "received"
-        for mr in mrs:
-            mr.close()
-        for s in shards:
-            s.close()
+        _close_and_check(mrs, shards)
         del mrs, shards, transfers
-        gc.collect()
-        assert not memfds_open(), f"memfds left open: {memfds_open()}"
-        assert not memfds_mapped(), f"memfds left mapped: {memfds_mapped()}"
     finally:
         eng.close()
         peer_conn.close()
