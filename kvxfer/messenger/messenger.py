@@ -584,18 +584,17 @@ class Messenger:
         with self._lock:
             old = self._peers.get(hs.uid)
             if old is not None:
-                self._disconnect(peer)
+                if old.peer is not peer:       # the engine shares one Peer per address
+                    self._disconnect(peer)
                 return old
             self._peers[hs.uid] = pg
         return pg
 
     def _disconnect(self, peer: Any) -> None:
-        dis = getattr(self.engine, "disconnect", None)
-        if dis is not None:
-            try:
-                dis(peer)
-            except KvxferError:
-                pass
+        try:
+            self.engine.disconnect(peer)
+        except KvxferError:
+            pass
 
     def _forget_peer(self, pg: PeerGroup) -> None:
         self._disconnect(pg.peer)
@@ -736,19 +735,12 @@ class Messenger:
         self._busy_pages[r.dst_pages] = False
         self._receives.pop(r.imm, None)
         if r._state != "done":
-            dis = getattr(self.engine, "discard", None)
-            if dis is not None:
-                try:
-                    dis(r.imm)
-                except KvxferError:
-                    pass
-            else:  # before the engine primitive: consume what is banked so far
-                try:
-                    n = self.engine.banked(r.imm)
-                    if n and r._counter is None and r._fence_counter is None:
-                        self.engine.expect(r.imm, n)
-                except KvxferError:
-                    pass
+            # every write that could carry the imm has landed (fence) or never will (the
+            # peer is torn down): retire it, so nothing of it is credited to a later request
+            try:
+                self.engine.discard(r.imm)
+            except KvxferError:
+                pass
 
     def _on_counter(self, r: Receive) -> None:
         """Engine dispatcher: every announced message of ``r`` was credited."""
