@@ -23,6 +23,7 @@ peer guarantees on each provider.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import queue
@@ -69,6 +70,15 @@ def context_stride(context_bytes: int) -> int:
 def _request_seed(rid_bytes: bytes) -> int:
     """The MLA replica seed of a request: a hash of its id, so load spreads and is repeatable."""
     return int.from_bytes(hashlib.blake2b(rid_bytes, digest_size=8).digest(), "little")
+
+
+def _close_at_exit(ref: "weakref.ref[Messenger]") -> None:
+    m = ref()
+    if m is not None and not m.closed:
+        try:
+            m.close(timeout=2.0)
+        except Exception:
+            pass
 
 
 def _timeout_arg(timeout: Any, name: str = "timeout") -> Optional[float]:
@@ -427,6 +437,10 @@ class Messenger:
         ]
         for t in self._threads:
             t.start()
+        # an unclosed messenger's threads must not call into an engine that interpreter
+        # shutdown is finalising: close it first (weakly: atexit must not keep it alive)
+        ref = weakref.ref(self)
+        atexit.register(_close_at_exit, ref)
 
     @staticmethod
     def _ranks(kv: Any, ranks: Optional[Iterable[int]], sharding: Sharding) -> tuple[tuple[int, ...], list]:

@@ -216,11 +216,14 @@ def _prefill(conn, spec):
             conn.send(("error", traceback.format_exc()))
         except Exception:
             pass
+    finally:
+        _close(m, eng)
 
 
 def _decode(conn, spec):
     import kvxfer
 
+    eng = m = None
     try:
         layout, sh = spec["layout"], spec["sharding"]
         ref = _ref()
@@ -283,6 +286,18 @@ def _decode(conn, spec):
             conn.send(("error", traceback.format_exc()))
         except Exception:
             pass
+    finally:
+        _close(m, eng)
+
+
+def _close(m, eng) -> None:
+    """Close in order on every exit path: the messenger's threads before the engine."""
+    for x in (m, eng):
+        if x is not None:
+            try:
+                x.close()
+            except Exception:
+                traceback.print_exc()
 
 
 def _check(mems, cache, dst_pages, src_pages) -> None:
