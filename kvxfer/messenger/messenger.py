@@ -129,6 +129,8 @@ class PeerGroup:
         self.send_lock = threading.Lock()
         self.acked = threading.Event()
         self.heartbeat = min(m.peer_timeout, hs.peer_timeout) / 4
+        self._template: Optional[list] = None       # one page's writes (Messenger._batches)
+        self._geometry = hs.layout.resolve(hs.sharding)
 
     @property
     def alive(self) -> bool:
@@ -294,7 +296,6 @@ class Send:
         self._staging: Optional[tuple] = None
         self._event = threading.Event()
         self._callbacks: list[Callable[[Send], Any]] = []
-        self._plan: Any = None
 
     @property
     def state(self) -> str:
@@ -401,6 +402,7 @@ class Messenger:
             for lr in self._local.values():
                 lr.close()
             raise
+        self._geometry = layout.resolve(sharding)
         self._free_slots = deque(range(self.context_slots))
         self._busy_pages = np.zeros(layout.num_pages, bool)   # pages of unfenced receives
         self._staging: dict[int, list] = {}                    # stride -> [free slots]
@@ -790,8 +792,7 @@ class Messenger:
         if len(self.ranks) != self.sharding.tp_size:
             raise UnsupportedError(f"sending needs every rank of TP{self.sharding.tp_size} in this messenger; "
                                    f"it holds {list(self.ranks)}")
-        seed = _request_seed(C.encode_request_id(request.request_id))
-        p = _plan(self.layout, self.sharding, pg.layout, pg.sharding, src_pages, request.dst_pages, seed=seed)
+        batches = self._batches(pg, request, src_pages)
         s = Send(self, request)
         with self._lock:
             if request.send is not None:
@@ -805,17 +806,13 @@ class Messenger:
                 s._event.set()
                 self._requests.pop((pg.uid, request.imm), None)
                 return s
-        s._plan = p
         err: Optional[BaseException] = None
         try:
-            for (src, dst) in p.pairs:
-                if dst not in pg.remote:
-                    continue
-                for sr, dr, so, do, ln in plan_batches(p, src, dst):
-                    if s._abort_req:
-                        break
-                    s._transfers.append(self.engine.write_batch(self._local[src][sr], pg.peer, pg.remote[dst][dr],
-                                                                so, do, ln, imm=request.imm))
+            for src, dst, sr, dr, so, do, ln in batches:
+                if s._abort_req:
+                    break
+                s._transfers.append(self.engine.write_batch(self._local[src][sr], pg.peer, pg.remote[dst][dr],
+                                                            so, do, ln, imm=request.imm))
         except KvxferError as exc:
             err = exc
         count = sum(t.num_writes for t in s._transfers) + (1 if pg.handshake.context_slots else 0)
@@ -846,6 +843,75 @@ class Messenger:
         if s._abort_req:
             self._queue_reap(s)
         return s
+
+    def _batches(self, pg: PeerGroup, request: Request, src_pages: Any) -> list:
+        """Every write of a request as ``(src rank, dst rank, src region, dst region, so, do,
+        ln)``, one engine ``write_batch`` each (region pairs of all layers concatenated).
+
+        When no replica has to be chosen (the source sharding neither replicates nor has
+        fewer heads than ranks) a page's writes do not depend on the other pages: the
+        planner runs once per peer for one page, and a request shifts that template by each
+        page's offset (``page * page_stride`` on both sides), ordered as the planner orders
+        them (by layer, then by source page) so the engine still coalesces contiguous pages.
+        Otherwise every request is planned, seeded by its id (MLA: the replica set is drawn
+        per request)."""
+        sh = self.sharding
+        if sh.replicated or self.layout.kv_heads < sh.tp_size:
+            seed = _request_seed(C.encode_request_id(request.request_id))
+            p = _plan(self.layout, sh, pg.layout, pg.sharding, src_pages, request.dst_pages, seed=seed)
+            return [(s, d, *b) for (s, d) in p.pairs if d in pg.remote for b in plan_batches(p, s, d)]
+        sp = self._src_pages(src_pages, len(request.dst_pages))
+        dp = request.dst_pages
+        if len(sp) > 1:
+            order = np.argsort(sp, kind="stable")
+            sp, dp = sp[order], dp[order]
+        t = pg._template
+        if t is None:
+            t = pg._template = self._make_template(pg)
+        soff = sp * self._geometry.page_stride
+        doff = dp * pg._geometry.page_stride
+        n = len(sp)
+        out = []
+        for s, d, sr, dr, so, do, ln, lay in t:
+            if n == 1:
+                out.append((s, d, sr, dr, so + soff[0], do + doff[0], ln))
+                continue
+            m = len(so)
+            key = (lay[None, :].astype(np.int64) * n + np.arange(n, dtype=np.int64)[:, None]).ravel()
+            idx = np.argsort(key, kind="stable")      # (layer, page, entry): the planner's order
+            out.append((s, d, sr, dr, (so[None, :] + soff[:, None]).ravel()[idx],
+                        (do[None, :] + doff[:, None]).ravel()[idx], np.broadcast_to(ln, (n, m)).ravel()[idx]))
+        return out
+
+    def _src_pages(self, pages: Any, n: int) -> np.ndarray:
+        a = np.asarray(pages)
+        if a.ndim != 1:
+            raise PlanError(f"src_pages must be a 1-D list of page indices, got shape {a.shape}")
+        if a.size and a.dtype.kind not in "iu":
+            raise PlanError(f"src_pages must hold integers, got dtype {a.dtype}")
+        if a.shape[0] != n:
+            raise PlanError(f"src_pages has {a.shape[0]} pages but dst_pages has {n}")
+        a = a.astype(np.int64)
+        if n and (int(a.min()) < 0 or int(a.max()) >= self.layout.num_pages):
+            bad = int(a[(a < 0) | (a >= self.layout.num_pages)][0])
+            raise PlanError(f"src page {bad} is outside the layout's {self.layout.num_pages} pages")
+        return a
+
+    def _make_template(self, pg: PeerGroup) -> list:
+        """The planner's writes for source page 0 -> destination page 0, per rank pair and
+        region pair: ``(s, d, src region, dst region, so, do, ln, layer)``."""
+        p1 = _plan(self.layout, self.sharding, pg.layout, pg.sharding, [0], [0])
+        out = []
+        for s, d in p1.pairs:
+            if d not in pg.remote:
+                continue
+            w = p1.writes(s, d)
+            pairs = w.src_region.astype(np.int64) * (1 << 32) + w.dst_region
+            for key in dict.fromkeys(pairs.tolist()):
+                sel = pairs == key
+                out.append((s, d, key >> 32, key & 0xFFFFFFFF, w.src_offset[sel], w.dst_offset[sel], w.length[sel],
+                            w.layer[sel]))
+        return out
 
     def _finish(self, s: Send, context: Any) -> Send:
         req = s.request
