@@ -535,7 +535,8 @@ class Messenger:
             return dict(self.counts)
 
     def _count(self, key: str, n: int = 1) -> None:
-        self.counts[key] = self.counts.get(key, 0) + n
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + n
 
     def _check_open(self) -> None:
         if self._closed:

@@ -80,6 +80,21 @@ def test_decoder_side_refusals(pair):
     assert p.requests(timeout=0.1) == []                  # withdrawn from the inbox before it was taken
 
 
+def test_request_timeout_aborts_with_fence(pair):
+    """A request not done within its timeout is aborted (with the fence) and fails with
+    TimeoutError; its pages are free again."""
+    p, d, pg, src, dst = pair
+    r = d.receive(pg, "slow", [9], 1, timeout=0.2)      # nobody serves it
+    with pytest.raises(kvxfer.errors.TimeoutError, match="timeout"):
+        r.wait(10)
+    assert r.state == "failed" and r.fenced
+    r2 = d.receive(pg, "slow", [9], 1)                  # id and page are free again
+    reqs = p.requests(timeout=5)
+    assert [q.request_id for q in reqs] == ["slow"]     # the first was withdrawn before it was taken
+    p.send(reqs[0], [2]).finish(b"ok")
+    assert r2.wait(10) == "done" and bytes(r2.context) == b"ok"
+
+
 def test_prefiller_side_refusals(pair):
     p, d, pg, src, dst = pair
     r = d.receive(pg, 7, [4, 5], 8)
