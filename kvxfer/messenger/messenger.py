@@ -658,7 +658,7 @@ class Messenger:
             raise OutOfBoundsError(f"page {bad} is outside this node's {self.layout.num_pages} pages")
         if len(pages) > C.MAX_PAGES:
             raise InvalidArgumentError(f"a request names at most {C.MAX_PAGES} pages, got {len(pages)}")
-        if len(np.unique(pages)) != len(pages):
+        if len(pages) > 1 and len(np.unique(pages)) != len(pages):
             raise InvalidArgumentError("dst_pages names a page twice")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
             raise InvalidArgumentError(f"num_tokens must be an int, got {num_tokens!r}")
@@ -1273,7 +1273,7 @@ class Messenger:
             reason = "no pages"
         elif int(pages.max()) >= hs.layout.num_pages:
             reason = f"page {int(pages.max())} is outside the decoder's {hs.layout.num_pages} pages"
-        elif len(np.unique(pages)) != len(pages):
+        elif len(pages) > 1 and len(np.unique(pages)) != len(pages):
             reason = "a destination page is named twice"
         elif not 0 < m.num_tokens <= len(pages) * hs.layout.page_size:
             reason = f"num_tokens {m.num_tokens} does not fit {len(pages)} pages"
