@@ -416,7 +416,7 @@ class Messenger:
         self._inbox: deque[Request] = deque()
         self._inbox_cv = threading.Condition(self._lock)
         self._fencing: set[Receive] = set()
-        self._reap: list[Send] = []
+        self._reap: dict[Send, None] = {}                     # insertion-ordered set
         self._reap_cv = threading.Condition(threading.Lock())
         self._cbq: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self.counts: dict[str, int] = {}
@@ -647,19 +647,17 @@ class Messenger:
         if not peer.alive:
             raise PeerError(f"peer {peer.uid:016x} is dead") from peer.error
         timeout = _timeout_arg(timeout)
-        pages = np.asarray(dst_pages)
-        if pages.ndim != 1 or pages.size == 0:
-            raise InvalidArgumentError(f"dst_pages must be a non-empty 1-D list of page indices, got shape {pages.shape}")
-        if pages.dtype.kind not in "iu":
-            raise InvalidArgumentError(f"dst_pages must hold integers, got dtype {pages.dtype}")
-        pages = pages.astype(np.int64)
-        if int(pages.min()) < 0 or int(pages.max()) >= self.layout.num_pages:
-            bad = int(pages[(pages < 0) | (pages >= self.layout.num_pages)][0])
-            raise OutOfBoundsError(f"page {bad} is outside this node's {self.layout.num_pages} pages")
-        if len(pages) > C.MAX_PAGES:
-            raise InvalidArgumentError(f"a request names at most {C.MAX_PAGES} pages, got {len(pages)}")
-        if len(pages) > 1 and len(np.unique(pages)) != len(pages):
-            raise InvalidArgumentError("dst_pages names a page twice")
+        if (type(dst_pages) is list and 0 < len(dst_pages) <= 64
+                and all(type(x) is int for x in dst_pages)):       # the common small case, without numpy
+            lo, hi = min(dst_pages), max(dst_pages)
+            if lo < 0 or hi >= self.layout.num_pages:
+                bad = lo if lo < 0 else hi
+                raise OutOfBoundsError(f"page {bad} is outside this node's {self.layout.num_pages} pages")
+            if len(set(dst_pages)) != len(dst_pages):
+                raise InvalidArgumentError("dst_pages names a page twice")
+            pages = np.array(dst_pages, np.int64)
+        else:
+            pages = self._dst_pages(dst_pages)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
             raise InvalidArgumentError(f"num_tokens must be an int, got {num_tokens!r}")
         if not 0 < int(num_tokens) <= len(pages) * self.layout.page_size:
@@ -702,6 +700,22 @@ class Messenger:
             self._free_cell(r._slot_cell)
             raise PeerError(f"could not send the request to peer {peer.uid:016x}: {exc}") from exc
         return r
+
+    def _dst_pages(self, dst_pages: Any) -> np.ndarray:
+        pages = np.asarray(dst_pages)
+        if pages.ndim != 1 or pages.size == 0:
+            raise InvalidArgumentError(f"dst_pages must be a non-empty 1-D list of page indices, got shape {pages.shape}")
+        if pages.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"dst_pages must hold integers, got dtype {pages.dtype}")
+        pages = pages.astype(np.int64)
+        if int(pages.min()) < 0 or int(pages.max()) >= self.layout.num_pages:
+            bad = int(pages[(pages < 0) | (pages >= self.layout.num_pages)][0])
+            raise OutOfBoundsError(f"page {bad} is outside this node's {self.layout.num_pages} pages")
+        if len(pages) > C.MAX_PAGES:
+            raise InvalidArgumentError(f"a request names at most {C.MAX_PAGES} pages, got {len(pages)}")
+        if len(pages) > 1 and len(np.unique(pages)) != len(pages):
+            raise InvalidArgumentError("dst_pages names a page twice")
+        return pages
 
     def _alloc_imm(self) -> int:
         while True:
@@ -989,8 +1003,7 @@ class Messenger:
 
     def _queue_reap(self, s: Send) -> None:
         with self._reap_cv:
-            if s not in self._reap:
-                self._reap.append(s)
+            self._reap[s] = None
             self._reap_cv.notify()
 
     def _finalize_send(self, s: Send) -> None:
@@ -1067,7 +1080,8 @@ class Messenger:
                     settled.append(s)
             if settled:
                 with self._reap_cv:
-                    self._reap = [s for s in self._reap if s not in settled]
+                    for s in settled:
+                        self._reap.pop(s, None)
                 continue
             pending = next((t for s in batch for t in s._transfers if not t.done), None)
             if pending is not None:
