@@ -5,8 +5,9 @@ _prefill``) that answers every request with ``send(...).finish()``. Per provider
 
 * **small requests/s**: 1 page x 32 layers, TP 1 -> 1, ``--window`` requests in flight,
   for one-region-per-layer (vLLM) and layer-major layouts;
-* **CPU per request**: process CPU time (all threads, the engines' progress threads
-  included) of each side over that phase, divided by the requests;
+* **CPU per request**: each side's CPU time over that phase divided by the requests, split
+  into the engines' native progress threads and the rest (the messenger's and the
+  caller's Python threads: "messenger CPU");
 * **minimal request latency**: 1 page, 1 layer, one request at a time, ``receive()`` to
   done, p50/p99; beside it the engine's own write round trip (an 8-byte write with imm
   echoed back, as ``kvxfer-bench lat``) between the same two processes in the same run.
@@ -69,6 +70,28 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run_msg)
 
 
+def _cpu() -> dict:
+    """This process's CPU seconds: the engines' native progress threads apart from the rest
+    (the messenger's and the caller's Python threads), from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"progress": 0.0, "python": 0.0}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return {"progress": 0.0, "python": time.process_time()}
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/self/task/{t}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue                      # the thread ended meanwhile
+        secs = (int(fields[11]) + int(fields[12])) / tick     # utime + stime
+        out["progress" if comm == "kvxfer-progress" else "python"] += secs
+    return out
+
+
 # -- the prefill process ------------------------------------------------------------------
 
 def _prefill_main(argv: list[str]) -> int:
@@ -119,7 +142,7 @@ def _prefill_main(argv: list[str]) -> int:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "cpu":
-            print(json.dumps({"cpu": time.process_time()}), flush=True)
+            print(json.dumps({"cpu": _cpu()}), flush=True)
         elif cmd["cmd"] == "pong":
             peer = pong.connect(bytes.fromhex(cmd["address"]))
             rr = pong.remote(bytes.fromhex(cmd["desc"]))
@@ -181,7 +204,7 @@ def _throughput(m: Any, pg: Any, args: Any, pre: _Prefill) -> dict:
         m.receive(pg, f"w{i}", [i % pages], 1).wait(30)
     live: list = []
     free = list(range(pages))
-    c0 = time.process_time()
+    c0 = _cpu()
     p0 = pre.ask(cmd="cpu")["cpu"]
     t0 = time.perf_counter()
     for i in range(n):
@@ -195,10 +218,15 @@ def _throughput(m: Any, pg: Any, args: Any, pre: _Prefill) -> dict:
         r.wait(30)
         r.release()
     wall = time.perf_counter() - t0
-    c1 = time.process_time()
+    c1 = _cpu()
     p1 = pre.ask(cmd="cpu")["cpu"]
-    return {"requests": n, "seconds": wall, "req_per_s": n / wall, "decoder_cpu_us": (c1 - c0) / n * 1e6,
-            "prefill_cpu_us": (p1 - p0) / n * 1e6}
+
+    def per(a, b, k):
+        return (b[k] - a[k]) / n * 1e6
+
+    return {"requests": n, "seconds": wall, "req_per_s": n / wall,
+            "decoder_cpu_us": per(c0, c1, "python"), "decoder_progress_cpu_us": per(c0, c1, "progress"),
+            "prefill_cpu_us": per(p0, p1, "python"), "prefill_progress_cpu_us": per(p0, p1, "progress")}
 
 
 def _latency(m: Any, pg: Any, iters: int) -> list[float]:
@@ -248,7 +276,8 @@ def run_msg(args: argparse.Namespace) -> int:
     results = []
     print(f"kvxfer-bench msg: {args.requests} requests of 1 page x {args.layers} layers (TP 1->1), "
           f"window {args.window}; latency: {args.latency_iters} requests of 1 page x 1 layer")
-    hdr = f"{'provider':<12} {'layout':<12} {'req/s':>9} {'dec CPU/req':>12} {'pre CPU/req':>12}"
+    hdr = (f"{'provider':<12} {'layout':<12} {'req/s':>9}  CPU us/request: {'decode':>7} {'(progress)':>10} "
+           f"{'prefill':>8} {'(progress)':>10}")
     for prov in providers:
         pre = _Prefill(args, prov)
         engines, ms = [], {}
@@ -275,8 +304,9 @@ def run_msg(args: argparse.Namespace) -> int:
                     res["layouts"][name] = _throughput(m, pg, args, pre)
             print(hdr)
             for name, t in res["layouts"].items():
-                print(f"{prov:<12} {name:<12} {t['req_per_s']:>9.0f} {t['decoder_cpu_us']:>10.1f}us "
-                      f"{t['prefill_cpu_us']:>10.1f}us")
+                print(f"{prov:<12} {name:<12} {t['req_per_s']:>9.0f}  {'':>15} {t['decoder_cpu_us']:>7.0f} "
+                      f"{t['decoder_progress_cpu_us']:>10.0f} {t['prefill_cpu_us']:>8.0f} "
+                      f"{t['prefill_progress_cpu_us']:>10.0f}")
             print(f"{prov:<12} minimal request p50 {res['minimal_p50_us']:.0f} us, p99 {res['minimal_p99_us']:.0f} us; "
                   f"write round trip p50 {res['write_rtt_p50_us']:.0f} us, p99 {res['write_rtt_p99_us']:.0f} us "
                   f"(ratio {res['minimal_p50_us'] / res['write_rtt_p50_us']:.2f})")
