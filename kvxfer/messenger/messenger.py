@@ -1006,14 +1006,17 @@ class Messenger:
             self._reap[s] = None
             self._reap_cv.notify()
 
-    def _finalize_send(self, s: Send) -> None:
-        """Every transfer of ``s`` is final: settle its state, answer the decoder if asked."""
+    def _finalize_send(self, s: Send) -> bool:
+        """Every transfer of ``s`` is final: settle its state, answer the decoder if asked.
+        False (nothing done) if a transfer was added meanwhile and is still running."""
         req = s.request
         pg = req.peer
-        err = s.error or next((t.error for t in s._transfers if t.error is not None), None)
         with s._lock:
             if s._state in _FINAL:
-                return
+                return True
+            if not all(t.done for t in s._transfers):     # finish() appended one since the check
+                return False
+            err = s.error or next((t.error for t in s._transfers if t.error is not None), None)
             posted = sum(transfer_posted(t) for t in s._transfers)
             if s._abort_req:
                 state = "failed" if s.error is not None else "aborted"
@@ -1027,6 +1030,7 @@ class Messenger:
         if reply:
             self._try_send(pg, C.ABORTED, imm=req.imm, count=posted, flags=s._abort_flags)
         self._settle_send(s, state, err)
+        return True
 
     def _settle_send(self, s: Send, state: str, err: Optional[BaseException]) -> None:
         req = s.request
@@ -1074,8 +1078,8 @@ class Messenger:
             settled = []
             for s in batch:
                 if all(t.done for t in reversed(s._transfers)):   # the last finishes last
-                    self._finalize_send(s)
-                    settled.append(s)
+                    if self._finalize_send(s):
+                        settled.append(s)
                 elif s._state in _FINAL:
                     settled.append(s)
             if settled:
