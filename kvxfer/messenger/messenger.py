@@ -42,7 +42,6 @@ from kvxfer.errors import (
     DescriptorError,
     InvalidArgumentError,
     KvxferError,
-    LayoutError,
     OutOfBoundsError,
     PeerError,
     PlanError,
