@@ -391,15 +391,30 @@ class Messenger:
         self._lock = threading.RLock()
         self._closed = False
         self._local: dict[int, LayoutRegions] = {}
+        self._ctx_mr = None
         try:
             for r, objs in zip(self.ranks, regions):
                 self._local[r] = register_layout(engine, layout, sharding, objs)
             self._ctx_stride = context_stride(self.context_bytes)
             self._ctx_array = np.zeros(max(1, self.context_slots) * self._ctx_stride, np.uint8)
             self._ctx_mr = engine.register(self._ctx_array) if self.context_slots else None
+            self._hs = C.Handshake(
+                uid=self.uid, address=engine.address, layout=layout, sharding=sharding, ranks=self.ranks,
+                provider=engine.provider, iov=int(engine.iov), max_write=int(engine.max_write),
+                pack_min=int(engine.pack_min), rails=int(engine.rails), context_slots=self.context_slots,
+                context_bytes=self.context_bytes, peer_timeout=self.peer_timeout,
+                regions=tuple(tuple(self._local[r].descriptors()) for r in self.ranks),
+                context=self._ctx_mr.descriptor() if self._ctx_mr is not None else None,
+            )
+            self._blob = self._hs.encode(self.secret)
+            if len(self._blob) > C.MAX_MESSAGE - 64:
+                raise UnsupportedError(f"handshake of {len(self._blob)} bytes does not fit one control message "
+                                       "(fewer regions per rank, e.g. a layer-major layout, make it smaller)")
         except BaseException:
             for lr in self._local.values():
                 lr.close()
+            if getattr(self, "_ctx_mr", None) is not None:
+                self._ctx_mr.close()
             raise
         self._geometry = layout.resolve(sharding)
         self._free_slots = deque(range(self.context_slots))
@@ -419,17 +434,6 @@ class Messenger:
         self._reap_cv = threading.Condition(threading.Lock())
         self._cbq: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self.counts: dict[str, int] = {}
-        self._hs = C.Handshake(
-            uid=self.uid, address=engine.address, layout=layout, sharding=sharding, ranks=self.ranks,
-            provider=engine.provider, iov=int(engine.iov), max_write=int(engine.max_write),
-            pack_min=int(engine.pack_min), rails=int(engine.rails), context_slots=self.context_slots,
-            context_bytes=self.context_bytes, peer_timeout=self.peer_timeout,
-            regions=tuple(tuple(self._local[r].descriptors()) for r in self.ranks),
-            context=self._ctx_mr.descriptor() if self._ctx_mr is not None else None,
-        )
-        self._blob = self._hs.encode(self.secret)
-        if len(self._blob) > C.MAX_MESSAGE - 64:
-            raise UnsupportedError(f"handshake of {len(self._blob)} bytes does not fit one control message")
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, name="kvxfer-msg", daemon=True),

@@ -164,8 +164,11 @@ def test_rogue_messages_are_dropped(pair, provider):
         rogue.send(to_p, C._seal(b"\x00" * 40, SECRET))     # authentic bytes, not a message
         ack = C.Control(C.HELLO, 999, p.uid, 1, blob=b"not a handshake")
         rogue.send(to_p, ack.encode(SECRET))
+        # a captured (authentic) message of the real decoder, sent again: its seq is old
+        rogue.send(to_p, C.Control(C.HEARTBEAT, d.uid, p.uid, 1).encode(SECRET))
         deadline = time.monotonic() + 10
-        want = {"drop_unknown_peer": 1, "drop_unauthenticated": 4, "drop_malformed": 1, "drop_bad_handshake": 1}
+        want = {"drop_unknown_peer": 1, "drop_unauthenticated": 4, "drop_malformed": 1, "drop_bad_handshake": 1,
+                "drop_replayed": 1}
         while time.monotonic() < deadline:
             st = p.stats()
             if all(st.get(k, 0) >= v for k, v in want.items()):
@@ -175,7 +178,6 @@ def test_rogue_messages_are_dropped(pair, provider):
         assert {k: st.get(k, 0) for k in want} == want, st
         assert p.requests(timeout=0.2) == []
         rogue.disconnect(to_p)
-    # a forged REQUEST from the real decoder's uid but an old sequence number is a replay
     assert _untouched(dst)
 
 
