@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from kvxfer.buffers import KVBuffer, _cuda, cuda_available  # noqa: E402
+from kvxfer._cuda import driver as _cuda  # noqa: E402
+from kvxfer.buffers import KVBuffer, cuda_available  # noqa: E402
 from kvxfer.errors import UnsupportedError  # noqa: E402
 from kvxfer.share import recv_handles, send_handles  # noqa: E402
 

@@ -20,13 +20,17 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvxfer._check import as_int
 from kvxfer.errors import LayoutError
 
 __all__ = ["KVLayout", "Sharding", "RankGeometry", "ORDERS", "KV_FORMS", "PLACEMENTS"]
 
 Order = Literal["HND", "NHD"]
 KVForm = Literal["fused", "stacked", "separate", "mla"]
-Placement = Literal["per_layer", "layer_major"]
+#: how a rank's layers map to regions: one region (per K/V pool) per layer, or every layer in
+#: one region at ``layer_stride`` (the ``KVLayout.placement`` field; not
+#: ``kvxfer.topology.Placement``, which is where a GPU's transfers run)
+LayerRegions = Literal["per_layer", "layer_major"]
 
 ORDERS: tuple[str, ...] = ("HND", "NHD")
 #: fused: K and V side by side inside each page ``[pages, 2, ...]`` (vLLM/FlashInfer);
@@ -66,11 +70,7 @@ def _as_dtype(dtype: Any) -> np.dtype:
 
 
 def _pos_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise LayoutError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise LayoutError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
+    return as_int(value, name, minimum=minimum, error=LayoutError)
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ class KVLayout:
     dtype: Any = "bfloat16"
     order: Order = "HND"
     kv: KVForm = "fused"
-    placement: Placement = "per_layer"
+    placement: LayerRegions = "per_layer"
     page_stride: int | None = None
     layer_stride: int | None = None
     _dtype: np.dtype = field(init=False, repr=False, compare=False)
@@ -253,7 +253,7 @@ class KVLayout:
 
     @classmethod
     def mla(cls, num_layers: int, latent_dim: int, page_size: int, num_pages: int, dtype: Any = "bfloat16",
-            placement: Placement = "per_layer", **kw: Any) -> KVLayout:
+            placement: LayerRegions = "per_layer", **kw: Any) -> KVLayout:
         """MLA (DeepSeek): one latent vector of ``latent_dim`` (e.g. 512 + 64 rope) per token,
         ``[pages, page, latent_dim]`` per layer, the same on every rank."""
         return cls(num_layers, 1, latent_dim, page_size, num_pages, dtype, "HND", "mla", placement, **kw)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer._check import is_int
 from kvxfer.errors import LayoutError, PlanError
 from kvxfer.layout import KVLayout, RankGeometry, Sharding
 
@@ -233,7 +234,7 @@ def _layers(layers: Iterable[int] | None, num_layers: int) -> tuple[int, ...]:
         return tuple(range(num_layers))
     out = []
     for x in layers:
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        if not is_int(x):
             raise PlanError(f"layers must be ints, got {x!r}")
         if not 0 <= x < num_layers:
             raise PlanError(f"layer {x} outside the layout's {num_layers} layers")

@@ -29,7 +29,8 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
-from kvxfer.buffers import SharedHandle
+from kvxfer._libc import libc
+from kvxfer.buffers.handles import SharedHandle
 from kvxfer.errors import ClosedError, DescriptorError, InvalidArgumentError, PeerError, UnsupportedError
 
 __all__ = ["send_handles", "recv_handles", "pack_handles", "unpack_handles", "pidfd_getfd", "MAX_FDS_PER_MESSAGE"]
@@ -209,7 +210,6 @@ def recv_handles(sock: socket.socket) -> list[SharedHandle]:
 # The pidfd_getfd road: handles as plain bytes, fds fetched from the exporter by pid.
 
 _SYS_pidfd_getfd = 438  # the same number on every Linux architecture (added in 5.6)
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def pidfd_getfd(pid: int, fd: int) -> int:
@@ -226,7 +226,7 @@ def pidfd_getfd(pid: int, fd: int) -> int:
             raise PeerError(f"process {pid} is gone; its handles died with it unless imported") from e
         raise UnsupportedError(f"pidfd_open({pid}) failed: {e} (kernel >= 5.3, seccomp must allow it)") from e
     try:
-        r = _libc.syscall(_SYS_pidfd_getfd, pidfd, fd, 0)
+        r = libc.syscall(_SYS_pidfd_getfd, pidfd, fd, 0)
         if r < 0:
             err = ctypes.get_errno()
             text = os.strerror(err)

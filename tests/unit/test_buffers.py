@@ -711,7 +711,7 @@ class FakeDriver:
 @contextlib.contextmanager
 def fake_cuda(**kw):
     real = pytest.importorskip("cuda.bindings.driver", reason="needs cuda-python's types")
-    from kvxfer.buffers import _cuda
+    from kvxfer._cuda import driver as _cuda
 
     saved = (_cuda.drv, _cuda._loaded, _cuda._ctx, _cuda._err)
     fake = FakeDriver(real, **kw)
