@@ -160,7 +160,9 @@ def test_lat_tiny_run(provider, tmp_path, capsys):
 def test_target_failure_comes_back_with_its_traceback():
     _need("tcp;ofi_rxm")
     import kvxfer
-    from kvxfer.cli._session import Initiator, RemoteFailure, TargetProcess
+    from kvxfer.cli._channel import RemoteFailure
+    from kvxfer.cli._initiator import Initiator
+    from kvxfer.cli._target_process import TargetProcess
 
     with kvxfer.Engine("tcp;ofi_rxm", node="127.0.0.1") as eng:
         tp = TargetProcess(eng.provider, "127.0.0.1", progress="block", idle_timeout=20, deadline=60)
