@@ -14,15 +14,6 @@ from kvxfer import errors, wire
 from _target import Target
 
 
-@pytest.fixture
-def pair(provider):
-    a = kvxfer.Engine(provider, "127.0.0.1")
-    b = kvxfer.Engine(provider, "127.0.0.1")
-    yield a, b
-    a.close()
-    b.close()
-
-
 def test_close_with_transfers_queued_does_not_crash(provider):
     # The sender closes while its progress thread is still posting the queued part: it must
     # stop before any registration goes. The sender runs in a child (a crash fails the test
