@@ -15,6 +15,21 @@ Wire format (one message per batch of up to ``MAX_FDS_PER_MESSAGE`` handles)::
 
 The fds ride as SCM_RIGHTS on the prefix; ``recv_handles`` takes them with
 MSG_CMSG_CLOEXEC so a later fork+exec never inherits them.
+
+Container capabilities
+----------------------
+
+| road | needs |
+|---|---|
+| SCM_RIGHTS (`send_handles`, default) | nothing privileged: a Unix socket both sides can reach (a path on a shared volume, e.g. a pod `emptyDir`; the abstract namespace needs a shared network namespace). |
+| `pidfd_getfd` (`pack_handles` / `unpack_handles`: plain bytes over any channel) | kernel ≥ 5.6; the exporter's pid visible (shared PID namespace: `docker --pid=container:…`, k8s `shareProcessNamespace: true`); `PTRACE_MODE_ATTACH_REALCREDS` over the exporter: `CAP_SYS_PTRACE`, or same uid with Yama `ptrace_scope` 0 (1 only for an ancestor or after `PR_SET_PTRACER`); a seccomp profile allowing `pidfd_open`/`pidfd_getfd` (Docker's default allows `pidfd_getfd` only with `--cap-add SYS_PTRACE`). Failures raise `UnsupportedError` naming this. |
+| CUDA FABRIC handle (`export(fabric=True)`) | no fd at all, 64 bytes travel anywhere; needs the IMEX daemon and `/dev/nvidia-caps-imex-channels/channelN` in the container, a driver with fabric support, and an importer in the same IMEX domain. |
+| CUDA POSIX fd | both containers see the same GPU (`/dev/nvidia*` device nodes); the importer finds it by UUID. |
+| huge pages | `vm.nr_hugepages` on the host (k8s: a `hugepages-2Mi` request); otherwise `UnsupportedError` with `HugePages_Free`. |
+| registration (engine) | verbs/EFA pin pages: `RLIMIT_MEMLOCK` unlimited or `CAP_IPC_LOCK`; tcp and shm do not pin. |
+
+Memory accounting: memfd pages are shmem, charged to the memory cgroup of the process that
+first touches them (usually the TP worker), not limited by `/dev/shm`'s size.
 """
 
 from __future__ import annotations

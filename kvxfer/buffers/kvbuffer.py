@@ -14,7 +14,7 @@ Two kinds, one life cycle:
   exported as a POSIX fd (and a FABRIC handle where the device and IMEX allow), reserved,
   mapped and made read-write; sizes rounded to the allocation granularity.
 
-Lifetime rules (see docs/architecture.md, "KV buffers"):
+Lifetime rules:
 
 - The mapping is owned by a small mapping object, not by the ``KVBuffer``. Views (numpy,
   torch, memoryview, ``__cuda_array_interface__``) and ``lease()`` hold that object, so
@@ -24,6 +24,53 @@ Lifetime rules (see docs/architecture.md, "KV buffers"):
   imported allocation handle (CUDA) keeps the pages alive.
 - Everything holding an fd or a mapping closes idempotently and warns with ``ResourceWarning``
   when garbage-collected open.
+
+The two kinds
+-------------
+
+| | host | cuda |
+|---|---|---|
+| memory | `memfd_create(MFD_CLOEXEC\\|MFD_ALLOW_SEALING[\\|MFD_HUGETLB])`, `ftruncate`, sealed `SHRINK\\|GROW\\|SEAL` | `cuMemCreate` (PINNED, device N, `gpuDirectRDMACapable` where `GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`) |
+| mapping | `mmap(MAP_SHARED)` through libc (no Python `mmap` object, which would pin itself with exported buffers) | `cuMemAddressReserve` + `cuMemMap` + `cuMemSetAccess(READWRITE)` |
+| size | `nbytes` as asked; `alloc_nbytes` rounded to the page (or huge page) | `alloc_nbytes` rounded to `cuMemGetAllocationGranularity(MINIMUM)` |
+| shareable handle | a dup of the memfd | POSIX fd from `cuMemExportToShareableHandle`; plus a 64-byte FABRIC handle when the device has `HANDLE_TYPE_FABRIC_SUPPORTED` and `cuMemCreate` accepts it (needs IMEX channels; otherwise it falls back to fd only) |
+| import | `fstat` size check, then `mmap` the fd | `cuMemImportFromShareableHandle` on the device with the exporter's **UUID** (ordinals differ under `CUDA_VISIBLE_DEVICES`), then reserve/map/set access |
+| views | `numpy(dtype, shape, offset)`, `torch(...)`, buffer protocol, `__dlpack__` | `torch(...)` (via `__cuda_array_interface__`), `__cuda_array_interface__` |
+| for the engine | `ptr`, `nbytes`, `kind="host"` | `ptr`, `nbytes`, `kind="cuda"`, `device_ordinal` (alias `ordinal`), `dmabuf_fd()` |
+
+`dmabuf_fd()` calls `cuMemGetHandleForAddressRange(DMA_BUF_FD)` over `[ptr, ptr+alloc_nbytes)`
+(offset 0); the caller owns the fd and may close it right after `fi_mr_regattr`. Devices
+without `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` (proprietary kernel module, kernel < 5.12) raise
+`UnsupportedError`; the engine then registers with `FI_HMEM_CUDA` + device ordinal instead.
+
+Who owns what
+-------------
+
+| object | owns | released by |
+|---|---|---|
+| `KVBuffer` | host: its memfd; a reference to the mapping object | `close()` (idempotent; `ResourceWarning` if GC'd open) |
+| mapping object (`_HostMapping` / `_CudaMapping`) | the virtual mapping; CUDA: also the allocation handle | the last reference: `munmap`, or `cuMemUnmap` → `cuMemAddressFree` → `cuMemRelease` |
+| views, `lease()` | a reference to the mapping object | garbage collection |
+| `SharedHandle` | one fd (memfd or cuMem POSIX fd), or none for fabric-only | `close()` (idempotent; `ResourceWarning` if GC'd open) |
+| `send_handles` | nothing: the kernel gives the receiver new fds; the sender still closes its handles | — |
+| `recv_handles` | returns handles that own the received fds (`MSG_CMSG_CLOEXEC`); a malformed message closes every fd it brought | — |
+
+Rules that follow:
+
+- **Closing in any order is safe.** `KVBuffer.close()` closes the fd at once and drops its
+  reference to the mapping; the unmap happens when the last view or lease is gone, so a numpy
+  array, a torch tensor or a registered region never points at unmapped memory. (We chose
+  *defer* over *refuse*: a refusing `close()` cannot be used from `__exit__` or teardown
+  paths.) `Engine.register` should hold `buf.lease()` for the region's lifetime.
+- **Imported memory outlives its exporter.** The importer's mapping (host: a shmem mapping;
+  CUDA: the imported allocation handle) keeps the pages. CUDA frees physical memory only when
+  every handle is released and every mapping unmapped — in every process.
+- **Handles keep memory alive too.** An unclosed `SharedHandle` (or a cuMem POSIX fd sitting
+  in a socket buffer) pins the memory; close handles right after `import_` / `send_handles`.
+- **No SIGBUS.** Host memfds are sealed against shrinking before export, and `import_` checks
+  the fd's size against `alloc_nbytes`, so no mapping can reach past the end of the file.
+- **Fork.** Use the `spawn` start method for workers (CUDA does not survive `fork`); all fds
+  are close-on-exec.
 """
 
 from __future__ import annotations

@@ -3,6 +3,29 @@
 How a PCIe switch and PCIe hops are defined (see :mod:`kvxfer.topology`) is decided here,
 when the tree is read: every bridge and PCI function is kept (``KEEP_ALL``), so fan-out
 counts are true. pyhwloc is imported only when a topology is loaded.
+
+Two definitions
+---------------
+
+**PCIe switch of a device.** Walk up from the device through bridges. A bridge with a single
+PCIe link below it (a root port, or one downstream port of a switch) is passed: it adds a hop
+but nothing shares it. The first bridge with two or more links below it is the switch; child
+bridges count one link each, the functions of one multi-function device count once (so the
+two ports of the XE8640's ConnectX-6, `4d:00.0` and `4d:00.1`, sit under the same switch as
+the H100 beside them, not under their own port). A host bridge is a switch only when the
+device sits directly on its root bus: EC2 presents each physical PCIe switch of a p4d as its
+own root bus (`0000:10`, `0000:20`, …) holding two A100s, one EFA and NVMe. A device reached
+through a root port whose host bridge is the first fan-out has no switch: its traffic crosses
+the CPU's root complex. Reasons name a switch by its upstream port's bus id
+(`0000:45:00.0`) or as `root bus 0000:10`.
+
+**PCIe hops** between two devices: the number of edges in the I/O tree between them through
+their lowest common ancestor. Bridges count, and so do the CPU-side objects a path through
+the root complex climbs (host bridge → Group/Package → … → host bridge), so another root
+complex costs more than the same switch, and another socket more than another SNC domain of
+the same socket. Examples: GPU and EFA behind two ports of one p5 switch: 4; GPU and EFA on
+one p4d root bus: 2; the XE8640's H100 on NUMA 7 to `mlx5_3` (NUMA 5, same socket): 12; to
+`mlx5_2` (other socket): 16.
 """
 
 from __future__ import annotations

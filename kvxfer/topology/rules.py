@@ -1,16 +1,38 @@
 """The placement rules: which NICs and CPUs each GPU (or host buffer) of a ``Topology`` gets, and why.
 
-The rules, in order (each reason string says which one applied):
+``assign(topo, gpus=None, nics_per_gpu=None, nic_kind=None)`` returns ``{gpu index: Placement}``:
 
-1. One NIC kind per node: the most numerous (ties: efa, mlx5, other) unless ``nic_kind``.
-2. NICs under the GPU's own PCIe switch, dealt out among all GPUs under that switch.
-3. Else the nearest NICs by PCIe hops on the GPU's NUMA node, dealt out likewise.
-4. Else the nearest on another NUMA node, flagged ``cross_numa``.
-5. ``nics_per_gpu`` keeps the first n of that share or tops it up with the next nearest.
-6. CPUs: the GPU's NUMA-local physical cores, dealt out disjointly among that node's GPUs.
+1. **One NIC kind per node.** Default: the most numerous kind on the node, ties going
+   efa, mlx5, other. The many NICs are the data fabric; the odd ones are front-end or storage
+   NICs (a p6-b200 has 8 EFA and 2 ConnectX-7: EFA). Mixing kinds would mean two providers in
+   one transfer. `nic_kind="mlx5"` asks for the others; a kind the node lacks is a
+   `TopologyError`.
+2. **NICs under the GPU's own switch first**, dealt out among *all* GPUs under that switch in
+   bus order: contiguous blocks whose sizes differ by at most one (p5en: 4 EFA, 2 H200 → 2
+   each), or, with fewer NICs than GPUs, one NIC shared (p4d: the EFA serves both A100s).
+   GPU-to-NIC traffic then stays inside the switch and never meets another GPU's.
+3. **Otherwise the nearest NICs by PCIe hops on the GPU's NUMA node** (every NIC tied at the
+   least hops), dealt out among the GPUs that fall back to the same group.
+4. **Otherwise the nearest NICs on another NUMA node**, likewise, with `cross_numa=True` and
+   "cross-NUMA" in the reason. The XE8640's H100 at `cb:00.0` (NUMA 7, no NIC) gets `mlx5_3`
+   on NUMA 5, same socket.
+5. `nics_per_gpu=n` keeps the first n of that share, or tops it up with the next nearest NICs
+   ranked by (same switch, same NUMA node, other NUMA node), then hops, then bus id. Asking for
+   more NICs than the node has gives them all and says so.
+6. **CPUs**: the GPU's NUMA-local physical cores, dealt out like NICs among *all* GPUs of that
+   node: disjoint contiguous blocks; `cpus` lists every hyperthread of the chosen cores (PU os
+   indexes). CPUs follow the GPU, not the NIC, also when the NIC is remote: the process that
+   owns the GPU and its host staging buffers lives there (as NCCL pins its proxy threads).
 
-Shares are computed over the whole machine, so one process per GPU calling
-``assign(gpus=[i])`` gets its slice of what ``assign()`` gives, with no coordination.
+Shares are computed over the whole machine, not over the GPUs asked for, so one process per
+GPU calling `assign(gpus=[i])` gets exactly its slice of what `assign()` gives: disjoint across
+processes without coordination. `shared=True` and "shared with GPU …" mark a NIC that also
+serves another GPU.
+
+**Host memory** (`Topology.assign_host(numa=None, nic_kind=None, max_nics=None)`): the NICs of
+the buffer's NUMA node, else the nearest on another node (hops from the NUMA node, flagged
+`cross_numa`), and all cores of that node. `numa=None` picks the node with the most NICs of the
+kind: where a GPU-less server should keep the KV pages it serves.
 """
 
 from __future__ import annotations
