@@ -5,17 +5,36 @@ from __future__ import annotations
 import dataclasses
 import mmap as _mmap
 import os
+import re
 import warnings
 from typing import Any, Literal
 
+from kvxfer._check import is_int
 from kvxfer.errors import ClosedError, InvalidArgumentError
 
-__all__ = ["SharedHandle", "Kind", "PAGE_SIZE"]
+__all__ = ["SharedHandle", "Kind", "PAGE_SIZE", "parse_device"]
 
 #: the two kinds of shareable KV memory: a memfd on the host, or cuMem on a GPU
 Kind = Literal["host", "cuda"]
 
 PAGE_SIZE = _mmap.PAGESIZE
+
+
+def parse_device(device: str | int) -> tuple[Kind, int | None]:
+    """('host', None) for 'cpu'; ('cuda', N) for 'cuda:N', 'cuda' or an ordinal N."""
+    if is_int(device):
+        device = int(device)
+        if device < 0:
+            raise InvalidArgumentError(f"CUDA device ordinal must be >= 0, got {device}")
+        return "cuda", device
+    if not isinstance(device, str):
+        raise InvalidArgumentError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+    if device == "cpu":
+        return "host", None
+    m = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if m is None:
+        raise InvalidArgumentError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+    return "cuda", int(m.group(1) or 0)
 
 
 @dataclasses.dataclass(eq=False)

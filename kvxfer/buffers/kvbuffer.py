@@ -76,19 +76,18 @@ Rules that follow:
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
 import os
-import re
 import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvxfer._check import as_int, is_int
+from kvxfer._check import as_int
 from kvxfer._cuda import driver as cuda
-from kvxfer.buffers.handles import PAGE_SIZE, Kind, SharedHandle
+from kvxfer.buffers import cuda as cuda_kind
+from kvxfer.buffers import host
+from kvxfer.buffers.handles import PAGE_SIZE, Kind, SharedHandle, parse_device
 from kvxfer.buffers.mappings import CudaMapping, HostMapping, View, host_bytes
 from kvxfer.errors import (
     BufferError,
@@ -103,63 +102,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["KVBuffer", "cuda_available"]
 
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def _huge_page_size() -> int:
-    """Default hugetlb page size, from /proc/meminfo (what MFD_HUGETLB without a size uses)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("Hugepagesize:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 2 << 20
-
-
-def _huge_pages_free() -> str:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("HugePages_Free:"):
-                    return line.split()[1]
-    except OSError:
-        pass
-    return "?"
-
-
-def _parse_device(device: str | int) -> tuple[Kind, int | None]:
-    if is_int(device):
-        device = int(device)
-        if device < 0:
-            raise InvalidArgumentError(f"CUDA device ordinal must be >= 0, got {device}")
-        return "cuda", device
-    if not isinstance(device, str):
-        raise InvalidArgumentError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
-    if device == "cpu":
-        return "host", None
-    m = re.fullmatch(r"cuda(?::(\d+))?", device)
-    if m is None:
-        raise InvalidArgumentError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
-    return "cuda", int(m.group(1) or 0)
-
-
-def _fd_name(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return "?"
-
-
 def cuda_available(device: str | int = "cuda:0") -> bool:
     """True when cuda-python loads, cuInit succeeds and the device exists (tests skip on False)."""
     try:
-        kind, ordinal = _parse_device(device)
+        kind, ordinal = parse_device(device)
         if kind != "cuda":
             return False
         cuda.device(ordinal or 0)
@@ -218,112 +164,20 @@ class KVBuffer:
         asked. Host memory starts zeroed; CUDA memory is not initialised.
         """
         nbytes = as_int(nbytes, "nbytes", minimum=1)
-        kind, ordinal = _parse_device(device)
+        kind, ordinal = parse_device(device)
         self = cls(_token=_PRIVATE)
         self.name = name
         if kind == "host":
             if fabric or gpu_direct_rdma:
                 raise InvalidArgumentError("fabric / gpu_direct_rdma apply to CUDA buffers only")
-            self._allocate_host(nbytes, huge_pages)
+            host.allocate(self, nbytes, huge_pages)
         else:
             if huge_pages:
                 raise InvalidArgumentError("huge_pages applies to host buffers; CUDA uses its own granularity")
             assert ordinal is not None
-            self._allocate_cuda(nbytes, ordinal, fabric, gpu_direct_rdma)
+            cuda_kind.allocate(self, nbytes, ordinal, fabric, gpu_direct_rdma)
         self._closed = False
         return self
-
-    def _allocate_host(self, nbytes: int, huge_pages: bool) -> None:
-        page = _huge_page_size() if huge_pages else PAGE_SIZE
-        size = _round_up(nbytes, page)
-        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if huge_pages else 0)
-        try:
-            fd = os.memfd_create(self.name, flags)
-        except OSError as e:
-            if huge_pages and e.errno in (errno.EINVAL, errno.ENOENT, errno.EOPNOTSUPP):
-                raise UnsupportedError(f"huge pages requested but this kernel has no hugetlb memfd: {e}") from e
-            raise BufferError(f"memfd_create({self.name!r}) failed: {e}") from e
-        try:
-            os.ftruncate(fd, size)
-            try:
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)  # importers can trust the size
-            except OSError:
-                pass  # older kernels without hugetlb sealing: still correct, just unsealed
-            try:
-                mapping = HostMapping(fd, size)
-            except OSError as e:
-                if huge_pages and e.errno == errno.ENOMEM:
-                    raise UnsupportedError(
-                        f"huge pages requested but the hugetlb pool is short: {size // page} page(s) of "
-                        f"{page >> 10} kB needed, HugePages_Free={_huge_pages_free()}; raise vm.nr_hugepages "
-                        "or allocate with huge_pages=False"
-                    ) from e
-                raise BufferError(f"mmap of {size} bytes failed: {e}") from e
-        except BaseException:
-            os.close(fd)
-            raise
-        self.kind = "host"
-        self._fd = fd
-        self._mapping = mapping
-        self.nbytes = nbytes
-        self.alloc_nbytes = size
-        self.granularity = page
-        self.huge_pages = huge_pages
-
-    def _allocate_cuda(self, nbytes: int, ordinal: int, fabric: bool | None, rdma: bool | None) -> None:
-        drv = cuda.load()
-        cuda.make_current(ordinal)
-        if not cuda.attr(ordinal, "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"):
-            raise UnsupportedError(f"cuda:{ordinal} does not support virtual memory management (cuMem)")
-        if not cuda.attr(ordinal, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"):
-            raise UnsupportedError(f"cuda:{ordinal} cannot export POSIX fd handles")
-        fabric_ok = bool(cuda.attr(ordinal, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"))
-        if fabric and not fabric_ok:
-            raise UnsupportedError(f"cuda:{ordinal} does not support FABRIC handles")
-        rdma_ok = bool(cuda.attr(ordinal, "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED"))
-        if rdma and not rdma_ok:
-            raise UnsupportedError(f"cuda:{ordinal} does not support GPUDirect RDMA with cuMem allocations")
-        rdma = rdma_ok if rdma is None else rdma
-        T = drv.CUmemAllocationHandleType
-        posix = int(T.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-        attempts = []
-        if fabric or (fabric is None and fabric_ok):
-            attempts.append(posix | int(T.CU_MEM_HANDLE_TYPE_FABRIC))
-        if not fabric:
-            attempts.append(posix)
-        handle = None
-        for i, types in enumerate(attempts):
-            prop = cuda.prop(ordinal, types, rdma)
-            gran = cuda.check(
-                drv.cuMemGetAllocationGranularity(
-                    prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-                ),
-                "cuMemGetAllocationGranularity",
-            )
-            size = _round_up(nbytes, int(gran))
-            try:
-                handle = cuda.check(drv.cuMemCreate(size, prop, 0), "cuMemCreate")
-            except UnsupportedError:
-                # FABRIC needs IMEX channels (/dev/nvidia-caps-imex-channels); without them
-                # cuMemCreate refuses. In auto mode fall back to a plain fd handle.
-                if i + 1 < len(attempts):
-                    continue
-                raise
-            self._fabric = bool(types & int(T.CU_MEM_HANDLE_TYPE_FABRIC))
-            break
-        assert handle is not None
-        try:
-            ptr = cuda.map(handle, size, int(gran), ordinal)
-        except BaseException:
-            drv.cuMemRelease(handle)
-            raise
-        self.kind = "cuda"
-        self._mapping = CudaMapping(ptr, size, handle, ordinal)
-        self.nbytes = nbytes
-        self.alloc_nbytes = size
-        self.granularity = int(gran)
-        self.device_ordinal = ordinal
-        self._device_uuid = cuda.uuid(ordinal)
 
     @classmethod
     def import_(cls, handle: SharedHandle) -> KVBuffer:
@@ -340,75 +194,12 @@ class KVBuffer:
         self = cls(_token=_PRIVATE)
         self.name = handle.name
         if handle.kind == "host":
-            self._import_host(handle)
+            host.import_(self, handle)
         else:
-            self._import_cuda(handle)
+            cuda_kind.import_(self, handle)
         self.imported = True
         self._closed = False
         return self
-
-    def _import_host(self, h: SharedHandle) -> None:
-        if h.fd < 0:
-            raise InvalidArgumentError("a host SharedHandle must carry an fd")
-        if h.alloc_nbytes % PAGE_SIZE:
-            raise InvalidArgumentError(f"alloc_nbytes {h.alloc_nbytes} is not a multiple of the page size")
-        fd = os.dup(h.fd)
-        try:
-            os.set_inheritable(fd, False)
-            st = os.fstat(fd)
-            if st.st_size < h.alloc_nbytes:  # mapping past EOF would SIGBUS on first touch
-                raise BufferError(
-                    f"handle fd {_fd_name(fd)} is {st.st_size} bytes, smaller than alloc_nbytes={h.alloc_nbytes}"
-                )
-            try:
-                mapping = HostMapping(fd, h.alloc_nbytes)
-            except OSError as e:
-                if h.huge_pages and e.errno == errno.ENOMEM:
-                    raise UnsupportedError(f"mapping a huge-page buffer failed: {e}") from e
-                raise BufferError(f"mmap of imported fd failed: {e}") from e
-        except BaseException:
-            os.close(fd)
-            raise
-        self.kind = "host"
-        self._fd = fd
-        self._mapping = mapping
-        self.nbytes = h.nbytes
-        self.alloc_nbytes = h.alloc_nbytes
-        self.granularity = h.granularity
-        self.huge_pages = h.huge_pages
-
-    def _import_cuda(self, h: SharedHandle) -> None:
-        drv = cuda.load()
-        _, fallback = _parse_device(h.device)
-        ordinal = cuda.ordinal_of(h.device_uuid, fallback or 0)
-        cuda.make_current(ordinal)
-        T = drv.CUmemAllocationHandleType
-        if h.fd >= 0:
-            handle = cuda.check(
-                drv.cuMemImportFromShareableHandle(h.fd, T.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-                "cuMemImportFromShareableHandle(POSIX_FILE_DESCRIPTOR)",
-            )
-        else:
-            assert h.fabric is not None
-            handle = cuda.check(
-                drv.cuMemImportFromShareableHandle(h.fabric, T.CU_MEM_HANDLE_TYPE_FABRIC),
-                "cuMemImportFromShareableHandle(FABRIC)",
-            )
-        try:
-            ptr = cuda.map(handle, h.alloc_nbytes, h.granularity, ordinal)
-        except BaseException:
-            drv.cuMemRelease(handle)
-            raise
-        self.kind = "cuda"
-        self._mapping = CudaMapping(ptr, h.alloc_nbytes, handle, ordinal)
-        self.nbytes = h.nbytes
-        self.alloc_nbytes = h.alloc_nbytes
-        self.granularity = h.granularity
-        self.device_ordinal = ordinal
-        self._device_uuid = h.device_uuid
-        self._fabric = h.fabric is not None
-
-    # ---- what the engine reads ---------------------------------------------------------
 
     @property
     def closed(self) -> bool:

@@ -14,7 +14,12 @@ from typing import Any
 from kvxfer._cuda import driver as cuda
 from kvxfer._libc import MAP_FAILED, libc
 
-__all__ = ["HostMapping", "CudaMapping", "View", "host_bytes"]
+__all__ = ["HostMapping", "CudaMapping", "View", "host_bytes", "round_up"]
+
+
+def round_up(n: int, to: int) -> int:
+    """``n`` rounded up to a multiple of ``to`` (a page, huge page or CUDA granularity)."""
+    return (n + to - 1) // to * to
 
 
 class HostMapping:
