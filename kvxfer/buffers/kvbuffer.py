@@ -49,7 +49,7 @@ Who owns what
 | object | owns | released by |
 |---|---|---|
 | `KVBuffer` | host: its memfd; a reference to the mapping object | `close()` (idempotent; `ResourceWarning` if GC'd open) |
-| mapping object (`_HostMapping` / `_CudaMapping`) | the virtual mapping; CUDA: also the allocation handle | the last reference: `munmap`, or `cuMemUnmap` → `cuMemAddressFree` → `cuMemRelease` |
+| mapping object (`HostMapping` / `CudaMapping`, kvxfer.buffers.mappings) | the virtual mapping; CUDA: also the allocation handle | the last reference: `munmap`, or `cuMemUnmap` → `cuMemAddressFree` → `cuMemRelease` |
 | views, `lease()` | a reference to the mapping object | garbage collection |
 | `SharedHandle` | one fd (memfd or cuMem POSIX fd), or none for fabric-only | `close()` (idempotent; `ResourceWarning` if GC'd open) |
 | `send_handles` | nothing: the kernel gives the receiver new fds; the sender still closes its handles | — |
