@@ -283,10 +283,16 @@ class MemoryRegion:
         self._close()
 
     def _close(self) -> None:
-        for h in self._handles:
-            h.close()
-        self._handles = []
-        self._obj = None
+        """Deregister on every rail, even if one fails; then raise the first failure."""
+        handles, self._handles, self._obj = self._handles, [], None
+        first: Optional[BaseException] = None
+        for h in handles:
+            try:
+                h.close()
+            except FabricError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def __enter__(self) -> "MemoryRegion":
         return self
@@ -504,10 +510,16 @@ class Engine:
             r.quiesce()
         for r in self._rails:           # endpoints go before the registrations they used
             r.close_endpoint()
-        for r in list(self._regions):
-            r._close()
+        for r in list(self._regions):       # a failure is reported, never stops the close
+            try:
+                r._close()
+            except FabricError as exc:
+                warnings.warn(f"closing {r!r}: {exc}", ResourceWarning, stacklevel=2)
         for rail, k in self._raw_keys:
-            rail.unmap_key(k)
+            try:
+                rail.unmap_key(k)
+            except FabricError as exc:
+                warnings.warn(f"unmapping a peer's raw key: {exc}", ResourceWarning, stacklevel=2)
         for r in reversed(self._rails):
             r.close()
         d = self._dispatcher
