@@ -59,6 +59,7 @@ __all__ = ["Messenger", "PeerGroup", "Receive", "Request", "Send", "context_stri
 IMM_LIMIT = 2**31
 _FINAL = ("done", "failed", "aborted")
 _STAGING_SLOTS = 64
+_ONE = np.ones(1, np.int64)
 
 
 def context_stride(context_bytes: int) -> int:
@@ -131,6 +132,7 @@ class PeerGroup:
         self._template: Optional[list] = None       # one page's writes (Messenger._batches)
         self._pair_template: Optional[list] = None  # the same per rank pair, for write_pairs (_posts)
         self._orders: dict[tuple, np.ndarray] = {}  # (region pairs, pages) -> the planner's order
+        self._ctx_pairs: dict[int, Any] = {}        # staging region id -> (staging, context) RegionPairs
         self._geometry = hs.layout.resolve(hs.sharding)
 
     @property
@@ -1104,8 +1106,13 @@ class Messenger:
         if n:
             arr[base + 8:base + 8 + n] = np.frombuffer(data, np.uint8)
         dst = s.request.slot * stride
-        return self.engine.write_batch(mr, pg.peer, pg.context_region, np.array([base], np.uint64),
-                                       np.array([dst], np.uint64), np.array([8 + n], np.uint64), imm=s.request.imm)
+        pairs = pg._ctx_pairs.get(id(mr))
+        if pairs is None:
+            pairs = pg._ctx_pairs[id(mr)] = self.engine.region_pairs(pg.peer, [(mr, pg.context_region)])
+        # one message, on the rail of this node's first rank when placements pin it
+        return self.engine.write_pairs(pairs, np.array([base], np.uint64), np.array([dst], np.uint64),
+                                       np.array([8 + n], np.uint64), _ONE, imm=s.request.imm,
+                                       rail=self._rails.get(self.ranks[0]))
 
     def _staging_slot(self, stride: int) -> tuple:
         with self._lock:
