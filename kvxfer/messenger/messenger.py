@@ -1477,7 +1477,13 @@ class Messenger:
             self._finish_receive(r, "done", fenced=True)
             return
         try:
-            c = self.engine.expect(r.imm, int(m.count), callback=lambda _c, r=r: self._on_counter(r))
+            # everything already landed (small requests: the data overtakes the ANNOUNCE): no
+            # callback, so the engine's dispatcher thread is not woken for nothing. Banked
+            # arrivals only grow (nothing but this messenger discards the imm), so the
+            # expectation completes at once.
+            landed = self.engine.banked(r.imm) >= m.count
+            c = self.engine.expect(r.imm, int(m.count),
+                                   callback=None if landed else (lambda _c, r=r: self._on_counter(r)))
         except KvxferError as exc:
             self._finish_receive(r, "failed", exc, fenced=False)
             return
