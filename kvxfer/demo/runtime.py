@@ -15,7 +15,23 @@ from kvxfer.demo.model import F32, DraftHead, Forward, ModelConfig, RankCache, R
 from kvxfer.errors import InvalidArgumentError
 
 __all__ = ["PagePool", "LocalGroup", "prefill_chunks", "Decoding", "Generation", "colocated",
-           "context_of", "prompt_pages", "decode_pages"]
+           "context_of", "prompt_pages", "decode_pages", "check_prompt"]
+
+
+def check_prompt(cfg: ModelConfig, prompt: Sequence[int] | np.ndarray, max_new: int) -> np.ndarray:
+    """The prompt as int64 ids, or ``InvalidArgumentError``: empty, not 1-D, ids outside the
+    vocabulary, or more positions than the model has."""
+    a = np.asarray(prompt)
+    if a.ndim != 1 or a.size == 0:
+        raise InvalidArgumentError("a prompt is a non-empty 1-D list of token ids")
+    if a.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"token ids must be integers, got {a.dtype}")
+    if a.min() < 0 or a.max() >= cfg.vocab:
+        raise InvalidArgumentError(f"token ids must lie in the vocabulary [0, {cfg.vocab}), got {a.min()}..{a.max()}")
+    if len(a) - 1 + max_new > cfg.max_positions:
+        raise InvalidArgumentError(f"a {len(a)}-token prompt plus {max_new} new tokens exceeds "
+                                   f"max_positions={cfg.max_positions}")
+    return a.astype(np.int64)
 
 
 def prefill_chunks(n_prefill: int, chunk: int) -> list[tuple[int, int]]:
@@ -153,14 +169,14 @@ def colocated(cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new: in
               num_pages: int | None = None) -> list[Generation]:
     """The reference: prefill and decode in one process, one paged cache (TP=1), the same
     prefill chunks and speculative convention as a disaggregated run."""
+    if max_new < 1:
+        raise InvalidArgumentError(f"max_new must be >= 1, got {max_new}")
     need = max((decode_pages(cfg, len(p), max_new) for p in prompts), default=1)
     group = LocalGroup(cfg, 1, num_pages or need)
     pool = PagePool(group.layout.num_pages)
     out = []
     for p in prompts:
-        prompt = np.asarray(p, np.int64)
-        if prompt.ndim != 1 or prompt.size == 0:
-            raise InvalidArgumentError("a prompt is a non-empty 1-D list of token ids")
+        prompt = check_prompt(cfg, p, max_new)
         pages = pool.alloc(decode_pages(cfg, len(prompt), max_new))
         assert pages is not None
         ctx = context_of(cfg, group.run, prompt, pages, chunk)

@@ -1,0 +1,248 @@
+"""A TP group whose ranks are separate worker processes (the prefill node's TP=2).
+
+Each worker allocates its KV shard as a memfd ``kvxfer.KVBuffer`` and hands it to the node
+process with ``kvxfer.share.send_handles``; the node imports it (that is the memory its
+transport reads). The TP all-reduce is shared memory plus a barrier:
+
+* every rank writes its units' partials into slot ``[unit]`` of a scratch area,
+* ``barrier.wait()``,
+* every rank sums all slots in unit order (the same ``reduce_units`` a TP=1 run uses).
+
+Two scratch areas alternate, so one barrier per all-reduce suffices: a rank that reaches
+all-reduce ``k + 2`` has passed barrier ``k + 1``, which every rank reaches only after it has
+read area ``k % 2``. Barriers block (semaphores), never spin. The lead rank bumps a shared
+64-bit layer counter after each layer's attention all-reduce (``RankModel.on_layer``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from kvxfer.demo.model import F32, ModelConfig, RankCache, RankModel, reduce_units
+from kvxfer.demo.runtime import prefill_chunks
+from kvxfer.errors import InvalidArgumentError, PeerError
+from kvxfer.errors import TimeoutError as KvxTimeoutError
+
+__all__ = ["WorkerGroup"]
+
+_CTX = mp.get_context("spawn")
+BARRIER_TIMEOUT = 60.0
+
+
+def _worker(rank: int, tp: int, cfg_dict: dict[str, Any], num_pages: int, chunk: int, conn: Any,
+            sock: socket.socket, barrier: Any, scratch: Any, counter: Any) -> None:
+    """A TP rank: allocate and export the KV shard, then serve ``prefill`` commands."""
+    from kvxfer.buffers import KVBuffer
+    from kvxfer.share import send_handles
+
+    buf = None
+    try:
+        cfg = ModelConfig(**cfg_dict)
+        layout, sharding = cfg.layout(num_pages), cfg.sharding(tp)
+        buf = KVBuffer.allocate(RankCache.nbytes_for(layout, sharding), "cpu", name=f"kvxfer-demo-tp{rank}")
+        h = buf.export()
+        sock.sendall(rank.to_bytes(4, "little"))
+        send_handles(sock, [h])
+        h.close()
+        sock.close()
+        area = np.frombuffer(scratch, F32).reshape(2, cfg.units, chunk, cfg.hidden)
+        bumps = np.frombuffer(counter, np.uint64)
+
+        def bump(layer: int) -> None:
+            bumps[0] += 1
+
+        model = RankModel(cfg, rank, tp, RankCache(layout, sharding, buf.numpy()), on_layer=bump if rank == 0 else None)
+        units = list(model.units)
+        k = 0
+
+        def allreduce(parts: list[np.ndarray]) -> np.ndarray:
+            nonlocal k
+            m = parts[0].shape[0]
+            slot = area[k % 2]
+            k += 1
+            for u, p in zip(units, parts):
+                slot[u, :m] = p
+            barrier.wait(BARRIER_TIMEOUT)
+            return reduce_units([slot[u, :m] for u in range(cfg.units)])
+
+        conn.send(("ready", rank))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            _, rid, tokens, pages = msg
+            t0 = time.perf_counter()
+            tokens = np.asarray(tokens, np.int64)
+            ctx = None
+            for a, b in prefill_chunks(len(tokens), chunk):
+                g = model.forward(tokens[a:b], a, pages)
+                try:
+                    parts = g.send(None)
+                    while True:
+                        parts = g.send(allreduce(parts))
+                except StopIteration as e:
+                    h_last = e.value
+                if b == len(tokens):
+                    ctx = np.array(h_last[-1], F32)
+            conn.send(("done", rid, ctx if rank == 0 else None, time.perf_counter() - t0))
+    except BaseException:
+        try:
+            barrier.abort()
+            conn.send(("error", rank, traceback.format_exc()))
+        except Exception:
+            pass
+    finally:
+        if buf is not None:
+            buf.close()
+
+
+class WorkerGroup:
+    """Start ``tp`` worker processes, import their KV shards, and run prefills on them.
+
+    ``prefill(rid, tokens, pages)`` blocks until every rank is done and returns the context
+    (the lead's last hidden state; zeros for an empty prefill) and the compute time.
+    ``caches[r]`` are the node's views of rank r's shard (``RankCache``), what a transport
+    reads; ``layer_counter`` is the lead rank's per-layer bump count.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: int, num_pages: int, chunk: int, *, start_timeout: float = 60.0) -> None:
+        from kvxfer.buffers import KVBuffer
+        from kvxfer.share import recv_handles
+
+        cfg.check_tp(tp)
+        self.cfg, self.tp, self.chunk, self.num_pages = cfg, tp, chunk, num_pages
+        self.layout, self.sharding = cfg.layout(num_pages), cfg.sharding(tp)
+        self._barrier = _CTX.Barrier(tp)
+        self._scratch = _CTX.RawArray("f", 2 * cfg.units * chunk * cfg.hidden)
+        self._counter = _CTX.RawArray("Q", 1)
+        self.layer_counter = np.frombuffer(self._counter, np.uint64)
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._buffers: list[Any] = []
+        self.caches: list[RankCache] = []
+        env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # spawned children read these before numpy loads BLAS
+        try:
+            socks = []
+            for r in range(tp):
+                mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                parent, child = _CTX.Pipe()
+                p = _CTX.Process(target=_worker, name=f"kvxfer-demo-tp{r}", daemon=True,
+                                 args=(r, tp, cfg.to_dict(), num_pages, chunk, child, theirs, self._barrier,
+                                       self._scratch, self._counter))
+                p.start()
+                theirs.close()
+                child.close()
+                self._procs.append(p)
+                self._conns.append(parent)
+                socks.append(mine)
+            shards: dict[int, Any] = {}
+            for s in socks:
+                s.settimeout(start_timeout)
+                try:
+                    rank = int.from_bytes(s.recv(4), "little")
+                    (h,) = recv_handles(s)
+                except Exception as e:
+                    self._fail_start(f"a TP worker did not hand over its KV buffer: {e!r}")
+                with h:
+                    shards[rank] = KVBuffer.import_(h)
+                s.close()
+            self._buffers = [shards[r] for r in range(tp)]
+            self.caches = [RankCache(self.layout, self.sharding, b.numpy()) for b in self._buffers]
+            for c in self._conns:
+                self._recv(c, "ready", start_timeout)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _fail_start(self, why: str) -> None:
+        for c in self._conns:
+            if c.poll(0.5):
+                msg = c.recv()
+                if msg[0] == "error":
+                    why += f"\n--- rank {msg[1]} ---\n{msg[2]}"
+        raise PeerError(why)
+
+    def _recv(self, conn: Any, kind: str, timeout: float) -> tuple:
+        if not conn.poll(timeout):
+            raise KvxTimeoutError(f"TP worker gave no {kind!r} within {timeout} s")
+        try:
+            msg = conn.recv()
+        except EOFError as e:
+            raise PeerError("a TP worker died") from e
+        if msg[0] == "error":
+            raise PeerError(f"TP rank {msg[1]} failed:\n{msg[2]}")
+        if msg[0] != kind:
+            raise PeerError(f"TP worker sent {msg[0]!r}, expected {kind!r}")
+        return msg
+
+    def prefill(self, rid: Any, tokens: np.ndarray, pages: np.ndarray, timeout: float = 120.0) -> tuple[np.ndarray, float]:
+        """Prefill ``tokens`` (the prompt less its last token) into ``pages`` on every rank."""
+        tokens = np.asarray(tokens, np.int64)
+        pages = np.asarray(pages)
+        if pages.ndim != 1 or (pages.size and pages.dtype.kind not in "iu"):
+            raise InvalidArgumentError(f"pages must be a 1-D integer array, got {pages.dtype} {pages.shape}")
+        if pages.size and (pages.min() < 0 or pages.max() >= self.num_pages):
+            raise InvalidArgumentError(f"pages must lie in [0, {self.num_pages}), got {pages.min()}..{pages.max()}")
+        if pages.size and len(np.unique(pages)) != pages.size:
+            raise InvalidArgumentError("pages repeat a page")
+        if tokens.ndim != 1 or (tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab)):
+            raise InvalidArgumentError(f"tokens must be a 1-D list of ids in [0, {self.cfg.vocab})")
+        if tokens.size and self.cfg.pages_for(len(tokens)) > len(pages):
+            raise InvalidArgumentError(f"{len(tokens)} tokens need {self.cfg.pages_for(len(tokens))} pages, got {len(pages)}")
+        if not tokens.size:
+            return np.zeros(self.cfg.hidden, F32), 0.0
+        for c in self._conns:
+            c.send(("prefill", rid, tokens, np.asarray(pages, np.int64)))
+        ctx, dt = None, 0.0
+        for r, c in enumerate(self._conns):
+            _, got, h, t = self._recv(c, "done", timeout)
+            if r == 0:
+                ctx, dt = h, t
+        assert ctx is not None
+        return ctx, dt
+
+    @property
+    def src_regions(self) -> list[list[np.ndarray]]:
+        return [c.regions for c in self.caches]
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers (join with a deadline, then kill) and unmap their shards."""
+        for c in self._conns:
+            try:
+                c.send(("stop",))
+            except Exception:
+                pass
+        deadline = time.monotonic() + timeout
+        for p in self._procs:
+            p.join(max(deadline - time.monotonic(), 0.1))
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        for c in self._conns:
+            c.close()
+        self._conns, self._procs = [], []
+        self.caches = []
+        for b in self._buffers:
+            b.close()
+        self._buffers = []
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
