@@ -125,6 +125,7 @@ class WorkerGroup:
         self.layer_counter = np.frombuffer(self._counter, np.uint64)
         self._procs: list[Any] = []
         self._conns: list[Any] = []
+        self.broken = ""  #: why the group stopped working ('' while it works)
         self._buffers: list[Any] = []
         self.caches: list[RankCache] = []
         env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
@@ -157,8 +158,7 @@ class WorkerGroup:
                 s.close()
             self._buffers = [shards[r] for r in range(tp)]
             self.caches = [RankCache(self.layout, self.sharding, b.numpy()) for b in self._buffers]
-            for c in self._conns:
-                self._recv(c, "ready", start_timeout)
+            self._gather("ready", start_timeout)
         except BaseException:
             self.close()
             raise
@@ -177,18 +177,48 @@ class WorkerGroup:
                     why += f"\n--- rank {msg[1]} ---\n{msg[2]}"
         raise PeerError(why)
 
-    def _recv(self, conn: Any, kind: str, timeout: float) -> tuple:
-        if not conn.poll(timeout):
-            raise KvxTimeoutError(f"TP worker gave no {kind!r} within {timeout} s")
+    def _gather(self, kind: str, timeout: float) -> list[tuple]:
+        """One reply per rank. A rank that dies or reports an error breaks the group: the
+        barrier is aborted so the other ranks stop waiting, and PeerError carries the
+        worker's traceback."""
+        from multiprocessing.connection import wait
+
+        got: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        by_obj = {**{c: r for r, c in enumerate(self._conns)}, **{p.sentinel: r for r, p in enumerate(self._procs)}}
+        while len(got) < self.tp:
+            left = deadline - time.monotonic()
+            ready = wait([o for o, r in by_obj.items() if r not in got], max(left, 0)) if left > 0 else []
+            if not ready:
+                self._break(f"no {kind!r} from every TP rank within {timeout} s")
+                raise KvxTimeoutError(f"TP ranks {sorted(set(range(self.tp)) - set(got))} gave no {kind!r} "
+                                      f"within {timeout} s")
+            for o in ready:
+                r = by_obj[o]
+                conn = self._conns[r]
+                if conn.poll():
+                    try:
+                        msg = conn.recv()
+                    except EOFError:
+                        msg = ("error", r, "the worker closed its pipe")
+                else:  # the sentinel fired: the process is gone
+                    code = self._procs[r].exitcode
+                    msg = ("error", r, f"the worker process exited (code {code})")
+                if msg[0] == "error":
+                    self._break(f"TP rank {msg[1]} failed")
+                    raise PeerError(f"TP rank {msg[1]} failed:\n{msg[2]}")
+                if msg[0] != kind:
+                    self._break(f"unexpected {msg[0]!r}")
+                    raise PeerError(f"TP rank {r} sent {msg[0]!r}, expected {kind!r}")
+                got[r] = msg
+        return [got[r] for r in range(self.tp)]
+
+    def _break(self, why: str) -> None:
+        self.broken = why
         try:
-            msg = conn.recv()
-        except EOFError as e:
-            raise PeerError("a TP worker died") from e
-        if msg[0] == "error":
-            raise PeerError(f"TP rank {msg[1]} failed:\n{msg[2]}")
-        if msg[0] != kind:
-            raise PeerError(f"TP worker sent {msg[0]!r}, expected {kind!r}")
-        return msg
+            self._barrier.abort()
+        except Exception:
+            pass
 
     def prefill(self, rid: Any, tokens: np.ndarray, pages: np.ndarray, timeout: float = 120.0) -> tuple[np.ndarray, float]:
         """Prefill ``tokens`` (the prompt less its last token) into ``pages`` on every rank."""
@@ -206,13 +236,16 @@ class WorkerGroup:
             raise InvalidArgumentError(f"{len(tokens)} tokens need {self.cfg.pages_for(len(tokens))} pages, got {len(pages)}")
         if not tokens.size:
             return np.zeros(self.cfg.hidden, F32), 0.0
-        for c in self._conns:
-            c.send(("prefill", rid, tokens, np.asarray(pages, np.int64)))
-        ctx, dt = None, 0.0
+        if self.broken:
+            raise PeerError(f"this TP group is broken ({self.broken}); close it and start another")
         for r, c in enumerate(self._conns):
-            _, got, h, t = self._recv(c, "done", timeout)
-            if r == 0:
-                ctx, dt = h, t
+            try:
+                c.send(("prefill", rid, tokens, np.asarray(pages, np.int64)))
+            except OSError as e:
+                self._break(f"TP rank {r} is gone")
+                raise PeerError(f"TP rank {r} is gone (its pipe: {e})") from e
+        results = self._gather("done", timeout)
+        ctx, dt = results[0][2], results[0][3]
         assert ctx is not None
         return ctx, dt
 
