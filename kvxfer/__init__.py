@@ -30,6 +30,8 @@ _LAZY = {
     # topology (pyhwloc)
     "Topology": "kvxfer.topology",
     "Placement": "kvxfer.topology",
+    # messenger
+    "Messenger": "kvxfer.messenger",
     # buffers
     "KVBuffer": "kvxfer.buffers",
     "SharedHandle": "kvxfer.buffers",
@@ -41,6 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvxfer.buffers import KVBuffer, SharedHandle
     from kvxfer.engine import Counter, Engine, MemoryRegion, Peer, RemoteRegion, Transfer, providers
     from kvxfer.layout import KVLayout, Sharding
+    from kvxfer.messenger import Messenger
     from kvxfer.planner import TransferPlan, plan
     from kvxfer.topology import Placement, Topology
     from kvxfer.wire import count_writes
