@@ -195,22 +195,31 @@ def reduce_units(partials: Sequence[np.ndarray]) -> np.ndarray:
 
 class RankCache:
     """One rank's paged KV cache: typed views of the regions ``layout.region_sizes(sharding)``
-    asks for, laid end to end in one byte buffer (a numpy array or a ``KVBuffer`` view)."""
+    asks for. ``memory`` is one byte buffer holding them end to end, or one buffer per region
+    (numpy arrays or ``KVBuffer.numpy()`` views)."""
 
-    def __init__(self, layout: KVLayout, sharding: Sharding, memory: np.ndarray) -> None:
+    def __init__(self, layout: KVLayout, sharding: Sharding, memory: Any) -> None:
         sizes = layout.region_sizes(sharding)
-        mem = np.asarray(memory).view(np.uint8).reshape(-1)
-        if mem.nbytes < sum(sizes):
-            raise InvalidArgumentError(f"KV memory of {mem.nbytes} bytes is smaller than the layout's {sum(sizes)}")
         g = layout.resolve(sharding)
         self.layout, self.sharding, self.geometry = layout, sharding, g
-        self.memory = mem
         self.regions: list[np.ndarray] = []  #: uint8 view of each region, in the layout's region order
-        off = 0
-        for n in sizes:
-            self.regions.append(mem[off:off + n])
-            off += n
-        self.nbytes = off
+        if isinstance(memory, (list, tuple)):
+            if len(memory) != len(sizes):
+                raise InvalidArgumentError(f"{len(memory)} region buffers for a layout of {len(sizes)} regions")
+            for m, n in zip(memory, sizes):
+                a = np.asarray(m).view(np.uint8).reshape(-1)
+                if a.nbytes < n:
+                    raise InvalidArgumentError(f"a region buffer of {a.nbytes} bytes is smaller than the layout's {n}")
+                self.regions.append(a[:n])
+        else:
+            mem = np.asarray(memory).view(np.uint8).reshape(-1)
+            if mem.nbytes < sum(sizes):
+                raise InvalidArgumentError(f"KV memory of {mem.nbytes} bytes is smaller than the layout's {sum(sizes)}")
+            off = 0
+            for n in sizes:
+                self.regions.append(mem[off:off + n])
+                off += n
+        self.nbytes = sum(sizes)
         # one typed view per layer: [pages, planes, local heads, page_size, dim]
         self.layers: list[np.ndarray] = []
         for layer in range(layout.num_layers):

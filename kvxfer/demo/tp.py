@@ -1,8 +1,8 @@
 """A TP group whose ranks are separate worker processes (the prefill node's TP=2).
 
-Each worker allocates its KV shard as a memfd ``kvxfer.KVBuffer`` and hands it to the node
-process with ``kvxfer.share.send_handles``; the node imports it (that is the memory its
-transport reads). The TP all-reduce is shared memory plus a barrier:
+Each worker allocates its KV shard as memfd ``kvxfer.KVBuffer``s (one per region of the
+layout) and hands them to the node process with ``kvxfer.messenger.publish``; the node
+imports them with ``collect`` (that is the memory its messenger registers and reads). The TP all-reduce is shared memory plus a barrier:
 
 * every rank writes its units' partials into slot ``[unit]`` of a scratch area,
 * ``barrier.wait()``,
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from typing import Any
@@ -37,28 +38,26 @@ BARRIER_TIMEOUT = 60.0
 
 
 def _worker(rank: int, tp: int, cfg_dict: dict[str, Any], num_pages: int, chunk: int, conn: Any,
-            sock: socket.socket, barrier: Any, scratch: Any, counter: Any) -> None:
-    """A TP rank: allocate and export the KV shard, then serve ``prefill`` commands."""
+            path: str, barrier: Any, scratch: Any, counter: Any) -> None:
+    """A TP rank: allocate and publish the KV shard, then serve ``prefill`` commands."""
     from kvxfer.buffers import KVBuffer
-    from kvxfer.share import send_handles
+    from kvxfer.messenger.workers import publish
 
-    buf = None
+    bufs: list[Any] = []
     try:
         cfg = ModelConfig(**cfg_dict)
         layout, sharding = cfg.layout(num_pages), cfg.sharding(tp)
-        buf = KVBuffer.allocate(RankCache.nbytes_for(layout, sharding), "cpu", name=f"kvxfer-demo-tp{rank}")
-        h = buf.export()
-        sock.sendall(rank.to_bytes(4, "little"))
-        send_handles(sock, [h])
-        h.close()
-        sock.close()
+        for i, n in enumerate(layout.region_sizes(sharding)):
+            bufs.append(KVBuffer.allocate(n, "cpu", name=f"kvxfer-demo-tp{rank}-r{i}"))
+        publish(path, rank, bufs, timeout=60)
         area = np.frombuffer(scratch, F32).reshape(2, cfg.units, chunk, cfg.hidden)
         bumps = np.frombuffer(counter, np.uint64)
 
         def bump(layer: int) -> None:
             bumps[0] += 1
 
-        model = RankModel(cfg, rank, tp, RankCache(layout, sharding, buf.numpy()), on_layer=bump if rank == 0 else None)
+        cache = RankCache(layout, sharding, [b.numpy() for b in bufs])
+        model = RankModel(cfg, rank, tp, cache, on_layer=bump if rank == 0 else None)
         units = list(model.units)
         k = 0
 
@@ -99,8 +98,8 @@ def _worker(rank: int, tp: int, cfg_dict: dict[str, Any], num_pages: int, chunk:
         except Exception:
             pass
     finally:
-        if buf is not None:
-            buf.close()
+        for b in bufs:
+            b.close()
 
 
 class WorkerGroup:
@@ -113,8 +112,7 @@ class WorkerGroup:
     """
 
     def __init__(self, cfg: ModelConfig, tp: int, num_pages: int, chunk: int, *, start_timeout: float = 60.0) -> None:
-        from kvxfer.buffers import KVBuffer
-        from kvxfer.share import recv_handles
+        from kvxfer.messenger.workers import collect
 
         cfg.check_tp(tp)
         self.cfg, self.tp, self.chunk, self.num_pages = cfg, tp, chunk, num_pages
@@ -127,37 +125,29 @@ class WorkerGroup:
         self._conns: list[Any] = []
         self.broken = ""  #: why the group stopped working ('' while it works)
         self._buffers: list[Any] = []
+        self._tmp = ""
         self.caches: list[RankCache] = []
         env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # spawned children read these before numpy loads BLAS
         try:
-            socks = []
+            self._tmp = tempfile.mkdtemp(prefix="kvxfer-demo-")
+            path = os.path.join(self._tmp, "kv.sock")
             for r in range(tp):
-                mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 parent, child = _CTX.Pipe()
                 p = _CTX.Process(target=_worker, name=f"kvxfer-demo-tp{r}", daemon=True,
-                                 args=(r, tp, cfg.to_dict(), num_pages, chunk, child, theirs, self._barrier,
+                                 args=(r, tp, cfg.to_dict(), num_pages, chunk, child, path, self._barrier,
                                        self._scratch, self._counter))
                 p.start()
-                theirs.close()
                 child.close()
                 self._procs.append(p)
                 self._conns.append(parent)
-                socks.append(mine)
-            shards: dict[int, Any] = {}
-            for s in socks:
-                s.settimeout(start_timeout)
-                try:
-                    rank = int.from_bytes(s.recv(4), "little")
-                    (h,) = recv_handles(s)
-                except Exception as e:
-                    self._fail_start(f"a TP worker did not hand over its KV buffer: {e!r}")
-                with h:
-                    shards[rank] = KVBuffer.import_(h)
-                s.close()
-            self._buffers = [shards[r] for r in range(tp)]
-            self.caches = [RankCache(self.layout, self.sharding, b.numpy()) for b in self._buffers]
+            try:
+                shards = collect(path, range(tp), timeout=start_timeout)
+            except Exception as e:
+                self._fail_start(f"a TP worker did not hand over its KV buffers: {e!r}")
+            self._buffers = [b for r in range(tp) for b in shards[r]]
+            self.caches = [RankCache(self.layout, self.sharding, [b.numpy() for b in shards[r]]) for r in range(tp)]
             self._gather("ready", start_timeout)
         except BaseException:
             self.close()
@@ -273,6 +263,13 @@ class WorkerGroup:
         for b in self._buffers:
             b.close()
         self._buffers = []
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = ""
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
 
     def __enter__(self) -> WorkerGroup:
         return self
