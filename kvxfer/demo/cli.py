@@ -32,8 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests decoding at once")
     p.add_argument("--arrival-ms", type=float, default=d.arrival_ms, help="mean gap between arrivals (ms)")
     p.add_argument("--decode-pages", type=int, default=0, help="decoder pool pages (0: max-batch longest requests)")
-    p.add_argument("--transport", choices=("numpy",), default=d.transport,
-                   help="how KV moves between the nodes: numpy (plan-following copies, no fabric)")
+    p.add_argument("--transport", choices=("numpy", "shm", "tcp;ofi_rxm", "tcp"), default=d.transport,
+                   help="how KV moves: shm or tcp;ofi_rxm (kvxfer messengers; 'tcp' means tcp;ofi_rxm), "
+                        "or numpy (plan-following copies, no fabric)")
+    p.add_argument("--prefill-nodes", type=int, default=d.prefill_nodes,
+                   help="prefill nodes (messenger transports; requests go round-robin)")
+    p.add_argument("--kill-prefiller-after", type=int, default=0, metavar="N",
+                   help="SIGKILL prefill node 0 after it prefilled N requests (needs --prefill-nodes 2)")
+    p.add_argument("--peer-timeout", type=float, default=d.peer_timeout, help="messenger dead-peer timeout (s)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
@@ -75,7 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     dc = DemoConfig(prompts=a.prompts, min_len=a.min_len, max_len=a.max_len, max_new=a.max_new,
                     attention=a.attention, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp, chunk=a.chunk,
                     max_batch=a.max_batch, arrival_ms=a.arrival_ms, decode_pool_pages=a.decode_pages,
-                    transport=a.transport, seed=a.seed)
+                    transport="tcp;ofi_rxm" if a.transport == "tcp" else a.transport,
+                    prefill_nodes=a.prefill_nodes, kill_prefiller_after=a.kill_prefiller_after,
+                    peer_timeout=a.peer_timeout, seed=a.seed)
     show = None
     if not a.quiet and not a.json:
         def show(line: str) -> None:

@@ -16,8 +16,14 @@ Life of a request (decode node's view):
 5. *decoding*: each step runs every request of the batch (at most ``max_batch``) one row at a
    time; after ``max_new`` tokens its pages are released.
 
+Transports: ``numpy`` (the prefill node is a thread of this process; KV moves as numpy
+copies that follow ``kvxfer.plan``: no fabric) and ``shm`` / ``tcp;ofi_rxm`` (the prefill
+node is its own process with a ``kvxfer.Messenger``; see :mod:`kvxfer.demo.nodes`).
 Without layer streaming (the messenger's layer counter), every layer is moved after the last
 layer is computed, so the "transfer tail" below is the whole transfer.
+
+A one-token prompt has nothing to prefill: the decoder takes it at once, with a zero context
+(the convention), and nothing is transferred.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from kvxfer.demo.runtime import (Decoding, Generation, LocalGroup, PagePool, che
 from kvxfer.demo.transport import copy_plan
 from kvxfer.errors import InvalidArgumentError, LayoutError
 
-__all__ = ["DemoConfig", "RequestStats", "Report", "make_prompts", "DecodeNode", "PrefillNode", "run"]
+__all__ = ["DemoConfig", "RequestStats", "Report", "Handoff", "make_prompts", "DecodeNode", "NumpyTransport", "run"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,10 @@ class DemoConfig:
     arrival_ms: float = 15.0  #: mean gap between arrivals (exponential), so prefills overlap decodes
     decode_pool_pages: int = 0  #: 0: enough for ``max_batch`` of the longest requests
     prefill_pool_pages: int = 0  #: 0: enough for the longest prompt
-    transport: str = "numpy"
+    transport: str = "numpy"  #: numpy, shm or tcp;ofi_rxm
+    prefill_nodes: int = 1  #: prefill nodes (messenger transports); requests go round-robin
+    kill_prefiller_after: int = 0  #: >0: SIGKILL prefill node 0 once it has prefilled this many
+    peer_timeout: float = 3.0  #: the messenger's dead-peer timeout (s)
     seed: int = 0
 
     def model(self) -> ModelConfig:
@@ -82,21 +91,27 @@ class RequestStats:
     ttft: float = 0.0  #: arrival until the first token
     tokens: list[int] = field(default_factory=list)
     accepted: int = 0
-    identical: bool | None = None
+    identical: bool | None = None  #: None when the request failed
+    node: int = 0  #: the prefill node that served it
+    error: str = ""  #: why it failed ("" if it did not)
 
 
 @dataclass
 class Report:
+    """A run's figures. ``identical``: every request that completed generated exactly the
+    colocated tokens and accepted drafts; ``failed``: requests that failed (a killed node)."""
+
     config: dict[str, Any]
     requests: list[RequestStats]
     wall: float
     tokens_per_s: float
     identical: bool
     mismatches: list[int]
+    failed: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"config": self.config, "wall_s": self.wall, "tokens_per_s": self.tokens_per_s,
-                "identical": self.identical, "mismatches": self.mismatches,
+                "identical": self.identical, "mismatches": self.mismatches, "failed": self.failed,
                 "requests": [asdict(r) for r in self.requests]}
 
 
@@ -110,64 +125,105 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
     return [rng.integers(0, vocab, int(k)).tolist() for k in lens]
 
 
-class _Receive:
-    """The decoder's side of one request's hand-off: done when every page and the context landed."""
+class Handoff:
+    """One request's hand-off as the decoder sees it (what a transport's ``submit`` returns).
+
+    ``done``: every page and the context landed, or it failed (``error``); ``fenced``: no
+    write of it can land any more, so its pages may be reused; ``context()`` the context as
+    float32; the prefill node's figures arrive in ``figures`` (``t_prefill_start``,
+    ``t_prefill_end`` on the machine's monotonic clock, ``pages``, ``bytes``, ``writes``).
+    """
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self.figures: dict[str, Any] = {}
         self.error: BaseException | None = None
+        self.t_done: float | None = None
+        self.node = 0
+
+    @property
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def fenced(self) -> bool:
+        return self.done
+
+    def context(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """The context was read: its slot may be reused."""
+
+
+class _Local(Handoff):
+    """A hand-off that needs no transfer (a one-token prompt) or one done by a thread here."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.event = threading.Event()
+        self.ctx = np.zeros(hidden, F32)
 
     @property
     def done(self) -> bool:
         return self.event.is_set()
 
+    def context(self) -> np.ndarray:
+        return self.ctx
+
 
 class DecodeNode:
-    """A decode TP group in this process, its page pool and its context slots."""
+    """A decode TP group in this process (KV in memfd ``KVBuffer``s) and its page pool."""
 
-    def __init__(self, cfg: ModelConfig, tp: int, num_pages: int, slots: int) -> None:
+    def __init__(self, cfg: ModelConfig, tp: int, num_pages: int) -> None:
         from kvxfer.buffers import KVBuffer
 
         self.cfg = cfg
         layout, sharding = cfg.layout(num_pages), cfg.sharding(tp)
-        n = RankCache.nbytes_for(layout, sharding)
-        self.buffers = [KVBuffer.allocate(n, "cpu", name=f"kvxfer-demo-dec{r}") for r in range(tp)]
-        self.group = LocalGroup(cfg, tp, num_pages, [b.numpy() for b in self.buffers])
+        self.buffers = [[KVBuffer.allocate(n, "cpu", name=f"kvxfer-demo-dec{r}-{i}")
+                         for i, n in enumerate(layout.region_sizes(sharding))] for r in range(tp)]
+        self.group = LocalGroup(cfg, tp, num_pages, [[b.numpy() for b in bl] for bl in self.buffers])
+        self.layout, self.sharding = layout, sharding
         self.pool = PagePool(num_pages)
-        #: one float32 hidden state per slot: the context-slot format (see docs)
-        self.contexts = np.zeros((slots, cfg.hidden), F32)
-        self.free_slots = list(range(slots - 1, -1, -1))
 
     def handshake(self) -> dict[str, Any]:
         """What a prefill node needs to know (and check) before it writes here."""
-        return {"model": self.cfg.fingerprint(), "layout": self.group.layout, "sharding": self.group.sharding}
+        return {"model": self.cfg.fingerprint(), "layout": self.layout, "sharding": self.sharding}
 
     @property
-    def dst_regions(self) -> list[list[np.ndarray]]:
-        return [c.regions for c in self.group.caches]
+    def regions(self) -> dict[int, list[np.ndarray]]:
+        """Each rank's regions in the layout's order (what a messenger registers)."""
+        return {r: c.regions for r, c in enumerate(self.group.caches)}
 
     def close(self) -> None:
         self.group = None  # type: ignore[assignment]
-        for b in self.buffers:
-            b.close()
+        for bl in self.buffers:
+            for b in bl:
+                b.close()
         self.buffers = []
 
 
-class PrefillNode:
-    """The prefill node: a TP worker group, its source page pool, and a service thread that
-    prefills queued requests one at a time and pushes their KV to the decoder."""
+class NumpyTransport:
+    """The fabric-free transport: the prefill node (a TP worker group) is driven by a thread
+    of this process, which prefills requests one at a time, copies their KV into the
+    decoder's pages as ``kvxfer.plan`` says, and hands over the context."""
 
-    def __init__(self, cfg: ModelConfig, tp: int, num_pages: int, chunk: int) -> None:
+    name = "numpy"
+
+    def __init__(self, cfg: ModelConfig, dc: DemoConfig, decoder: DecodeNode, prefill_pages: int,
+                 wake: threading.Event) -> None:
         from kvxfer.demo.tp import WorkerGroup
 
-        self.cfg = cfg
-        self.workers = WorkerGroup(cfg, tp, num_pages, chunk)
-        self.pool = PagePool(num_pages)
+        if dc.prefill_nodes != 1 or dc.kill_prefiller_after:
+            raise InvalidArgumentError("the numpy transport runs one prefill node and cannot kill it")
+        self.cfg, self.decoder, self.wake = cfg, decoder, wake
+        self.workers = WorkerGroup(cfg, dc.prefill_tp, prefill_pages, dc.chunk)
+        self.pool = PagePool(prefill_pages)
         self._q: queue.Queue[Any] = queue.Queue()
+        self._connect(decoder)
         self._thread = threading.Thread(target=self._serve, name="kvxfer-demo-prefill", daemon=True)
-        self._peer: DecodeNode | None = None
+        self._thread.start()
 
-    def connect(self, decoder: DecodeNode) -> None:
+    def _connect(self, decoder: DecodeNode) -> None:
         """Check the decoder's handshake: same model, layouts and shardings that can meet."""
         import kvxfer
 
@@ -176,41 +232,43 @@ class PrefillNode:
             raise LayoutError(f"the decode node runs another model (config digest {hs['model']}, "
                               f"this prefill node {self.cfg.fingerprint()})")
         kvxfer.plan(self.workers.layout, self.workers.sharding, hs["layout"], hs["sharding"], [], [])
-        self._peer = decoder
-        self._thread.start()
 
-    def submit(self, st: RequestStats, prompt: np.ndarray, dst_pages: np.ndarray, slot: int, rx: _Receive) -> None:
-        self._q.put((st, prompt, dst_pages, slot, rx))
+    def submit(self, rid: int, prompt: np.ndarray, dst_pages: np.ndarray) -> Handoff:
+        h = _Local(self.cfg.hidden)
+        self._q.put((rid, prompt, dst_pages, h))
+        return h
 
     def _serve(self) -> None:
         import kvxfer
 
-        dec = self._peer
-        assert dec is not None
+        dec = self.decoder
         while True:
             item = self._q.get()
             if item is None:
                 return
-            st, prompt, dst_pages, slot, rx = item
+            rid, prompt, dst_pages, h = item
             try:
                 npf = prompt_pages(self.cfg, len(prompt))
                 src = self.pool.alloc(npf)
                 assert src is not None  # one request at a time, pool sized for the longest
-                t0 = time.perf_counter()
-                st.queued = float(t0 - st._arrival)  # type: ignore[attr-defined]
-                ctx, _ = self.workers.prefill(st.rid, prompt[:-1], src)
-                t1 = time.perf_counter()
-                plan = kvxfer.plan(self.workers.layout, self.workers.sharding, dec.group.layout, dec.group.sharding,
-                                   src, dst_pages[:npf], seed=st.rid)
-                st.writes, st.bytes = copy_plan(plan, self.workers.src_regions, dec.dst_regions)
-                dec.contexts[slot] = ctx
+                t0 = time.monotonic()
+                ctx, _ = self.workers.prefill(rid, prompt[:-1], src)
+                t1 = time.monotonic()
+                plan = kvxfer.plan(self.workers.layout, self.workers.sharding, dec.layout, dec.sharding,
+                                   src, dst_pages[:npf], seed=rid)
+                writes, nbytes = copy_plan(plan, self.workers.src_regions, [c.regions for c in dec.group.caches])
+                h.ctx = ctx
                 self.pool.release(src)
-                t2 = time.perf_counter()
-                st.pages, st.prefill, st.tail = npf, t1 - t0, t2 - t1
-                st._done = t2  # type: ignore[attr-defined]
+                h.figures = {"t_prefill_start": t0, "t_prefill_end": t1, "pages": npf, "bytes": nbytes,
+                             "writes": writes}
             except BaseException as e:  # the request fails; the node keeps serving
-                rx.error = e
-            rx.event.set()
+                h.error = e
+            h.t_done = time.monotonic()
+            h.event.set()
+            self.wake.set()
+
+    def collect_figures(self, timeout: float) -> None:
+        """Figures are set before a hand-off is done: nothing to wait for."""
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -219,14 +277,25 @@ class PrefillNode:
         self.workers.close()
 
 
+def _transport(cfg: ModelConfig, dc: DemoConfig, decoder: DecodeNode, prefill_pages: int, slots: int,
+               wake: threading.Event) -> Any:
+    if dc.transport == "numpy":
+        return NumpyTransport(cfg, dc, decoder, prefill_pages, wake)
+    if dc.transport in ("shm", "tcp;ofi_rxm"):
+        from kvxfer.demo.nodes import MessengerTransport
+
+        return MessengerTransport(cfg, dc, decoder, prefill_pages, slots, wake)
+    raise InvalidArgumentError(f"transport must be numpy, shm or tcp;ofi_rxm, got {dc.transport!r}")
+
+
 def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
         prompts: list[list[int]] | None = None, reference: list[Generation] | None = None) -> Report:
     """Run the workload (``prompts``, else ``dc.prompts`` random ones) disaggregated, then
     (unless given) the colocated reference, and compare tokens and accepted drafts."""
-    if dc.transport != "numpy":
-        raise InvalidArgumentError(f"transport {dc.transport!r} is not available (have: numpy)")
-    if dc.max_new < 1 or dc.max_batch < 1 or dc.chunk < 1:
-        raise InvalidArgumentError("max_new, max_batch and chunk must be >= 1")
+    if dc.max_new < 1 or dc.max_batch < 1 or dc.chunk < 1 or dc.prefill_nodes < 1:
+        raise InvalidArgumentError("max_new, max_batch, chunk and prefill_nodes must be >= 1")
+    if dc.kill_prefiller_after and dc.prefill_nodes < 2:
+        raise InvalidArgumentError("killing a prefill node needs a second one to keep serving (prefill_nodes=2)")
     cfg = dc.model()
     if prompts is None:
         if not 1 <= dc.min_len <= dc.max_len or dc.prompts < 1:
@@ -238,29 +307,34 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
     longest = max(len(p) for p in prompts)
     dec_pages = dc.decode_pool_pages or dc.max_batch * decode_pages(cfg, longest, dc.max_new)
     pre_pages = dc.prefill_pool_pages or max(prompt_pages(cfg, longest), 1)
-    rng = np.random.default_rng(dc.seed + 1)
-    arrivals = np.cumsum(rng.exponential(dc.arrival_ms / 1000.0, len(prompts)))
-    arrivals -= arrivals[0]
     for p in prompts:
         check_prompt(cfg, p, dc.max_new)
         if decode_pages(cfg, len(p), dc.max_new) > dec_pages:
             raise InvalidArgumentError(f"a {len(p)}-token prompt needs more pages than the decoder's "
                                        f"{dec_pages}: refused before anything is sent")
+    rng = np.random.default_rng(dc.seed + 1)
+    arrivals = np.cumsum(rng.exponential(dc.arrival_ms / 1000.0, len(prompts)))
+    arrivals -= arrivals[0]
 
-    decoder = DecodeNode(cfg, dc.decode_tp, dec_pages, slots=len(prompts))
-    prefiller = PrefillNode(cfg, dc.prefill_tp, pre_pages, dc.chunk)
+    wake = threading.Event()
+    decoder = DecodeNode(cfg, dc.decode_tp, dec_pages)
+    transport = None
     stats = [RequestStats(i, len(p)) for i, p in enumerate(prompts)]
     try:
-        prefiller.connect(decoder)
+        transport = _transport(cfg, dc, decoder, pre_pages, len(prompts), wake)
         pending = deque(range(len(prompts)))  # not yet admitted (arrival order)
-        receiving: dict[int, tuple[_Receive, np.ndarray, int]] = {}
-        ready: deque[int] = deque()  # received, waiting for a batch slot
+        receiving: dict[int, tuple[Handoff, np.ndarray]] = {}
+        quarantined: list[tuple[Handoff, np.ndarray]] = []  # failed: pages wait for the fence
+        handoffs: dict[int, Handoff] = {}
+        ready: deque[tuple[int, Decoding]] = deque()  # received, waiting for a batch slot
         active: dict[int, Decoding] = {}
+        t_arrival: dict[int, float] = {}
+        t_done: dict[int, float] = {}
         finished = 0
-        t_start = time.perf_counter()
+        t_start = time.monotonic()
         last_shown = 0.0
         while finished < len(prompts):
-            now = time.perf_counter()
+            now = time.monotonic()
             # admit arrived requests while pages last (in order: no overtaking)
             while pending and t_start + arrivals[pending[0]] <= now:
                 i = pending[0]
@@ -268,72 +342,88 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
                 if pages is None:
                     break
                 pending.popleft()
-                slot = decoder.free_slots.pop()
-                rx = _Receive()
-                stats[i]._arrival = float(t_start + arrivals[i])  # type: ignore[attr-defined]
-                receiving[i] = (rx, pages, slot)
-                prefiller.submit(stats[i], np.asarray(prompts[i], np.int64), pages, slot, rx)
-            for i in [i for i, (rx, _, _) in receiving.items() if rx.done]:
-                rx, pages, slot = receiving.pop(i)
-                if rx.error is not None:
-                    raise rx.error
+                t_arrival[i] = float(t_start + arrivals[i])
+                prompt = np.asarray(prompts[i], np.int64)
+                if len(prompt) == 1:
+                    h: Handoff = _Local(cfg.hidden)
+                    h.t_done = time.monotonic()
+                    h.figures = {"t_prefill_start": h.t_done, "t_prefill_end": h.t_done}
+                    h.event.set()  # type: ignore[attr-defined]
+                else:
+                    h = transport.submit(i, prompt, pages)
+                handoffs[i] = h
+                receiving[i] = (h, pages)
+            for i in [i for i, (h, _) in receiving.items() if h.done]:
+                h, pages = receiving.pop(i)
+                stats[i].node = h.node
+                if h.error is not None:
+                    stats[i].error = f"{type(h.error).__name__}: {h.error}"
+                    quarantined.append((h, pages))
+                    finished += 1
+                    continue
+                t_done[i] = h.t_done if h.t_done is not None else time.monotonic()
                 d = Decoding(len(prompts[i]), int(prompts[i][-1]), pages, dc.max_new)
-                d.start(decoder.group, decoder.contexts[slot])
-                decoder.free_slots.append(slot)
-                ready.append(i)
-                stats[i]._dec = d  # type: ignore[attr-defined]
+                d.start(decoder.group, h.context())
+                h.release()
+                ready.append((i, d))
+            for h, pages in [q for q in quarantined if q[0].fenced]:
+                decoder.pool.release(pages)
+                quarantined.remove((h, pages))
             while ready and len(active) < dc.max_batch:
-                i = ready.popleft()
-                active[i] = stats[i]._dec  # type: ignore[attr-defined]
+                i, d = ready.popleft()
+                active[i] = d
             if not active:
                 # nothing to decode: wait for a receive or the next arrival
-                nxt = t_start + arrivals[pending[0]] - time.perf_counter() if pending else 0.05
-                waits = [rx for rx, _, _ in receiving.values()]
-                if waits:
-                    waits[0].event.wait(max(min(nxt, 0.05), 0.0005))
-                elif pending:
-                    time.sleep(max(min(nxt, 0.05), 0.0))
+                nxt = t_start + arrivals[pending[0]] - time.monotonic() if pending else 0.05
+                wake.wait(max(min(nxt, 0.05), 0.0005))
+                wake.clear()
                 continue
             for i, d in list(active.items()):
                 st = stats[i]
                 first = not d.tokens
-                t0 = time.perf_counter()
+                t0 = time.monotonic()
                 d.step(decoder.group)
                 if first:
-                    t1 = time.perf_counter()
-                    st.wait = t0 - st._done  # type: ignore[attr-defined]
+                    t1 = time.monotonic()
+                    st.wait = t0 - t_done[i]
                     st.first_step = t1 - t0
-                    st.ttft = float(t1 - st._arrival)  # type: ignore[attr-defined]
+                    st.ttft = t1 - t_arrival[i]
                 if d.finished:
                     st.tokens, st.accepted = list(d.tokens), d.accepted
                     decoder.pool.release(d.pages)
                     del active[i]
                     finished += 1
-            if progress is not None and time.perf_counter() - last_shown > 0.2:
-                last_shown = time.perf_counter()
+            if progress is not None and time.monotonic() - last_shown > 0.2:
+                last_shown = time.monotonic()
                 progress(f"arrived {sum(1 for a in arrivals if t_start + a <= last_shown):>3}  "
                          f"prefill/transfer {len(receiving):>2}  decoding {len(active):>2}  "
                          f"waiting {len(ready):>2}  done {finished:>3}/{len(prompts)}  "
                          f"free pages {decoder.pool.free}")
-        wall = time.perf_counter() - t_start
+        wall = time.monotonic() - t_start
+        transport.collect_figures(timeout=5.0)
+        for i, h in handoffs.items():
+            f, st = h.figures, stats[i]
+            st.pages, st.bytes, st.writes = f.get("pages", 0), f.get("bytes", 0), f.get("writes", 0)
+            if "t_prefill_start" in f:
+                st.queued = f["t_prefill_start"] - t_arrival[i]
+                st.prefill = f["t_prefill_end"] - f["t_prefill_start"]
+                if i in t_done:
+                    st.tail = t_done[i] - f["t_prefill_end"]
     finally:
-        prefiller.close()
+        if transport is not None:
+            transport.close()
         decoder.close()
     if progress is not None:
         progress(f"done {len(prompts)}/{len(prompts)} in {wall:.1f} s; running the colocated reference")
     ref = reference if reference is not None else colocated(cfg, prompts, max_new=dc.max_new, chunk=dc.chunk)
-    mismatches = []
+    mismatches, failed = [], []
     for st, g in zip(stats, ref):
+        if st.error:
+            failed.append(st.rid)
+            continue
         st.identical = tuple(st.tokens) == g.tokens and st.accepted == g.accepted
         if not st.identical:
             mismatches.append(st.rid)
-        for k in ("_arrival", "_done", "_dec"):
-            st.__dict__.pop(k, None)
     total = sum(len(s.tokens) for s in stats)
     return Report(config=asdict(dc), requests=stats, wall=wall, tokens_per_s=total / wall,
-                  identical=not mismatches, mismatches=mismatches)
-
-
-def _stderr(line: str) -> None:
-    sys.stderr.write("\r\x1b[2K" + line)
-    sys.stderr.flush()
+                  identical=not mismatches, mismatches=mismatches, failed=failed)
