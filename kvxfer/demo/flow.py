@@ -61,10 +61,10 @@ class DemoConfig:
     decode_tp: int = 1
     chunk: int = 64  #: prefill chunk (tokens); smaller than most prompts
     max_batch: int = 8
-    arrival_ms: float = 15.0  #: mean gap between arrivals (exponential), so prefills overlap decodes
+    arrival_ms: float = 120.0  #: mean gap between arrivals (exponential), so prefills overlap decodes
     decode_pool_pages: int = 0  #: 0: enough for ``max_batch`` of the longest requests
     prefill_pool_pages: int = 0  #: 0: enough for the longest prompt
-    transport: str = "numpy"  #: numpy, shm or tcp;ofi_rxm
+    transport: str = "shm"  #: shm or tcp;ofi_rxm (messengers), numpy (no fabric)
     prefill_nodes: int = 1  #: prefill nodes (messenger transports); requests go round-robin
     kill_prefiller_after: int = 0  #: >0: SIGKILL prefill node 0 once it has prefilled this many
     peer_timeout: float = 3.0  #: the messenger's dead-peer timeout (s)
@@ -92,8 +92,9 @@ class RequestStats:
     tokens: list[int] = field(default_factory=list)
     accepted: int = 0
     identical: bool | None = None  #: None when the request failed
-    node: int = 0  #: the prefill node that served it
+    node: int = -1  #: the prefill node that served it (-1: none, a one-token prompt)
     error: str = ""  #: why it failed ("" if it did not)
+    failed_after: float = 0.0  #: a failed request: seconds from the prefill node's kill to the failure
 
 
 @dataclass
@@ -160,6 +161,7 @@ class _Local(Handoff):
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
+        self.node = 0
         self.event = threading.Event()
         self.ctx = np.zeros(hidden, F32)
 
@@ -216,22 +218,20 @@ class NumpyTransport:
         if dc.prefill_nodes != 1 or dc.kill_prefiller_after:
             raise InvalidArgumentError("the numpy transport runs one prefill node and cannot kill it")
         self.cfg, self.decoder, self.wake = cfg, decoder, wake
+        self._connect(decoder)
         self.workers = WorkerGroup(cfg, dc.prefill_tp, prefill_pages, dc.chunk)
         self.pool = PagePool(prefill_pages)
         self._q: queue.Queue[Any] = queue.Queue()
-        self._connect(decoder)
+        kvxfer_plan_check(self.workers, decoder)
         self._thread = threading.Thread(target=self._serve, name="kvxfer-demo-prefill", daemon=True)
         self._thread.start()
 
     def _connect(self, decoder: DecodeNode) -> None:
-        """Check the decoder's handshake: same model, layouts and shardings that can meet."""
-        import kvxfer
-
+        """Check the decoder's handshake: the same model."""
         hs = decoder.handshake()
         if hs["model"] != self.cfg.fingerprint():
             raise LayoutError(f"the decode node runs another model (config digest {hs['model']}, "
                               f"this prefill node {self.cfg.fingerprint()})")
-        kvxfer.plan(self.workers.layout, self.workers.sharding, hs["layout"], hs["sharding"], [], [])
 
     def submit(self, rid: int, prompt: np.ndarray, dst_pages: np.ndarray) -> Handoff:
         h = _Local(self.cfg.hidden)
@@ -275,6 +275,13 @@ class NumpyTransport:
             self._q.put(None)
             self._thread.join(30)
         self.workers.close()
+
+
+def kvxfer_plan_check(workers: Any, decoder: DecodeNode) -> None:
+    """Layouts and shardings that cannot meet raise ``LayoutError`` here (an empty plan)."""
+    import kvxfer
+
+    kvxfer.plan(workers.layout, workers.sharding, decoder.layout, decoder.sharding, [], [])
 
 
 def _transport(cfg: ModelConfig, dc: DemoConfig, decoder: DecodeNode, prefill_pages: int, slots: int,
@@ -346,6 +353,7 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
                 prompt = np.asarray(prompts[i], np.int64)
                 if len(prompt) == 1:
                     h: Handoff = _Local(cfg.hidden)
+                    h.node = -1
                     h.t_done = time.monotonic()
                     h.figures = {"t_prefill_start": h.t_done, "t_prefill_end": h.t_done}
                     h.event.set()  # type: ignore[attr-defined]
@@ -358,6 +366,9 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
                 stats[i].node = h.node
                 if h.error is not None:
                     stats[i].error = f"{type(h.error).__name__}: {h.error}"
+                    killed = getattr(transport, "t_killed", None)
+                    if killed is not None and h.t_done is not None:
+                        stats[i].failed_after = h.t_done - killed
                     quarantined.append((h, pages))
                     finished += 1
                     continue

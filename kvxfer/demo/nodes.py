@@ -203,7 +203,8 @@ class MessengerTransport:
         self._lock = threading.Lock()
         self._next = 0
         self._closed = False
-        self._killed = False
+        self.t_killed: float | None = None
+        self._error = ""
         self.eng = self.m = None
         try:
             spec = {"model": cfg.to_dict(), "provider": dc.transport, "tp": dc.prefill_tp, "num_pages": prefill_pages,
@@ -235,9 +236,9 @@ class MessengerTransport:
                 if msg[0] != "ready":
                     raise PeerError(f"prefill node {n.index} failed to start:\n{msg[1]}")
                 _, n.blob, digest, pid, n.pids = msg
-                if digest != cfg.fingerprint():
+                if digest != decoder.cfg.fingerprint():
                     raise LayoutError(f"prefill node {n.index} runs another model (config digest {digest}, "
-                                      f"this decode node {cfg.fingerprint()})")
+                                      f"this decode node {decoder.cfg.fingerprint()})")
                 n.peer = self.m.connect(n.blob, timeout=30)
                 threading.Thread(target=self._listen, args=(n,), name=f"kvxfer-demo-node{n.index}",
                                  daemon=True).start()
@@ -271,7 +272,7 @@ class MessengerTransport:
         """SIGKILL prefill node ``index`` and its TP workers (the kill-the-prefiller drill)."""
         n = self.nodes[index]
         n.alive = False
-        self._killed = True
+        self.t_killed = time.monotonic()
         for pid in [n.proc.pid, *n.pids]:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from kvxfer.demo import cli
-from kvxfer.demo.flow import DecodeNode, DemoConfig, PrefillNode, run
+import threading
+
+from kvxfer.demo.flow import DecodeNode, DemoConfig, NumpyTransport, run
 from kvxfer.demo.model import ModelConfig
 from kvxfer.demo.runtime import LocalGroup, colocated, context_of
 from kvxfer.demo.tp import WorkerGroup
@@ -23,7 +25,8 @@ pytestmark = pytest.mark.timeout(300)
 def test_disaggregated_tokens_identical(attention, decode_tp):
     # several decoding at once, prefills overlapping decodes, a pool too small for all at once
     dc = DemoConfig(prompts=8, min_len=1, max_len=150, max_new=10, attention=attention, decode_tp=decode_tp,
-                    chunk=32, max_batch=3, arrival_ms=5, decode_pool_pages=30, seed=4)
+                    chunk=32, max_batch=3, arrival_ms=5, decode_pool_pages=30, seed=4,
+                    transport="numpy")
     r = run(dc)
     assert r.identical, f"mismatching requests: {r.mismatches}"
     assert [len(s.tokens) for s in r.requests] == [10] * 8
@@ -61,25 +64,23 @@ def test_worker_shards_hold_the_reference_kv():
 
 
 def test_model_mismatch_fails_the_handshake():
-    dec = DecodeNode(ModelConfig(seed=1), 1, 8, 2)
-    pre = PrefillNode(ModelConfig(seed=2), 2, 8, 64)
+    dec = DecodeNode(ModelConfig(seed=1), 1, 8)
     try:
         with pytest.raises(LayoutError, match="another model"):
-            pre.connect(dec)
+            NumpyTransport(ModelConfig(seed=2), DemoConfig(transport="numpy"), dec, 8, threading.Event())
     finally:
-        pre.close()
         dec.close()
 
 
 def test_prompt_too_long_for_the_decoder_is_refused():
-    dc = DemoConfig(max_new=4, decode_pool_pages=3)
+    dc = DemoConfig(max_new=4, decode_pool_pages=3, transport="numpy")
     with pytest.raises(InvalidArgumentError, match="refused"):
         run(dc, prompts=[[1, 2, 3], list(range(60))])  # 63 positions: 4 pages
 
 
 def test_given_reference_mismatch_is_reported():
     """The check can fail: a wrong reference makes the run say so."""
-    dc = DemoConfig(max_new=4, decode_pool_pages=8)
+    dc = DemoConfig(max_new=4, decode_pool_pages=8, transport="numpy")
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     good = colocated(dc.model(), prompts, max_new=4, chunk=dc.chunk)
     bad = [good[0], type(good[1])(tuple((t + 1) % 512 for t in good[1].tokens), good[1].accepted)]
@@ -88,7 +89,7 @@ def test_given_reference_mismatch_is_reported():
 
 
 def test_cli_json(capsys):
-    rc = cli.main(["--prompts", "3", "--max-len", "40", "--max-new", "4", "--json", "--seed", "2"])
+    rc = cli.main(["--prompts", "3", "--max-len", "40", "--max-new", "4", "--json", "--seed", "2", "--transport", "numpy"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["identical"] is True
     assert len(out["requests"]) == 3
@@ -98,7 +99,7 @@ def test_cli_json(capsys):
 
 
 def test_cli_table_and_bad_input(capsys):
-    rc = cli.main(["--prompts", "2", "--max-len", "20", "--max-new", "3", "-q", "--attention", "mla",
+    rc = cli.main(["--prompts", "2", "--max-len", "20", "--max-new", "3", "-q", "--attention", "mla", "--transport", "numpy",
                    "--decode-tp", "4"])
     out = capsys.readouterr().out
     assert rc == 0 and "tokens identical to colocated: yes" in out and "TP2 -> TP4" in out
