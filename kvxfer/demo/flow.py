@@ -66,7 +66,7 @@ class DemoConfig:
     prefill_pool_pages: int = 0  #: 0: enough for the longest prompt
     transport: str = "shm"  #: shm or tcp;ofi_rxm (messengers), numpy (no fabric)
     prefill_nodes: int = 1  #: prefill nodes (messenger transports); requests go round-robin
-    kill_prefiller_after: int = 0  #: >0: SIGKILL prefill node 0 once it has prefilled this many
+    kill_prefiller_after: int = 0  #: >0: SIGKILL prefill node 0 once it has prefilled this many and has another
     peer_timeout: float = 3.0  #: the messenger's dead-peer timeout (s)
     seed: int = 0
 
@@ -109,11 +109,12 @@ class Report:
     identical: bool
     mismatches: list[int]
     failed: list[int] = field(default_factory=list)
+    messenger: dict[str, Any] = field(default_factory=dict)  #: the decoder messenger's counters
 
     def to_json(self) -> dict[str, Any]:
         return {"config": self.config, "wall_s": self.wall, "tokens_per_s": self.tokens_per_s,
                 "identical": self.identical, "mismatches": self.mismatches, "failed": self.failed,
-                "requests": [asdict(r) for r in self.requests]}
+                "messenger": self.messenger, "requests": [asdict(r) for r in self.requests]}
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -412,6 +413,7 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
                          f"free pages {decoder.pool.free}")
         wall = time.monotonic() - t_start
         transport.collect_figures(timeout=5.0)
+        counters = transport.stats() if hasattr(transport, "stats") else {}
         for i, h in handoffs.items():
             f, st = h.figures, stats[i]
             st.pages, st.bytes, st.writes = f.get("pages", 0), f.get("bytes", 0), f.get("writes", 0)
@@ -437,4 +439,4 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
             mismatches.append(st.rid)
     total = sum(len(s.tokens) for s in stats)
     return Report(config=asdict(dc), requests=stats, wall=wall, tokens_per_s=total / wall,
-                  identical=not mismatches, mismatches=mismatches, failed=failed)
+                  identical=not mismatches, mismatches=mismatches, failed=failed, messenger=counters)

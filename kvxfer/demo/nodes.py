@@ -258,9 +258,6 @@ class MessengerTransport:
                         if h is not None:
                             h.figures = msg[2]
                     n.prefilled += 1
-                    if self.dc.kill_prefiller_after and n.index == 0 and n.prefilled >= self.dc.kill_prefiller_after:
-                        self.kill(0)
-                        return
                 elif msg[0] == "error":
                     n.alive = False
                     self._error = msg[1]
@@ -269,7 +266,9 @@ class MessengerTransport:
             n.alive = False
 
     def kill(self, index: int) -> None:
-        """SIGKILL prefill node ``index`` and its TP workers (the kill-the-prefiller drill)."""
+        """SIGKILL prefill node ``index`` and its TP workers (the kill-the-prefiller drill:
+        ``kill_prefiller_after=k`` kills node 0 once it has prefilled ``k`` requests and
+        has been handed another, so at least one request is in flight on it)."""
         n = self.nodes[index]
         n.alive = False
         self.t_killed = time.monotonic()
@@ -295,6 +294,12 @@ class MessengerTransport:
             if rid in self._figures:
                 h.figures = self._figures[rid]
         rx.add_done_callback(lambda _r: self.wake.set())
+        k = self.dc.kill_prefiller_after
+        if k and n.index == 0 and n.prefilled >= k and self.t_killed is None:
+            # the drill: node 0 has served k requests and was just given another; kill it a
+            # moment later, while that one is (most likely) being prefilled
+            self.t_killed = float("inf")
+            threading.Timer(0.05, self.kill, args=(0,)).start()
         return h
 
     def collect_figures(self, timeout: float) -> None:
@@ -306,6 +311,10 @@ class MessengerTransport:
             if not missing:
                 return
             time.sleep(0.01)
+
+    def stats(self) -> dict[str, Any]:
+        """The decoder messenger's counters (messages by type, drops, failed sends)."""
+        return self.m.stats() if self.m is not None else {}
 
     def close(self, timeout: float = 20.0) -> None:
         """Stop the prefill nodes (stop message, join with a deadline, then kill), then the
