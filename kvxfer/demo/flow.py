@@ -29,7 +29,6 @@ A one-token prompt has nothing to prefill: the decoder takes it at once, with a 
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -39,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.demo.model import F32, ModelConfig, RankCache
+from kvxfer.demo.model import F32, ModelConfig
 from kvxfer.demo.runtime import (Decoding, Generation, LocalGroup, PagePool, check_prompt, colocated,
                                  decode_pages, prompt_pages)
 from kvxfer.demo.transport import copy_plan

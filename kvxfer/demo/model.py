@@ -41,8 +41,7 @@ import numpy as np
 from kvxfer.errors import InvalidArgumentError
 from kvxfer.layout import KVLayout, Sharding
 
-__all__ = ["ModelConfig", "RankModel", "RankCache", "Forward", "lockstep", "reduce_units", "draft_token",
-           "DraftHead", "logits_of"]
+__all__ = ["ModelConfig", "RankModel", "RankCache", "Forward", "lockstep", "reduce_units", "DraftHead", "rmsnorm"]
 
 F32 = np.float32
 
@@ -399,10 +398,6 @@ def lockstep(forwards: Sequence[Forward]) -> np.ndarray:
         msgs = out
 
 
-def logits_of(model: RankModel, h: np.ndarray) -> np.ndarray:
-    return model.logits(h)
-
-
 class DraftHead:
     """A one-layer MTP-style draft head (DeepSeek-V3's MTP without its attention): from the
     main model's hidden state at position ``t`` and the token at ``t + 1`` it proposes the
@@ -432,7 +427,3 @@ class DraftHead:
         g, up = gu[:, : c.intermediate], gu[:, c.intermediate:]
         x = x + ((g / (F32(1.0) + np.exp(-g))) * up) @ self.down
         return int(np.argmax(rmsnorm(x, self.final, c.eps) @ self.embed.T, axis=-1)[0])
-
-
-def draft_token(head: DraftHead, hidden: np.ndarray, token: int) -> int:
-    return head.propose(hidden, token)

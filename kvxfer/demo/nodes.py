@@ -38,7 +38,7 @@ import numpy as np
 from kvxfer.demo.flow import DecodeNode, DemoConfig, Handoff
 from kvxfer.demo.model import F32, ModelConfig
 from kvxfer.demo.runtime import PagePool, prompt_pages
-from kvxfer.errors import ClosedError, InvalidArgumentError, LayoutError, PeerError
+from kvxfer.errors import ClosedError, LayoutError, PeerError
 from kvxfer.errors import TimeoutError as KvxTimeoutError
 
 __all__ = ["MessengerTransport", "prefill_node_main"]

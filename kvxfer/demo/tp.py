@@ -2,7 +2,8 @@
 
 Each worker allocates its KV shard as memfd ``kvxfer.KVBuffer``s (one per region of the
 layout) and hands them to the node process with ``kvxfer.messenger.publish``; the node
-imports them with ``collect`` (that is the memory its messenger registers and reads). The TP all-reduce is shared memory plus a barrier:
+imports them with ``collect`` (that is the memory its messenger registers and reads). The TP
+all-reduce is shared memory plus a barrier:
 
 * every rank writes its units' partials into slot ``[unit]`` of a scratch area,
 * ``barrier.wait()``,
