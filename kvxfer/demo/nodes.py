@@ -185,6 +185,7 @@ class _Node:
         self.peer: Any = None
         self.alive = True
         self.prefilled = 0
+        self.routed = 0
         self.lock = threading.Lock()
 
 
@@ -258,6 +259,7 @@ class MessengerTransport:
                         if h is not None:
                             h.figures = msg[2]
                     n.prefilled += 1
+                    self._maybe_kill(n)
                 elif msg[0] == "error":
                     n.alive = False
                     self._error = msg[1]
@@ -271,7 +273,8 @@ class MessengerTransport:
         has been handed another, so at least one request is in flight on it)."""
         n = self.nodes[index]
         n.alive = False
-        self.t_killed = time.monotonic()
+        with self._lock:
+            self.t_killed = time.monotonic()
         for pid in [n.proc.pid, *n.pids]:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -294,13 +297,20 @@ class MessengerTransport:
             if rid in self._figures:
                 h.figures = self._figures[rid]
         rx.add_done_callback(lambda _r: self.wake.set())
-        k = self.dc.kill_prefiller_after
-        if k and n.index == 0 and n.prefilled >= k and self.t_killed is None:
-            # the drill: node 0 has served k requests and was just given another; kill it a
-            # moment later, while that one is (most likely) being prefilled
-            self.t_killed = float("inf")
-            threading.Timer(0.05, self.kill, args=(0,)).start()
+        n.routed += 1
+        self._maybe_kill(n)
         return h
+
+    def _maybe_kill(self, n: _Node) -> None:
+        """The drill: once node 0 has prefilled ``kill_prefiller_after`` requests and holds
+        another (routed, not yet prefilled), kill it a moment later, while that one is most
+        likely being prefilled. Checked on every report and every routing, so it fires."""
+        k = self.dc.kill_prefiller_after
+        with self._lock:
+            if not k or n.index != 0 or self.t_killed is not None or n.prefilled < k or n.routed <= n.prefilled:
+                return
+            self.t_killed = float("inf")
+        threading.Timer(0.05, self.kill, args=(0,)).start()
 
     def collect_figures(self, timeout: float) -> None:
         """Wait (up to ``timeout``) for the figures of every request that completed."""
