@@ -13,28 +13,38 @@ import ctypes
 
 __all__ = ["limit_blas_threads"]
 
-_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
-            "openblas_set_num_threads")
+_PREFIXES = ("scipy_openblas_", "scipy_openblas64_", "openblas_")
+_SUFFIXES = ("64_", "")
 
 
-def limit_blas_threads(n: int = 1) -> bool:
-    """Set the loaded OpenBLAS's thread count; False when no OpenBLAS is loaded (e.g. MKL)."""
+def _fn(lib: ctypes.CDLL, verb: str):
+    for pre in _PREFIXES:
+        for suf in _SUFFIXES:
+            f = getattr(lib, f"{pre}{verb}_num_threads{suf}", None)
+            if f is not None:
+                return f
+    return None
+
+
+def limit_blas_threads(n: int = 1) -> int | None:
+    """Set the loaded OpenBLAS's thread count; return the previous count, or None when no
+    OpenBLAS is loaded (e.g. MKL) and nothing changed."""
     import numpy  # noqa: F401  (make sure the BLAS is loaded)
 
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}
     except OSError:
-        return False
+        return None
     for path in sorted(paths):
         try:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for name in _SETTERS:
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.argtypes = [ctypes.c_int]
-                fn(int(n))
-                return True
-    return False
+        set_, get = _fn(lib, "set"), _fn(lib, "get")
+        if set_ is not None:
+            prev = int(get()) if get is not None else None
+            set_.argtypes = [ctypes.c_int]
+            set_(int(n))
+            return prev if prev is not None else int(n)
+    return None

@@ -42,7 +42,7 @@ from kvxfer.demo.model import F32, ModelConfig
 from kvxfer.demo.runtime import (Decoding, Generation, LocalGroup, PagePool, check_prompt, colocated,
                                  decode_pages, prompt_pages)
 from kvxfer.demo.transport import copy_plan
-from kvxfer.errors import InvalidArgumentError, LayoutError
+from kvxfer.errors import InvalidArgumentError, KvxferError, LayoutError
 
 __all__ = ["DemoConfig", "RequestStats", "Report", "Handoff", "make_prompts", "DecodeNode", "NumpyTransport", "run"]
 
@@ -358,7 +358,12 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
                     h.figures = {"t_prefill_start": h.t_done, "t_prefill_end": h.t_done}
                     h.event.set()  # type: ignore[attr-defined]
                 else:
-                    h = transport.submit(i, prompt, pages)
+                    try:
+                        h = transport.submit(i, prompt, pages)
+                    except KvxferError as e:  # no live prefill node, a dead peer: this request fails
+                        h = _Local(cfg.hidden)
+                        h.error, h.t_done = e, time.monotonic()
+                        h.event.set()  # type: ignore[attr-defined]
                 handoffs[i] = h
                 receiving[i] = (h, pages)
             for i in [i for i, (h, _) in receiving.items() if h.done]:
