@@ -23,6 +23,7 @@ peer guarantees on each provider.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import queue
@@ -41,7 +42,6 @@ from kvxfer.errors import (
     DescriptorError,
     InvalidArgumentError,
     KvxferError,
-    LayoutError,
     OutOfBoundsError,
     PeerError,
     PlanError,
@@ -69,6 +69,15 @@ def context_stride(context_bytes: int) -> int:
 def _request_seed(rid_bytes: bytes) -> int:
     """The MLA replica seed of a request: a hash of its id, so load spreads and is repeatable."""
     return int.from_bytes(hashlib.blake2b(rid_bytes, digest_size=8).digest(), "little")
+
+
+def _close_at_exit(ref: "weakref.ref[Messenger]") -> None:
+    m = ref()
+    if m is not None and not m.closed:
+        try:
+            m.close(timeout=2.0)
+        except Exception:
+            pass
 
 
 def _timeout_arg(timeout: Any, name: str = "timeout") -> Optional[float]:
@@ -119,6 +128,8 @@ class PeerGroup:
         self.send_lock = threading.Lock()
         self.acked = threading.Event()
         self.heartbeat = min(m.peer_timeout, hs.peer_timeout) / 4
+        self._template: Optional[list] = None       # one page's writes (Messenger._batches)
+        self._geometry = hs.layout.resolve(hs.sharding)
 
     @property
     def alive(self) -> bool:
@@ -284,7 +295,6 @@ class Send:
         self._staging: Optional[tuple] = None
         self._event = threading.Event()
         self._callbacks: list[Callable[[Send], Any]] = []
-        self._plan: Any = None
 
     @property
     def state(self) -> str:
@@ -381,16 +391,32 @@ class Messenger:
         self._lock = threading.RLock()
         self._closed = False
         self._local: dict[int, LayoutRegions] = {}
+        self._ctx_mr = None
         try:
             for r, objs in zip(self.ranks, regions):
                 self._local[r] = register_layout(engine, layout, sharding, objs)
             self._ctx_stride = context_stride(self.context_bytes)
             self._ctx_array = np.zeros(max(1, self.context_slots) * self._ctx_stride, np.uint8)
             self._ctx_mr = engine.register(self._ctx_array) if self.context_slots else None
+            self._hs = C.Handshake(
+                uid=self.uid, address=engine.address, layout=layout, sharding=sharding, ranks=self.ranks,
+                provider=engine.provider, iov=int(engine.iov), max_write=int(engine.max_write),
+                pack_min=int(engine.pack_min), rails=int(engine.rails), context_slots=self.context_slots,
+                context_bytes=self.context_bytes, peer_timeout=self.peer_timeout,
+                regions=tuple(tuple(self._local[r].descriptors()) for r in self.ranks),
+                context=self._ctx_mr.descriptor() if self._ctx_mr is not None else None,
+            )
+            self._blob = self._hs.encode(self.secret)
+            if len(self._blob) > C.MAX_MESSAGE - 64:
+                raise UnsupportedError(f"handshake of {len(self._blob)} bytes does not fit one control message "
+                                       "(fewer regions per rank, e.g. a layer-major layout, make it smaller)")
         except BaseException:
             for lr in self._local.values():
                 lr.close()
+            if getattr(self, "_ctx_mr", None) is not None:
+                self._ctx_mr.close()
             raise
+        self._geometry = layout.resolve(sharding)
         self._free_slots = deque(range(self.context_slots))
         self._busy_pages = np.zeros(layout.num_pages, bool)   # pages of unfenced receives
         self._staging: dict[int, list] = {}                    # stride -> [free slots]
@@ -404,21 +430,10 @@ class Messenger:
         self._inbox: deque[Request] = deque()
         self._inbox_cv = threading.Condition(self._lock)
         self._fencing: set[Receive] = set()
-        self._reap: list[Send] = []
+        self._reap: dict[Send, None] = {}                     # insertion-ordered set
         self._reap_cv = threading.Condition(threading.Lock())
         self._cbq: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self.counts: dict[str, int] = {}
-        self._hs = C.Handshake(
-            uid=self.uid, address=engine.address, layout=layout, sharding=sharding, ranks=self.ranks,
-            provider=engine.provider, iov=int(engine.iov), max_write=int(engine.max_write),
-            pack_min=int(engine.pack_min), rails=int(engine.rails), context_slots=self.context_slots,
-            context_bytes=self.context_bytes, peer_timeout=self.peer_timeout,
-            regions=tuple(tuple(self._local[r].descriptors()) for r in self.ranks),
-            context=self._ctx_mr.descriptor() if self._ctx_mr is not None else None,
-        )
-        self._blob = self._hs.encode(self.secret)
-        if len(self._blob) > C.MAX_MESSAGE - 64:
-            raise UnsupportedError(f"handshake of {len(self._blob)} bytes does not fit one control message")
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, name="kvxfer-msg", daemon=True),
@@ -427,6 +442,10 @@ class Messenger:
         ]
         for t in self._threads:
             t.start()
+        # an unclosed messenger's threads must not call into an engine that interpreter
+        # shutdown is finalising: close it first (weakly: atexit must not keep it alive)
+        ref = weakref.ref(self)
+        atexit.register(_close_at_exit, ref)
 
     @staticmethod
     def _ranks(kv: Any, ranks: Optional[Iterable[int]], sharding: Sharding) -> tuple[tuple[int, ...], list]:
@@ -519,7 +538,8 @@ class Messenger:
             return dict(self.counts)
 
     def _count(self, key: str, n: int = 1) -> None:
-        self.counts[key] = self.counts.get(key, 0) + n
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + n
 
     def _check_open(self) -> None:
         if self._closed:
@@ -630,19 +650,17 @@ class Messenger:
         if not peer.alive:
             raise PeerError(f"peer {peer.uid:016x} is dead") from peer.error
         timeout = _timeout_arg(timeout)
-        pages = np.asarray(dst_pages)
-        if pages.ndim != 1 or pages.size == 0:
-            raise InvalidArgumentError(f"dst_pages must be a non-empty 1-D list of page indices, got shape {pages.shape}")
-        if pages.dtype.kind not in "iu":
-            raise InvalidArgumentError(f"dst_pages must hold integers, got dtype {pages.dtype}")
-        pages = pages.astype(np.int64)
-        if int(pages.min()) < 0 or int(pages.max()) >= self.layout.num_pages:
-            bad = int(pages[(pages < 0) | (pages >= self.layout.num_pages)][0])
-            raise OutOfBoundsError(f"page {bad} is outside this node's {self.layout.num_pages} pages")
-        if len(pages) > C.MAX_PAGES:
-            raise InvalidArgumentError(f"a request names at most {C.MAX_PAGES} pages, got {len(pages)}")
-        if len(np.unique(pages)) != len(pages):
-            raise InvalidArgumentError("dst_pages names a page twice")
+        if (type(dst_pages) is list and 0 < len(dst_pages) <= 64
+                and all(type(x) is int for x in dst_pages)):       # the common small case, without numpy
+            lo, hi = min(dst_pages), max(dst_pages)
+            if lo < 0 or hi >= self.layout.num_pages:
+                bad = lo if lo < 0 else hi
+                raise OutOfBoundsError(f"page {bad} is outside this node's {self.layout.num_pages} pages")
+            if len(set(dst_pages)) != len(dst_pages):
+                raise InvalidArgumentError("dst_pages names a page twice")
+            pages = np.array(dst_pages, np.int64)
+        else:
+            pages = self._dst_pages(dst_pages)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
             raise InvalidArgumentError(f"num_tokens must be an int, got {num_tokens!r}")
         if not 0 < int(num_tokens) <= len(pages) * self.layout.page_size:
@@ -685,6 +703,22 @@ class Messenger:
             self._free_cell(r._slot_cell)
             raise PeerError(f"could not send the request to peer {peer.uid:016x}: {exc}") from exc
         return r
+
+    def _dst_pages(self, dst_pages: Any) -> np.ndarray:
+        pages = np.asarray(dst_pages)
+        if pages.ndim != 1 or pages.size == 0:
+            raise InvalidArgumentError(f"dst_pages must be a non-empty 1-D list of page indices, got shape {pages.shape}")
+        if pages.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"dst_pages must hold integers, got dtype {pages.dtype}")
+        pages = pages.astype(np.int64)
+        if int(pages.min()) < 0 or int(pages.max()) >= self.layout.num_pages:
+            bad = int(pages[(pages < 0) | (pages >= self.layout.num_pages)][0])
+            raise OutOfBoundsError(f"page {bad} is outside this node's {self.layout.num_pages} pages")
+        if len(pages) > C.MAX_PAGES:
+            raise InvalidArgumentError(f"a request names at most {C.MAX_PAGES} pages, got {len(pages)}")
+        if len(pages) > 1 and len(np.unique(pages)) != len(pages):
+            raise InvalidArgumentError("dst_pages names a page twice")
+        return pages
 
     def _alloc_imm(self) -> int:
         while True:
@@ -776,8 +810,7 @@ class Messenger:
         if len(self.ranks) != self.sharding.tp_size:
             raise UnsupportedError(f"sending needs every rank of TP{self.sharding.tp_size} in this messenger; "
                                    f"it holds {list(self.ranks)}")
-        seed = _request_seed(C.encode_request_id(request.request_id))
-        p = _plan(self.layout, self.sharding, pg.layout, pg.sharding, src_pages, request.dst_pages, seed=seed)
+        batches = self._batches(pg, request, src_pages)
         s = Send(self, request)
         with self._lock:
             if request.send is not None:
@@ -791,17 +824,13 @@ class Messenger:
                 s._event.set()
                 self._requests.pop((pg.uid, request.imm), None)
                 return s
-        s._plan = p
         err: Optional[BaseException] = None
         try:
-            for (src, dst) in p.pairs:
-                if dst not in pg.remote:
-                    continue
-                for sr, dr, so, do, ln in plan_batches(p, src, dst):
-                    if s._abort_req:
-                        break
-                    s._transfers.append(self.engine.write_batch(self._local[src][sr], pg.peer, pg.remote[dst][dr],
-                                                                so, do, ln, imm=request.imm))
+            for src, dst, sr, dr, so, do, ln in batches:
+                if s._abort_req:
+                    break
+                s._transfers.append(self.engine.write_batch(self._local[src][sr], pg.peer, pg.remote[dst][dr],
+                                                            so, do, ln, imm=request.imm))
         except KvxferError as exc:
             err = exc
         count = sum(t.num_writes for t in s._transfers) + (1 if pg.handshake.context_slots else 0)
@@ -832,6 +861,75 @@ class Messenger:
         if s._abort_req:
             self._queue_reap(s)
         return s
+
+    def _batches(self, pg: PeerGroup, request: Request, src_pages: Any) -> list:
+        """Every write of a request as ``(src rank, dst rank, src region, dst region, so, do,
+        ln)``, one engine ``write_batch`` each (region pairs of all layers concatenated).
+
+        When no replica has to be chosen (the source sharding neither replicates nor has
+        fewer heads than ranks) a page's writes do not depend on the other pages: the
+        planner runs once per peer for one page, and a request shifts that template by each
+        page's offset (``page * page_stride`` on both sides), ordered as the planner orders
+        them (by layer, then by source page) so the engine still coalesces contiguous pages.
+        Otherwise every request is planned, seeded by its id (MLA: the replica set is drawn
+        per request)."""
+        sh = self.sharding
+        if sh.replicated or self.layout.kv_heads < sh.tp_size:
+            seed = _request_seed(C.encode_request_id(request.request_id))
+            p = _plan(self.layout, sh, pg.layout, pg.sharding, src_pages, request.dst_pages, seed=seed)
+            return [(s, d, *b) for (s, d) in p.pairs if d in pg.remote for b in plan_batches(p, s, d)]
+        sp = self._src_pages(src_pages, len(request.dst_pages))
+        dp = request.dst_pages
+        if len(sp) > 1:
+            order = np.argsort(sp, kind="stable")
+            sp, dp = sp[order], dp[order]
+        t = pg._template
+        if t is None:
+            t = pg._template = self._make_template(pg)
+        soff = sp * self._geometry.page_stride
+        doff = dp * pg._geometry.page_stride
+        n = len(sp)
+        out = []
+        for s, d, sr, dr, so, do, ln, lay in t:
+            if n == 1:
+                out.append((s, d, sr, dr, so + soff[0], do + doff[0], ln))
+                continue
+            m = len(so)
+            key = (lay[None, :].astype(np.int64) * n + np.arange(n, dtype=np.int64)[:, None]).ravel()
+            idx = np.argsort(key, kind="stable")      # (layer, page, entry): the planner's order
+            out.append((s, d, sr, dr, (so[None, :] + soff[:, None]).ravel()[idx],
+                        (do[None, :] + doff[:, None]).ravel()[idx], np.broadcast_to(ln, (n, m)).ravel()[idx]))
+        return out
+
+    def _src_pages(self, pages: Any, n: int) -> np.ndarray:
+        a = np.asarray(pages)
+        if a.ndim != 1:
+            raise PlanError(f"src_pages must be a 1-D list of page indices, got shape {a.shape}")
+        if a.size and a.dtype.kind not in "iu":
+            raise PlanError(f"src_pages must hold integers, got dtype {a.dtype}")
+        if a.shape[0] != n:
+            raise PlanError(f"src_pages has {a.shape[0]} pages but dst_pages has {n}")
+        a = a.astype(np.int64)
+        if n and (int(a.min()) < 0 or int(a.max()) >= self.layout.num_pages):
+            bad = int(a[(a < 0) | (a >= self.layout.num_pages)][0])
+            raise PlanError(f"src page {bad} is outside the layout's {self.layout.num_pages} pages")
+        return a
+
+    def _make_template(self, pg: PeerGroup) -> list:
+        """The planner's writes for source page 0 -> destination page 0, per rank pair and
+        region pair: ``(s, d, src region, dst region, so, do, ln, layer)``."""
+        p1 = _plan(self.layout, self.sharding, pg.layout, pg.sharding, [0], [0])
+        out = []
+        for s, d in p1.pairs:
+            if d not in pg.remote:
+                continue
+            w = p1.writes(s, d)
+            pairs = w.src_region.astype(np.int64) * (1 << 32) + w.dst_region
+            for key in dict.fromkeys(pairs.tolist()):
+                sel = pairs == key
+                out.append((s, d, key >> 32, key & 0xFFFFFFFF, w.src_offset[sel], w.dst_offset[sel], w.length[sel],
+                            w.layer[sel]))
+        return out
 
     def _finish(self, s: Send, context: Any) -> Send:
         req = s.request
@@ -908,18 +1006,20 @@ class Messenger:
 
     def _queue_reap(self, s: Send) -> None:
         with self._reap_cv:
-            if s not in self._reap:
-                self._reap.append(s)
+            self._reap[s] = None
             self._reap_cv.notify()
 
-    def _finalize_send(self, s: Send) -> None:
-        """Every transfer of ``s`` is final: settle its state, answer the decoder if asked."""
+    def _finalize_send(self, s: Send) -> bool:
+        """Every transfer of ``s`` is final: settle its state, answer the decoder if asked.
+        False (nothing done) if a transfer was added meanwhile and is still running."""
         req = s.request
         pg = req.peer
-        err = s.error or next((t.error for t in s._transfers if t.error is not None), None)
         with s._lock:
             if s._state in _FINAL:
-                return
+                return True
+            if not all(t.done for t in s._transfers):     # finish() appended one since the check
+                return False
+            err = s.error or next((t.error for t in s._transfers if t.error is not None), None)
             posted = sum(transfer_posted(t) for t in s._transfers)
             if s._abort_req:
                 state = "failed" if s.error is not None else "aborted"
@@ -933,6 +1033,7 @@ class Messenger:
         if reply:
             self._try_send(pg, C.ABORTED, imm=req.imm, count=posted, flags=s._abort_flags)
         self._settle_send(s, state, err)
+        return True
 
     def _settle_send(self, s: Send, state: str, err: Optional[BaseException]) -> None:
         req = s.request
@@ -980,13 +1081,14 @@ class Messenger:
             settled = []
             for s in batch:
                 if all(t.done for t in reversed(s._transfers)):   # the last finishes last
-                    self._finalize_send(s)
-                    settled.append(s)
+                    if self._finalize_send(s):
+                        settled.append(s)
                 elif s._state in _FINAL:
                     settled.append(s)
             if settled:
                 with self._reap_cv:
-                    self._reap = [s for s in self._reap if s not in settled]
+                    for s in settled:
+                        self._reap.pop(s, None)
                 continue
             pending = next((t for s in batch for t in s._transfers if not t.done), None)
             if pending is not None:
@@ -1192,7 +1294,7 @@ class Messenger:
             reason = "no pages"
         elif int(pages.max()) >= hs.layout.num_pages:
             reason = f"page {int(pages.max())} is outside the decoder's {hs.layout.num_pages} pages"
-        elif len(np.unique(pages)) != len(pages):
+        elif len(pages) > 1 and len(np.unique(pages)) != len(pages):
             reason = "a destination page is named twice"
         elif not 0 < m.num_tokens <= len(pages) * hs.layout.page_size:
             reason = f"num_tokens {m.num_tokens} does not fit {len(pages)} pages"

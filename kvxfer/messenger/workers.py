@@ -20,7 +20,7 @@ import socket
 import struct
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from kvxfer.errors import DescriptorError, InvalidArgumentError, PeerError, TimeoutError
 

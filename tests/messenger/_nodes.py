@@ -216,11 +216,14 @@ def _prefill(conn, spec):
             conn.send(("error", traceback.format_exc()))
         except Exception:
             pass
+    finally:
+        _close(m, eng)
 
 
 def _decode(conn, spec):
     import kvxfer
 
+    eng = m = None
     try:
         layout, sh = spec["layout"], spec["sharding"]
         ref = _ref()
@@ -283,6 +286,18 @@ def _decode(conn, spec):
             conn.send(("error", traceback.format_exc()))
         except Exception:
             pass
+    finally:
+        _close(m, eng)
+
+
+def _close(m, eng) -> None:
+    """Close in order on every exit path: the messenger's threads before the engine."""
+    for x in (m, eng):
+        if x is not None:
+            try:
+                x.close()
+            except Exception:
+                traceback.print_exc()
 
 
 def _check(mems, cache, dst_pages, src_pages) -> None:
@@ -326,7 +341,7 @@ def _run(m, peers, mems, layout, *, requests: int, max_pages: int, inflight: int
     names = sorted(peers)
     live: list = []
     out = {"done": 0, "aborted": 0, "abort_false": 0, "failed": [], "checked_pages": 0, "sentinel_pages": 0,
-           "reused": 0, "aborted_mid_transfer": 0}
+           "reused": 0, "aborted_mid_transfer": 0, "peak_inflight": 0}
     quarantine: list[np.ndarray] = []       # aborted pages, filled with the sentinel
     ctx_bytes = m.context_bytes
 
@@ -361,6 +376,7 @@ def _run(m, peers, mems, layout, *, requests: int, max_pages: int, inflight: int
             r = m.receive(peers[names[n % len(names)]], f"{prefix}{n}", pages, rng.randint(1, k * layout.page_size))
             live.append(r)
             n += 1
+            out["peak_inflight"] = max(out["peak_inflight"], len(live))
         if abort_frac and live and rng.random() < abort_frac:
             r = live.pop(0 if rng.random() < 0.5 else rng.randrange(len(live)))  # the oldest is being served
             time.sleep(rng.random() * 0.003)

@@ -50,7 +50,7 @@ def test_tp2_workers_feed_two_decoders(provider, nodes, tmp_path):
     nodes.append(pre)
     decs = []
     for tp, kw in ((1, dict(context_slots=1024, context_bytes=40)), (4, {})):
-        d = Node("decode", _spec(provider, KVLayout.vllm(4, 4, 8, 4, 128, "float16"), Sharding(tp), 30 + tp, **kw))
+        d = Node("decode", _spec(provider, KVLayout.vllm(4, 4, 8, 4, 4096, "float16"), Sharding(tp), 30 + tp, **kw))
         nodes.append(d)
         d.call("connect", "p", pre.blob)
         decs.append(d)
@@ -61,7 +61,7 @@ def test_tp2_workers_feed_two_decoders(provider, nodes, tmp_path):
     for d in decs:
         st, out = d._recv(120)
         assert st == "ok", out
-        assert out["failed"] == [] and out["done"] == n, out
+        assert out["failed"] == [] and out["done"] == n and out["peak_inflight"] == n, out
     released = pre.call("wait_sends", 30)           # every Send's done callback ran
     assert released == [("done", None, True)] * (2 * n)
     assert not pre.call("stats")["errors"]
@@ -81,7 +81,7 @@ def test_many_in_flight_with_random_aborts(provider, nodes):
     n = 1000 if FULL else 150
     out = dec.call("run", dict(requests=n, max_pages=3, inflight=n, seed=5, src_seed=41, src_layout=sl,
                                abort_frac=0.15), timeout=300)
-    assert out["failed"] == [], out
+    assert out["failed"] == [] and out["peak_inflight"] == n, out
     assert out["done"] + out["aborted"] == n + out["reused"], out
     assert out["aborted"] > 0 and out["reused"] == out["aborted"], out
     # (aborts of requests being written are tested deterministically in test_failures.py)
