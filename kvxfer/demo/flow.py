@@ -31,6 +31,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -94,6 +95,7 @@ class RequestStats:
     node: int = -1  #: the prefill node that served it (-1: none, a one-token prompt)
     error: str = ""  #: why it failed ("" if it did not)
     failed_after: float = 0.0  #: a failed request: seconds from the prefill node's kill to the failure
+    context_crc: int = 0  #: CRC-32 of the context the decoder received (compared with colocated's)
 
 
 @dataclass
@@ -298,7 +300,8 @@ def _transport(cfg: ModelConfig, dc: DemoConfig, decoder: DecodeNode, prefill_pa
 def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
         prompts: list[list[int]] | None = None, reference: list[Generation] | None = None) -> Report:
     """Run the workload (``prompts``, else ``dc.prompts`` random ones) disaggregated, then
-    (unless given) the colocated reference, and compare tokens and accepted drafts."""
+    (unless given) the colocated reference, and compare tokens, accepted drafts and the
+    context bytes (CRC-32) each request started from."""
     if dc.max_new < 1 or dc.max_batch < 1 or dc.chunk < 1 or dc.prefill_nodes < 1:
         raise InvalidArgumentError("max_new, max_batch, chunk and prefill_nodes must be >= 1")
     if dc.kill_prefiller_after and dc.prefill_nodes < 2:
@@ -379,7 +382,9 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
                     continue
                 t_done[i] = h.t_done if h.t_done is not None else time.monotonic()
                 d = Decoding(len(prompts[i]), int(prompts[i][-1]), pages, dc.max_new)
-                d.start(decoder.group, h.context())
+                ctx = h.context()
+                stats[i].context_crc = zlib.crc32(ctx.tobytes())
+                d.start(decoder.group, ctx)
                 h.release()
                 ready.append((i, d))
             for h, pages in [q for q in quarantined if q[0].fenced]:
@@ -438,7 +443,8 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
         if st.error:
             failed.append(st.rid)
             continue
-        st.identical = tuple(st.tokens) == g.tokens and st.accepted == g.accepted
+        st.identical = (tuple(st.tokens) == g.tokens and st.accepted == g.accepted
+                        and st.context_crc == zlib.crc32(g.context))
         if not st.identical:
             mismatches.append(st.rid)
     total = sum(len(s.tokens) for s in stats)
