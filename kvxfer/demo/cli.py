@@ -105,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.flush()
     try:
         report = run(dc, progress=show)
+    except KeyboardInterrupt:  # the nodes were stopped on the way out
+        print("\nkvxfer-demo: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:  # a clear line, not a traceback, for bad input
         print(f"kvxfer-demo: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

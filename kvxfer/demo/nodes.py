@@ -41,10 +41,26 @@ from kvxfer.demo.runtime import PagePool, prompt_pages
 from kvxfer.errors import ClosedError, LayoutError, PeerError
 from kvxfer.errors import TimeoutError as KvxTimeoutError
 
-__all__ = ["MessengerTransport", "prefill_node_main"]
+__all__ = ["MessengerTransport", "prefill_node_main", "python_signals"]
 
 _CTX = mp.get_context("spawn")
 START_TIMEOUT = 90.0
+
+
+def python_signals() -> None:
+    """Give SIGINT and SIGTERM back to Python after the first ``Engine``.
+
+    libfabric 1.17 (Debian's build: a handler inside libfabric.so.1, installed when the
+    providers load) replaces the SIGINT and SIGTERM handlers with one that exits with status 1:
+    Ctrl-C then skips every ``finally`` and ``close()``. Measured: ``SigCgt`` goes from 0x2 to
+    0x1_0000_446a on the first ``Engine``, and the process exits with status 1 on SIGINT without a
+    ``KeyboardInterrupt``. Reinstalling Python's handlers once is enough (a second Engine
+    does not replace them again). SIGSEGV keeps libfabric's handler.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def prefill_node_main(spec: dict[str, Any], conn: Any) -> None:
@@ -59,6 +75,7 @@ def prefill_node_main(spec: dict[str, Any], conn: Any) -> None:
     try:
         cfg = ModelConfig(**spec["model"])
         eng = kvxfer.Engine(spec["provider"], "127.0.0.1")
+        python_signals()
         workers = WorkerGroup(cfg, spec["tp"], spec["num_pages"], spec["chunk"])
         m = kvxfer.Messenger(eng, workers.layout, workers.sharding,
                              {r: c.regions for r, c in enumerate(workers.caches)}, peer_timeout=spec["peer_timeout"])
@@ -228,6 +245,7 @@ class MessengerTransport:
                     else:
                         os.environ[key] = v
             self.eng = kvxfer.Engine(dc.transport, "127.0.0.1")
+            python_signals()
             self.m = kvxfer.Messenger(self.eng, decoder.layout, decoder.sharding, decoder.regions,
                                       context_slots=slots, context_bytes=cfg.hidden * 4, peer_timeout=dc.peer_timeout)
             for n in self.nodes:

@@ -88,3 +88,46 @@ def test_model_mismatch_fails_before_any_request(provider):
             MessengerTransport(ModelConfig(seed=2), DemoConfig(transport=provider), dec, 8, 4, threading.Event())
     finally:
         dec.close()
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) in the middle of a
+    run: exit status 130 and no process of the run left. libfabric replaces the SIGINT
+    handler with one that exits at once; the demo gives it back to Python."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if not _AVAIL["shm"]:
+        pytest.skip("shm is not available here")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-m", "kvxfer.demo.cli", "--prompts", "40", "--transport", "shm"],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        seen = []
+        while time.monotonic() < deadline:
+            line = p.stderr.readline()
+            seen.append(line)
+            if "decoding" in line or not line:
+                break
+        assert any("decoding" in x for x in seen), "".join(seen)
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 130, err
+        assert "interrupted" in err
+        left: list[str] = []
+        for _ in range(100):  # the resource tracker and workers may take a moment to go
+            left = subprocess.run(["pgrep", "-a", "-s", str(p.pid)], capture_output=True, text=True).stdout.splitlines()
+            if not left:
+                break
+            time.sleep(0.1)
+        assert not left, f"processes of the run left: {left}"
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
