@@ -22,7 +22,7 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     d = DemoConfig()
-    p = argparse.ArgumentParser(prog="kvxfer-demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kvxfer-demo", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--prompts", type=int, default=d.prompts, help="number of requests (default %(default)s)")
     p.add_argument("--min-len", type=int, default=d.min_len, help="shortest prompt (tokens)")
     p.add_argument("--max-len", type=int, default=d.max_len, help="longest prompt (tokens)")
@@ -82,7 +82,7 @@ def _table(r: Report) -> str:
         f"draft tokens accepted: {sum(s.accepted for s in r.requests)} of "
         f"{sum(len(s.tokens) for s in r.requests)}",
         f"tokens identical to colocated: {'yes' if r.identical else 'NO (requests ' + str(r.mismatches) + ')'}"
-        + (f" ({len(r.failed)} requests failed with the killed prefill node: {r.failed})" if r.failed else ""),
+        + (f" ({len(r.failed)} request(s) failed: {r.failed})" if r.failed else ""),
     ]
     return "\n".join(lines)
 

@@ -307,6 +307,8 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
     if dc.kill_prefiller_after and dc.prefill_nodes < 2:
         raise InvalidArgumentError("killing a prefill node needs a second one to keep serving (prefill_nodes=2)")
     cfg = dc.model()
+    cfg.check_tp(dc.prefill_tp)
+    cfg.check_tp(dc.decode_tp)
     if prompts is None:
         if not 1 <= dc.min_len <= dc.max_len or dc.prompts < 1:
             raise InvalidArgumentError(f"need prompts >= 1 and 1 <= min_len <= max_len, got {dc.prompts}, "

@@ -105,6 +105,8 @@ def test_cli_table_and_bad_input(capsys):
     assert rc == 0 and "tokens identical to colocated: yes" in out and "TP2 -> TP4" in out
     rc = cli.main(["--prompts", "2", "--min-len", "30", "--max-len", "20", "-q"])
     assert rc == 2 and "InvalidArgumentError" in capsys.readouterr().err
+    rc = cli.main(["--prompts", "2", "--prefill-tp", "3", "-q"])
+    assert rc == 2 and "tp=3 must divide" in capsys.readouterr().err
 
 
 def test_dead_worker_fails_the_group_not_hangs():
