@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-nodes", type=int, default=d.prefill_nodes,
                    help="prefill nodes (messenger transports; requests go round-robin)")
     p.add_argument("--kill-prefiller-after", type=int, default=0, metavar="N",
-                   help="SIGKILL prefill node 0 after it prefilled N requests (needs --prefill-nodes 2)")
+                   help="SIGKILL prefill node 0 once it prefilled N requests and holds another "
+                        "(needs --prefill-nodes 2)")
     p.add_argument("--peer-timeout", type=float, default=d.peer_timeout, help="messenger dead-peer timeout (s)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
