@@ -129,3 +129,20 @@ def test_worker_error_comes_back_with_its_traceback():
         with pytest.raises(PeerError, match="Traceback") as e:
             w._gather("done", 60)
         assert "page table has 1 pages" in str(e.value)
+
+
+def test_requests_queue_for_pages_never_half_written():
+    """A pool that holds one request at a time: every other request waits in the queue for
+    pages (never overtakes, never starts half-allocated) and still decodes identically."""
+    from kvxfer.demo.runtime import decode_pages
+
+    cfg = ModelConfig()
+    prompts = [list(range(1, 1 + n)) for n in (90, 30, 60, 5)]
+    one = decode_pages(cfg, 90, 4)
+    dc = DemoConfig(max_new=4, decode_pool_pages=one, arrival_ms=0.01, transport="numpy", max_batch=4)
+    r = run(dc, prompts=prompts)
+    assert r.identical and not r.failed
+    # one request at a time: each arrives at ~0 and waits for the previous one's pages
+    ttft = [s.ttft for s in r.requests]
+    assert ttft == sorted(ttft)
+    assert all(s.queued > r.requests[0].prefill for s in r.requests[1:])
