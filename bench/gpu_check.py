@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import socket
 import sys
@@ -19,29 +18,25 @@ import traceback
 from typing import Any
 from collections.abc import Callable
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "tests"))  # the shared child-process helper, tests/_procs.py
 
 import numpy as np  # noqa: E402
 
-from kvxfer.buffers import KVBuffer, _cuda, cuda_available  # noqa: E402
+from kvxfer._cuda import driver as _cuda  # noqa: E402
+from kvxfer.buffers import KVBuffer, cuda_available  # noqa: E402
 from kvxfer.errors import UnsupportedError  # noqa: E402
 from kvxfer.share import recv_handles, send_handles  # noqa: E402
+from _data import open_fds, pattern  # noqa: E402
+from _procs import ChildSkipped, run_in_child, spawn  # noqa: E402
 
-CTX = mp.get_context("spawn")
 CHILD_TIMEOUT = 60.0
 RESULTS: list[dict[str, Any]] = []
 
 
 class Skip(Exception):
     """A step that cannot run here (and says why)."""
-
-
-def pattern(seed: int, n: int) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def step(name: str, fn: Callable[[], Any]) -> Any:
@@ -66,43 +61,13 @@ def step(name: str, fn: Callable[[], Any]) -> Any:
 # ---- child processes -------------------------------------------------------------------------
 
 
-def _child(fn, conn, *args):
-    try:
-        conn.send(("ok", fn(*args)))
-    except (Skip, UnsupportedError) as e:
-        conn.send(("skip", str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"))
-    except BaseException:
-        conn.send(("err", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
 def in_child(fn, *args, timeout: float = CHILD_TIMEOUT) -> Any:
-    """Run fn in a spawned process; a crash (signal) or hang becomes a FAIL, not a dead check."""
-    parent, child = CTX.Pipe()
-    p = CTX.Process(target=_child, args=(fn, child, *args), daemon=True)
-    p.start()
-    child.close()
+    """Run fn in a spawned process; a crash (signal, or psm2's "terminated with signal" exit) or
+    a hang becomes a FAIL, not a dead check; a skip in the child is a SKIP here."""
     try:
-        if not parent.poll(timeout):
-            raise TimeoutError(f"child gave no answer in {timeout} s")
-        try:
-            status, value = parent.recv()
-        except EOFError:
-            p.join(5)
-            raise RuntimeError(f"child died without an answer (exit code {p.exitcode})") from None
-        p.join(timeout)
-        if status == "err":
-            raise RuntimeError(f"child failed:\n{value}")
-        if status == "skip":
-            raise Skip(value)
-        if p.exitcode != 0:
-            raise RuntimeError(f"child exited with {p.exitcode}")
-        return value
-    finally:
-        if p.is_alive():
-            p.kill()
-        parent.close()
+        return run_in_child(fn, *args, skip=(Skip, UnsupportedError), deadline=timeout)
+    except ChildSkipped as e:
+        raise Skip(str(e)) from None
 
 
 def child_import_verify_write(sock: socket.socket, seed: int, new_seed: int) -> str:
@@ -284,20 +249,19 @@ def main() -> int:
     def exporter_first() -> str:
         mine, theirs = socket.socketpair()
         with mine:
-            p_parent, p_child = CTX.Pipe()
-            args = (child_allocate_send_exit, p_child, theirs, dev, nbytes, 5)
-            p = CTX.Process(target=_child, args=args, daemon=True)
-            p.start()
-            p_child.close()
+            child = spawn(child_allocate_send_exit, theirs, dev, nbytes, 5, deadline=CHILD_TIMEOUT)
             theirs.close()
             mine.settimeout(CHILD_TIMEOUT)
-            (h,) = recv_handles(mine)
-            status, pid = p_parent.recv() if p_parent.poll(CHILD_TIMEOUT) else ("err", "no answer")
-            p.join(CHILD_TIMEOUT)
-            p_parent.close()
-            if status != "ok":
+            try:
+                (h,) = recv_handles(mine)
+            except BaseException:
+                child.close()
+                raise
+            try:
+                pid = child.finish()
+            except BaseException:
                 h.close()
-                raise RuntimeError(f"exporter failed: {pid}")
+                raise
         assert not os.path.exists(f"/proc/{pid}"), "exporter still running"
         with h, KVBuffer.import_(h) as imp:
             assert imp.read() == pattern(5, nbytes), "imported memory lost its bytes after the exporter exited"

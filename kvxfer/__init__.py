@@ -1,6 +1,6 @@
 """kvxfer: KV-cache transfer for disaggregated LLM serving, over libfabric.
 
-Names are loaded lazily, so ``import kvxfer`` and the pure-numpy planner work on a
+Names and submodules are loaded lazily, so ``import kvxfer`` and the pure-numpy planner work on a
 machine without libfabric; the engine's native module loads on first use.
 """
 
@@ -37,7 +37,10 @@ _LAZY = {
     "SharedHandle": "kvxfer.buffers",
 }
 
-__all__ = sorted([*_LAZY, "errors", "__version__"])
+# public submodules, imported on first attribute access (``kvxfer.share.send_handles``)
+_SUBMODULES = ("buffers", "cli", "demo", "engine", "errors", "layout", "messenger", "planner", "share", "topology", "wire")
+
+__all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvxfer.buffers import KVBuffer, SharedHandle
@@ -52,6 +55,10 @@ from kvxfer import errors  # noqa: E402  (leaf module, always importable)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"kvxfer.{name}")
+        globals()[name] = value
+        return value
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'kvxfer' has no attribute {name!r}")

@@ -11,6 +11,79 @@ decoder side) into byte offsets, so the layout must name every stride a write ne
 Offsets are bytes relative to the start of a registered region, because the engine writes
 from one local region to one remote region per call. ``head`` is the rank's *local* head
 index; which global heads a rank holds comes from its :class:`Sharding`.
+
+Layout model
+------------
+
+`KVLayout(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, kv, placement,
+page_stride=None, layer_stride=None)` — `kv_heads` is the **model total**; a rank's share comes
+from the `Sharding` passed next to it. `dtype` matters only by size; `"bfloat16"`, `"fp8"`,
+`"torch.bfloat16"`… map to same-sized numpy types, and bf16 ≠ fp16.
+
+| field | values | meaning |
+|---|---|---|
+| `order` | `HND`, `NHD` | within a (plane, page) block: `[heads, tokens, dim]` or `[tokens, heads, dim]` |
+| `kv` | `fused` | K and V side by side in each page: `[pages, 2, block]` |
+| | `stacked` | all K pages then all V pages in one region: `[2, pages, block]` |
+| | `separate` | K and V each in their own region (a K pool and a V pool) |
+| | `mla` | one plane, one latent vector per token, `kv_heads=1` |
+| `placement` | `per_layer` | one region (or one per K/V pool) per layer |
+| | `layer_major` | one region (per pool) holding all layers at `layer_stride` |
+| `page_stride`, `layer_stride` | bytes | override the dense strides (padding); checked ≥ dense when resolved |
+
+Constructors for the engines people run:
+
+| constructor | tensor per region | regions per rank |
+|---|---|---|
+| `KVLayout.vllm(..., order="HND")` (FlashInfer) | `[pages, 2, heads, page, dim]` (NHD: `[pages, 2, page, heads, dim]`) | one per layer |
+| `KVLayout.flash_attn(...)` (vLLM FlashAttention) | `[2, pages, page, heads, dim]` | one per layer |
+| `KVLayout.sglang(...)` | K and V `[tokens, heads, dim]`; page = `page_size` token slots | two per layer |
+| `KVLayout.layer_major(..., kv="fused")` | `[layers, pages, 2, heads, page, dim]` | one (two with `kv="separate"`) |
+| `KVLayout.mla(layers, latent_dim, ...)` | `[pages, page, latent_dim]` | one per layer (or layer-major) |
+
+`layout.resolve(sharding) -> RankGeometry` fixes every stride in bytes for a rank of that
+sharding (all ranks of one sharding have the same geometry); `layout.region_sizes(sharding)`
+says how big each region to register must be.
+
+Offset formulas
+---------------
+
+All offsets are bytes **relative to the start of a region**, because the engine's
+`write_batch(src, peer, dst, src_offsets, dst_offsets, lengths, imm)` takes one local and one
+remote region per call. With `lh` local heads, element size `e`, `c = head_dim * e` (one head
+vector of one token), `B = lh * page_size * c` (one plane of one page):
+
+```
+region(layer, plane) = layer * regions_per_layer + plane_region[plane]
+offset(layer, plane, page, head, token)
+    = layer * layer_stride + plane_base[plane] + page * page_stride
+      + head * head_stride + token * token_stride            (dim innermost, contiguous)
+
+HND: head_stride = page_size * c, token_stride = c
+NHD: head_stride = c,             token_stride = lh * c
+
+kv        plane_region  plane_base             dense page_stride
+fused     (0, 0)        (0, B)                 2B
+stacked   (0, 0)        (0, num_pages*page_stride)   B
+separate  (0, 1)        (0, 0)                 B
+mla       (0,)          (0,)                   B
+
+per_layer:   regions_per_layer = pools (2 if separate else 1), layer_stride = 0,
+             region size = num_pages * page_stride (x2 if stacked)
+layer_major: regions_per_layer = 0, layer_stride = that per-layer size unless given,
+             region size = num_layers * layer_stride
+```
+
+Sharding
+--------
+
+`Sharding(tp_size, replicated=False)`. With `H` KV heads and `t` ranks:
+
+* `H >= t`: rank `r` holds heads `[r*H/t, (r+1)*H/t)`; `H % t != 0` is a `LayoutError`.
+* `H < t` (GQA with fewer KV heads than ranks): each head lives on `t/H` ranks, rank `r` holds
+  head `r // (t/H)`; `t % H != 0` is a `LayoutError`.
+* `replicated=True` (MLA, or a replicated MHA cache): every rank holds every head. An MLA layout
+  has one latent "head", so either sharding gives the same result.
 """
 
 from __future__ import annotations
@@ -20,13 +93,17 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvxfer._check import as_int
 from kvxfer.errors import LayoutError
 
 __all__ = ["KVLayout", "Sharding", "RankGeometry", "ORDERS", "KV_FORMS", "PLACEMENTS"]
 
 Order = Literal["HND", "NHD"]
 KVForm = Literal["fused", "stacked", "separate", "mla"]
-Placement = Literal["per_layer", "layer_major"]
+#: how a rank's layers map to regions: one region (per K/V pool) per layer, or every layer in
+#: one region at ``layer_stride`` (the ``KVLayout.placement`` field; not
+#: ``kvxfer.topology.Placement``, which is where a GPU's transfers run)
+LayerRegions = Literal["per_layer", "layer_major"]
 
 ORDERS: tuple[str, ...] = ("HND", "NHD")
 #: fused: K and V side by side inside each page ``[pages, 2, ...]`` (vLLM/FlashInfer);
@@ -66,11 +143,7 @@ def _as_dtype(dtype: Any) -> np.dtype:
 
 
 def _pos_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise LayoutError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise LayoutError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
+    return as_int(value, name, minimum=minimum, error=LayoutError)
 
 
 @dataclass(frozen=True)
@@ -198,7 +271,7 @@ class KVLayout:
     dtype: Any = "bfloat16"
     order: Order = "HND"
     kv: KVForm = "fused"
-    placement: Placement = "per_layer"
+    placement: LayerRegions = "per_layer"
     page_stride: int | None = None
     layer_stride: int | None = None
     _dtype: np.dtype = field(init=False, repr=False, compare=False)
@@ -253,7 +326,7 @@ class KVLayout:
 
     @classmethod
     def mla(cls, num_layers: int, latent_dim: int, page_size: int, num_pages: int, dtype: Any = "bfloat16",
-            placement: Placement = "per_layer", **kw: Any) -> KVLayout:
+            placement: LayerRegions = "per_layer", **kw: Any) -> KVLayout:
         """MLA (DeepSeek): one latent vector of ``latent_dim`` (e.g. 512 + 64 rope) per token,
         ``[pages, page, latent_dim]`` per layer, the same on every rank."""
         return cls(num_layers, 1, latent_dim, page_size, num_pages, dtype, "HND", "mla", placement, **kw)

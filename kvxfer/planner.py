@@ -6,7 +6,7 @@ and shifted per layer on demand, because every layer has the same structure and 
 region id and base offset move. That keeps planning a 128k-token prompt over 80 layers in a
 few milliseconds and lets the messenger stream ``plan.layer(l)`` as each layer is computed.
 
-How a page travels (see docs for the full rules):
+How a page travels, in short (the full rules follow):
 
 * For each destination rank and each run of its heads held by the same set of source ranks
   (a *segment*), one source rank is chosen per page: with replicated sources the page list is
@@ -19,6 +19,88 @@ How a page travels (see docs for the full rules):
   counts it stays ``page_size`` writes.
 * Writes are then ordered by (source region, destination region, source offset) and any
   write contiguous with the previous one on both sides is merged (never across layers).
+
+Planning, step by step
+----------------------
+
+`plan(src_layout, src_sharding, dst_layout, dst_sharding, src_pages, dst_pages, layers=None,
+seed=None) -> TransferPlan`: `src_pages[i]` on the prefill side becomes `dst_pages[i]` on the
+decode side, on every destination rank, for the heads that rank holds.
+
+1. **Segments.** For each destination rank, its heads are split into runs held by the same set
+   of source ranks: the intersection with each source rank's range (one candidate), a single
+   head (`H < t_src`, `t_src/H` candidates), or all its heads (replicated source, every rank a
+   candidate). A source rank is a candidate for at most one segment of a destination rank, so a
+   (source, destination) pair always moves one head range.
+2. **Replica choice.** With `r > 1` candidates the page list is cut into `r` contiguous chunks
+   (in list order) and the chunks are dealt to a permutation of the candidates drawn from
+   `numpy.random.default_rng(seed)`. Every destination byte comes from exactly one source, each
+   source sends within one page of its share per segment, contiguous page runs stay runs (so
+   they still coalesce), and the same seed gives the same plan. Destinations that hold replicas
+   (decode `H < t`, or MLA) are planned independently: each gets its own copy, drawn from all
+   candidate sources in parallel.
+3. **Inside a page.** A segment's slice of one (layer, plane, page) is `heads × tokens` vectors
+   of `c` bytes. The head and token axes whose stride equals the current run on *both* sides
+   are folded into the run (repeatedly: tokens first under HND, heads first under NHD);
+   the rest are enumerated. This is the whole HND/NHD story: under HND a head slice is one
+   write; under NHD it is one write per token unless the slice is every local head on both
+   sides; HND ↔ NHD transposes, one write per (head, token).
+4. **Coalescing.** For each pair, blocks `(page, plane)` are ordered by (source region,
+   destination region, source offset) — page lists are sorted once per chunk, so this is a
+   merge of already sorted runs — and expanded by the in-page pattern; a write whose source
+   *and* destination both start where the previous one ended, in the same regions, joins it
+   (`np.flatnonzero` on the breaks, run lengths from `np.diff`). Never across layers, so
+   `plan.layer(l)` streams layers independently.
+5. **Layers.** Every layer has the same structure; only the region id (`+ layer *
+   regions_per_layer`) and base offset (`+ layer * layer_stride`) move. So the plan is built once
+   for layer 0 per pair and shifted on demand: `plan()` costs one layer, and `plan.layer(l)`
+   materialises a layer when the messenger needs it.
+
+TransferPlan
+------------
+
+| member | what |
+|---|---|
+| `writes(s, d) -> Writes` | arrays `src_region` (int32), `src_offset`, `dst_region` (int32), `dst_offset`, `length` (int64), `layer` (int32), layer by layer; `len(w)`, `w.nbytes` |
+| `groups(s, d)` | yields `(src_region, dst_region, src_offsets, dst_offsets, lengths)`, one engine `write_batch` each, layer by layer |
+| `layer(l)` | the same plan restricted to layer `l` (shares the template) |
+| `expected_writes[d]`, `expected_bytes[d]` | what destination rank `d` receives (all planned layers) |
+| `writes_per_pair`, `bytes_per_pair` | `[src_tp, dst_tp]` matrices |
+| `num_writes`, `num_bytes`, `pairs` | totals, and the pairs that carry writes |
+| `str(plan)` | summary: writes per layer, bytes per write, the pair matrix, `expected_writes` |
+
+`expected_writes` counts the plan's writes after coalescing. The engine may still pack several
+into one message or split a long one (iovecs per message, maximum message size);
+`kvxfer.count_writes` (engine side) turns a write list into the number of messages, and that is
+what a completion counter should wait for.
+
+HND vs NHD write counts
+-----------------------
+
+Per layer, for `n` pages, `H` KV heads on `t_s` → `t_d` ranks, `H >= max(t_s, t_d)` and one TP
+size dividing the other (so `max(t_s, t_d)` (source, destination) head slices meet per page and
+plane):
+
+| | HND | NHD |
+|---|---|---|
+| `t_s != t_d` | `2 · n · max(t_s, t_d)` writes of `H/max · page_size · c` bytes | `page_size ×` as many, `H/max · c` bytes each |
+| `t_s == t_d`, fused pages | `n · t` (K and V of a page join), contiguous page runs join further | the same |
+| HND on one side, NHD with more than one local head on the other | one write per (head, token) vector | |
+
+Llama-3-70B (8 KV heads × 128, bf16, 16-token pages), 8192 pages, TP8 → TP4: 131,072 writes of
+4 KiB per layer under HND against 2,097,152 writes of 256 B under NHD (10.5 M vs 168 M over 80
+layers). That is why HND is preferred for disaggregation; see docs/benchmarks.md ("Planner").
+
+Validation
+----------
+
+* `LayoutError`: layouts that differ in layer count, KV heads, head dim, page size, dtype, or
+  MLA vs K/V; a sharding that does not divide the heads; strides smaller than the data; an
+  unknown order, KV form or placement.
+* `PlanError`: page lists of different lengths, not 1-D, not integers (floats and bools
+  refused), negative, beyond a layout's `num_pages`; a destination page listed twice (it would be
+  written twice; a repeated *source* page is fine); layers out of range or repeated; a rank pair
+  or layer not in the plan.
 """
 
 from __future__ import annotations
@@ -29,6 +111,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer._check import is_int
 from kvxfer.errors import LayoutError, PlanError
 from kvxfer.layout import KVLayout, RankGeometry, Sharding
 
@@ -233,7 +316,7 @@ def _layers(layers: Iterable[int] | None, num_layers: int) -> tuple[int, ...]:
         return tuple(range(num_layers))
     out = []
     for x in layers:
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        if not is_int(x):
             raise PlanError(f"layers must be ints, got {x!r}")
         if not 0 <= x < num_layers:
             raise PlanError(f"layer {x} outside the layout's {num_layers} layers")

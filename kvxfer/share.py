@@ -15,6 +15,21 @@ Wire format (one message per batch of up to ``MAX_FDS_PER_MESSAGE`` handles)::
 
 The fds ride as SCM_RIGHTS on the prefix; ``recv_handles`` takes them with
 MSG_CMSG_CLOEXEC so a later fork+exec never inherits them.
+
+Container capabilities
+----------------------
+
+| road | needs |
+|---|---|
+| SCM_RIGHTS (`send_handles`, default) | nothing privileged: a Unix socket both sides can reach (a path on a shared volume, e.g. a pod `emptyDir`; the abstract namespace needs a shared network namespace). |
+| `pidfd_getfd` (`pack_handles` / `unpack_handles`: plain bytes over any channel) | kernel ≥ 5.6; the exporter's pid visible (shared PID namespace: `docker --pid=container:…`, k8s `shareProcessNamespace: true`); `PTRACE_MODE_ATTACH_REALCREDS` over the exporter: `CAP_SYS_PTRACE`, or same uid with Yama `ptrace_scope` 0 (1 only for an ancestor or after `PR_SET_PTRACER`); a seccomp profile allowing `pidfd_open`/`pidfd_getfd` (Docker's default allows `pidfd_getfd` only with `--cap-add SYS_PTRACE`). Failures raise `UnsupportedError` naming this. |
+| CUDA FABRIC handle (`export(fabric=True)`) | no fd at all, 64 bytes travel anywhere; needs the IMEX daemon and `/dev/nvidia-caps-imex-channels/channelN` in the container, a driver with fabric support, and an importer in the same IMEX domain. |
+| CUDA POSIX fd | both containers see the same GPU (`/dev/nvidia*` device nodes); the importer finds it by UUID. |
+| huge pages | `vm.nr_hugepages` on the host (k8s: a `hugepages-2Mi` request); otherwise `UnsupportedError` with `HugePages_Free`. |
+| registration (engine) | verbs/EFA pin pages: `RLIMIT_MEMLOCK` unlimited or `CAP_IPC_LOCK`; tcp and shm do not pin. |
+
+Memory accounting: memfd pages are shmem, charged to the memory cgroup of the process that
+first touches them (usually the TP worker), not limited by `/dev/shm`'s size.
 """
 
 from __future__ import annotations
@@ -29,7 +44,8 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
-from kvxfer.buffers import SharedHandle
+from kvxfer._libc import libc
+from kvxfer.buffers.handles import SharedHandle
 from kvxfer.errors import ClosedError, DescriptorError, InvalidArgumentError, PeerError, UnsupportedError
 
 __all__ = ["send_handles", "recv_handles", "pack_handles", "unpack_handles", "pidfd_getfd", "MAX_FDS_PER_MESSAGE"]
@@ -209,7 +225,6 @@ def recv_handles(sock: socket.socket) -> list[SharedHandle]:
 # The pidfd_getfd road: handles as plain bytes, fds fetched from the exporter by pid.
 
 _SYS_pidfd_getfd = 438  # the same number on every Linux architecture (added in 5.6)
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def pidfd_getfd(pid: int, fd: int) -> int:
@@ -226,7 +241,7 @@ def pidfd_getfd(pid: int, fd: int) -> int:
             raise PeerError(f"process {pid} is gone; its handles died with it unless imported") from e
         raise UnsupportedError(f"pidfd_open({pid}) failed: {e} (kernel >= 5.3, seccomp must allow it)") from e
     try:
-        r = _libc.syscall(_SYS_pidfd_getfd, pidfd, fd, 0)
+        r = libc.syscall(_SYS_pidfd_getfd, pidfd, fd, 0)
         if r < 0:
             err = ctypes.get_errno()
             text = os.strerror(err)

@@ -6,7 +6,9 @@ target check every byte, and prints GB/s, writes/s and p50/p99 per transfer next
 memmove baseline. ``kvxfer-bench lat`` ping-pongs a small write with immediate.
 ``kvxfer-bench topo`` (when installed) prints the NIC/CPU placement per GPU.
 
-The method is written up in docs/benchmarks.md ("Method of kvxfer-bench"). Uses the public API only.
+The method is written up in docs/benchmarks.md ("Method of kvxfer-bench"). Uses the public API
+plus ``kvxfer.wire`` (``Address.decode``, ``split_write``, ``count_writes``); no private name
+from outside ``kvxfer.cli``.
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     provider failed, 2 bad usage, 130 interrupted)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_target"]:
-        from kvxfer.cli._session import target_main
+        from kvxfer.cli._target import target_main
 
         a = _target_parser().parse_args(argv[1:])
         return target_main(a.provider, a.node, progress=a.progress, parent_pid=a.parent_pid,
@@ -276,7 +278,8 @@ class _Run:
 
     def __enter__(self) -> "_Run":
         import kvxfer
-        from kvxfer.cli._session import Initiator, TargetProcess
+        from kvxfer.cli._initiator import Initiator
+        from kvxfer.cli._target_process import TargetProcess
 
         a = self.args
         try:
@@ -343,7 +346,7 @@ def _providers(args: argparse.Namespace) -> list[Optional[str]]:
 
 
 def _listen(args: argparse.Namespace) -> int:
-    from kvxfer.cli._session import target_main
+    from kvxfer.cli._target import target_main
 
     if args.provider and len(args.provider) > 1:
         raise SystemExit("kvxfer-bench: --listen serves one provider")
@@ -358,7 +361,7 @@ def _listen(args: argparse.Namespace) -> int:
 
 
 def _document(args: argparse.Namespace, runs: list) -> dict:
-    from kvxfer.cli._session import machine_info
+    from kvxfer.cli._machine import machine_info
 
     opts = {k: v for k, v in vars(args).items() if k not in ("func", "argv")}
     if opts.get("case"):

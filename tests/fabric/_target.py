@@ -8,14 +8,13 @@ process reads like a local one. Every wait has a deadline.
 from __future__ import annotations
 
 import glob
-import multiprocessing as mp
 import os
 import signal
 import traceback
 
 import numpy as np
 
-_CTX = mp.get_context("spawn")
+from _procs import spawn
 
 
 def _serve(conn, provider: str, nbytes: int) -> None:
@@ -75,10 +74,8 @@ class Target:
     """Start a target process; ``address``/``descriptor`` come from its engine."""
 
     def __init__(self, provider: str, nbytes: int, timeout: float = 30.0) -> None:
-        self.parent, child = _CTX.Pipe()
-        self.proc = _CTX.Process(target=_serve, args=(child, provider, nbytes), daemon=True)
-        self.proc.start()
-        child.close()
+        self.child = spawn(_serve, provider, nbytes, name="target", with_conn=True, deadline=timeout)
+        self.parent, self.proc = self.child.conn, self.child.proc
         self.timeout = timeout
         status, *rest = self._recv()
         if status != "ready":
@@ -88,8 +85,11 @@ class Target:
     def _recv(self):
         if not self.parent.poll(self.timeout):
             self.kill()
-            raise RemoteError(f"target did not answer within {self.timeout} s")
-        msg = self.parent.recv()
+            raise RemoteError(self.child.describe(f"no answer within {self.timeout} s"))
+        try:
+            msg = self.parent.recv()
+        except EOFError:  # died: a crash shows in its exit status and stderr
+            raise RemoteError(self.child.describe("died without an answer")) from None
         if msg[0] == "error":
             raise RemoteError("in the target process:\n" + msg[1])
         return msg
@@ -112,6 +112,8 @@ class Target:
         return self.call("digest")
 
     def kill(self) -> None:
+        if self.parent.closed:
+            return
         if self.proc.is_alive():
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
@@ -123,6 +125,8 @@ class Target:
                 pass
 
     def close(self) -> None:
+        if self.parent.closed:
+            return
         if self.proc.is_alive():
             try:
                 self.parent.send(("exit",))
@@ -132,7 +136,7 @@ class Target:
                 pass
             self.proc.join(10)
         self.kill()
-        self.parent.close()
+        self.child.close(keep_process=True)  # tests read proc.exitcode after close
 
     def __enter__(self) -> "Target":
         return self

@@ -1,3 +1,9 @@
+"""Fixtures of the fabric tests: which providers open here (probed once), an engine, a pair of engines.
+
+Every test that takes ``provider`` runs once per provider and skips cleanly where it does not
+open. Teardowns close engines, whose ``close()`` has its own deadlines.
+"""
+
 import pytest
 
 kvxfer = pytest.importorskip("kvxfer")
@@ -31,3 +37,15 @@ def provider(request):
 def engine(provider):
     with kvxfer.Engine(provider, "127.0.0.1") as e:
         yield e
+
+
+@pytest.fixture
+def pair(provider):
+    """Two engines on ``provider`` in this process: (a, b)."""
+    a = kvxfer.Engine(provider, "127.0.0.1")
+    b = kvxfer.Engine(provider, "127.0.0.1")
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()

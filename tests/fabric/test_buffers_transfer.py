@@ -10,11 +10,9 @@ so it writes from memory whose exporters are gone.
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import multiprocessing.resource_tracker
 import os
 import socket
-import traceback
 
 import numpy as np
 import pytest
@@ -24,9 +22,9 @@ pytest.importorskip("kvxfer._fabric", reason="kvxfer's native module (libfabric)
 import kvxfer  # noqa: E402
 from kvxfer import KVBuffer  # noqa: E402
 from kvxfer.share import recv_handles, send_handles  # noqa: E402
+from _data import open_fds  # noqa: E402
+from _procs import CTX, DEADLINE, Children  # noqa: E402
 
-CTX = mp.get_context("spawn")
-DEADLINE = 60.0
 TP = 2
 SHARD = (1 << 20) + 4096 + 13  # not a page multiple: nbytes, not alloc_nbytes, is what travels
 IMM = 7
@@ -34,10 +32,6 @@ IMM = 7
 
 def pattern(rank: int, n: int) -> bytes:
     return np.random.default_rng(1000 + rank).integers(0, 256, n, dtype=np.uint8).tobytes()
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def memfds_mapped() -> list[str]:
@@ -59,15 +53,6 @@ def memfds_open() -> list[str]:
 
 
 # ---- child processes ------------------------------------------------------------------------
-
-
-def _child(fn, conn, *args):
-    try:
-        conn.send(("ok", fn(conn, *args)))
-    except BaseException:
-        conn.send(("err", traceback.format_exc()))
-    finally:
-        conn.close()
 
 
 def prefill_worker(conn, sock, rank: int) -> str:
@@ -169,45 +154,12 @@ def prefill_engine(conn, provider: str, socks, peer_conn) -> str:
 # ---- the test -------------------------------------------------------------------------------
 
 
-class _Procs:
-    def __init__(self) -> None:
-        self.items: list[tuple[str, mp.Process, object]] = []
-        self.exitcodes: dict[str, int | None] = {}
-
-    def spawn(self, name, fn, *args):
-        parent, child = CTX.Pipe()
-        p = CTX.Process(target=_child, args=(fn, child, *args), name=name, daemon=True)
-        p.start()
-        child.close()
-        self.items.append((name, p, parent))
-        return parent
-
-    def result(self, conn, name):
-        if not conn.poll(DEADLINE):
-            raise AssertionError(f"{name} did not answer within {DEADLINE} s")
-        status, value = conn.recv()
-        if status == "err":
-            raise AssertionError(f"{name} failed:\n{value}")
-        return value
-
-    def close(self, grace: float) -> None:
-        for name, p, conn in self.items:
-            p.join(grace)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-            self.exitcodes[name] = p.exitcode
-            conn.close()
-            if p.exitcode is not None:
-                p.close()  # releases the sentinel fds
-
-
 def test_tp_shards_prefill_to_decode(provider):
     """``provider`` (tests/fabric/conftest.py): tcp;ofi_rxm, and shm where it opens."""
     multiprocessing.resource_tracker.ensure_running()
     gc.collect()
     before = open_fds()
-    procs = _Procs()
+    procs = Children()
     grace = 1.0  # on failure, do not wait out the children's deadlines
     try:
         side_socks = {}
@@ -216,36 +168,37 @@ def test_tp_shards_prefill_to_decode(provider):
             engine_ends = []
             for rank in range(TP):
                 eng_end, worker_end = socket.socketpair()
-                workers[side, rank] = procs.spawn(f"{side} worker {rank}", fn, worker_end, rank)
+                workers[side, rank] = procs.spawn(f"{side} worker {rank}", fn, worker_end, rank, with_conn=True)
                 worker_end.close()
                 engine_ends.append(eng_end)
             side_socks[side] = engine_ends
         p_end, d_end = CTX.Pipe()
-        d_conn = procs.spawn("decode engine", decode_engine, provider, side_socks["decode"], d_end)
-        p_conn = procs.spawn("prefill engine", prefill_engine, provider, side_socks["prefill"], p_end)
+        decode_eng = procs.spawn("decode engine", decode_engine, provider, side_socks["decode"], d_end, with_conn=True)
+        prefill_eng = procs.spawn("prefill engine", prefill_engine, provider, side_socks["prefill"], p_end,
+                             with_conn=True)
         for s in side_socks["prefill"] + side_socks["decode"]:
             s.close()
         p_end.close()
         d_end.close()
 
         for rank in range(TP):
-            assert procs.result(workers["prefill", rank], f"prefill worker {rank}") == "handed over"
-            assert procs.result(workers["decode", rank], f"decode worker {rank}") == rank
-        assert procs.result(p_conn, "prefill engine") == TP  # ("imported", TP)
-        for name, p, _ in procs.items:  # the exporters exit before their memory is written from
-            if name.startswith("prefill worker"):
-                p.join(DEADLINE)
-                assert p.exitcode == 0, f"{name} exited with {p.exitcode}"
-        p_conn.send("go")
-        assert procs.result(p_conn, "prefill engine") == "written"
-        assert procs.result(d_conn, "decode engine") == "received"
+            assert workers["prefill", rank].result() == "handed over"
+            assert workers["decode", rank].result() == rank
+        assert prefill_eng.result() == TP  # ("imported", TP)
+        for child in procs.items:  # the exporters exit before their memory is written from
+            if child.name.startswith("prefill worker"):
+                child.join(DEADLINE)
+        prefill_eng.send("go")
+        assert prefill_eng.result() == "written"
+        assert decode_eng.result() == "received"
         for rank in range(TP):
             workers["decode", rank].send("check")
         for rank in range(TP):
-            assert procs.result(workers["decode", rank], f"decode worker {rank}") == "verified"
+            assert workers["decode", rank].result() == "verified"
         grace = DEADLINE
     finally:
         procs.close(grace)
+    assert not procs.crashes, procs.crashes
     for name, code in procs.exitcodes.items():
         assert code == 0, f"{name} exited with {code}"
     gc.collect()

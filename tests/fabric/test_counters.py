@@ -10,19 +10,17 @@ from _target import Target
 
 
 @pytest.fixture
-def pair(provider):
-    a = kvxfer.Engine(provider, "127.0.0.1")
-    b = kvxfer.Engine(provider, "127.0.0.1")
+def linked(pair):
+    """``pair`` (tests/fabric/conftest.py) with a source region in a, a destination in b, a's peer b."""
+    a, b = pair
     src = np.arange(1 << 16, dtype=np.uint32).view(np.uint8)
     dst = np.zeros(len(src), np.uint8)
     ms, md = a.register(src), b.register(dst)
-    yield a, b, ms, a.connect(b.address), a.remote(md.descriptor()), src, dst
-    a.close()
-    b.close()
+    yield a, b, ms, a.connect(b.address), a.remote(md.descriptor()), src, dst  # the frame keeps md registered
 
 
-def test_early_arrivals_are_banked(pair):
-    a, b, ms, peer, rr, src, dst = pair
+def test_early_arrivals_are_banked(linked):
+    a, b, ms, peer, rr, src, dst = linked
     ts = [a.write(ms, i * 64, peer, rr, i * 64, 64, imm=5) for i in range(10)]
     for t in ts:
         t.wait(10)
@@ -45,8 +43,8 @@ def test_early_arrivals_are_banked(pair):
     assert c3.arrived == 1
 
 
-def test_many_concurrent_imms(pair):
-    a, b, ms, peer, rr, src, dst = pair
+def test_many_concurrent_imms(linked):
+    a, b, ms, peer, rr, src, dst = linked
     rng = np.random.default_rng(0)
     imms = rng.choice(2**32, 300, replace=False)
     counts = rng.integers(1, 5, len(imms))
@@ -82,8 +80,8 @@ def test_double_expectation_rejected(pair):
         b.expect(10, 0)
 
 
-def test_dropped_expectation_banks_its_arrivals(pair):
-    a, b, ms, peer, rr, src, dst = pair
+def test_dropped_expectation_banks_its_arrivals(linked):
+    a, b, ms, peer, rr, src, dst = linked
     c = b.expect(21, 5)
     for _ in range(2):
         a.write(ms, 0, peer, rr, 0, 64, imm=21).wait(10)
@@ -98,8 +96,8 @@ def test_dropped_expectation_banks_its_arrivals(pair):
     assert c.done
 
 
-def test_callback_runs_once_on_dispatcher(pair):
-    a, b, ms, peer, rr, src, dst = pair
+def test_callback_runs_once_on_dispatcher(linked):
+    a, b, ms, peer, rr, src, dst = linked
     seen = []
     done = threading.Event()
 

@@ -3,7 +3,7 @@
 Loopback never leaves one network stack; here every byte crosses a real (virtual) link
 between two stacks, and a peer can die or the wire can be cut. Needs root and iproute2;
 skips otherwise. The namespaces are made once for the module and deleted even when a test
-fails; every process runs with a deadline. How it is set up: docs/architecture.md ("Tests across network namespaces").
+fails; every process runs with a deadline. How it is set up: docs/testing.md ("Network namespaces").
 """
 
 from __future__ import annotations

@@ -14,15 +14,6 @@ from kvxfer import errors, wire
 from _target import Target
 
 
-@pytest.fixture
-def pair(provider):
-    a = kvxfer.Engine(provider, "127.0.0.1")
-    b = kvxfer.Engine(provider, "127.0.0.1")
-    yield a, b
-    a.close()
-    b.close()
-
-
 def test_close_with_transfers_queued_does_not_crash(provider):
     # The sender closes while its progress thread is still posting the queued part: it must
     # stop before any registration goes. The sender runs in a child (a crash fails the test
@@ -68,6 +59,9 @@ def test_region_with_transfer_in_flight_refuses_to_close(pair):
     t.wait(30)
     ms.close()
     assert ms.closed
+    # a sender's completion is not proof of placement: let every write land before the
+    # target's buffer may go (an ASan build caught the provider writing into it after)
+    b.expect(2, t.num_writes).wait(30)
 
 
 def test_caller_arrays_are_copied(pair):
@@ -162,6 +156,10 @@ def test_cancel_stops_posting(pair):
         pass          # cancelled before everything was posted
     assert t.done
     assert a.stats()["writes_posted"] <= t.num_writes
+    # the fence: what was posted can still land; wait for exactly that, then retire the imm
+    if t.posted:
+        b.expect(3, t.posted).wait(30)
+    assert b.discard(3) == 0
 
 
 @pytest.mark.parametrize("bad", [

@@ -6,33 +6,23 @@ Skips without cuda-python or a GPU. bench/gpu_check.sh runs the same checks as a
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import multiprocessing.resource_tracker
 import os
 import socket
-import traceback
 
-import numpy as np
 import pytest
 
 from kvxfer import KVBuffer
 from kvxfer.buffers import cuda_available
 from kvxfer.errors import BufferError, ClosedError, InvalidArgumentError, UnsupportedError
 from kvxfer.share import recv_handles, send_handles
+from _data import open_fds, pattern
+from _procs import spawn
 
 pytestmark = pytest.mark.skipif(not cuda_available("cuda:0"), reason="needs cuda-python and a CUDA GPU")
 
-CTX = mp.get_context("spawn")
 DEADLINE = 120.0  # the first CUDA context in a fresh process can take seconds
 MiB = 1 << 20
-
-
-def pattern(seed: int, n: int) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 @pytest.fixture
@@ -134,39 +124,6 @@ def test_torch_view_keeps_memory_alive(no_fd_leaks):
 # ---- two processes --------------------------------------------------------------------------
 
 
-def _child(fn, conn, *args):
-    try:
-        conn.send(("ok", fn(*args)))
-    except BaseException:
-        conn.send(("err", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
-def _spawn(fn, *args):
-    parent, child = CTX.Pipe()
-    p = CTX.Process(target=_child, args=(fn, child, *args), daemon=True)
-    p.start()
-    child.close()
-    return p, parent
-
-
-def _finish(p, conn):
-    try:
-        if not conn.poll(DEADLINE):
-            raise AssertionError("child did not answer in time")
-        status, value = conn.recv()
-        if status == "err":
-            raise AssertionError(f"child failed:\n{value}")
-        p.join(DEADLINE)
-        assert p.exitcode == 0
-        return value
-    finally:
-        if p.is_alive():
-            p.terminate()
-        conn.close()
-
-
 def import_check_write(sock, nbytes: int) -> str:
     with sock:
         sock.settimeout(DEADLINE)
@@ -188,25 +145,25 @@ def allocate_send_exit(sock, nbytes: int) -> int:
 def test_import_in_second_process(no_fd_leaks):
     nbytes = 8 * MiB + 3
     mine, theirs = socket.socketpair()
-    p, conn = _spawn(import_check_write, theirs, nbytes)
+    child = spawn(import_check_write, theirs, nbytes, deadline=DEADLINE)
     theirs.close()
     with mine, KVBuffer.allocate(nbytes, "cuda:0") as buf:
         buf.write(pattern(3, nbytes))
         with buf.export() as h:
             send_handles(mine, [h])
-        assert _finish(p, conn) == "ok"
+        assert child.finish() == "ok"
         assert buf.read() == pattern(4, nbytes)
 
 
 def test_exporter_exits_first(no_fd_leaks):
     nbytes = 4 * MiB
     mine, theirs = socket.socketpair()
-    p, conn = _spawn(allocate_send_exit, theirs, nbytes)
+    child = spawn(allocate_send_exit, theirs, nbytes, deadline=DEADLINE)
     theirs.close()
     with mine:
         mine.settimeout(DEADLINE)
         (h,) = recv_handles(mine)
-    pid = _finish(p, conn)
+    pid = child.finish()
     assert not os.path.exists(f"/proc/{pid}")
     with h, KVBuffer.import_(h) as buf:
         assert buf.read() == pattern(5, nbytes)

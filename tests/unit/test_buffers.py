@@ -7,14 +7,11 @@ child's traceback to the test on failure.
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
-import multiprocessing.resource_tracker
 import os
 import pickle
 import socket
 import struct
 import threading
-import traceback
 import uuid
 import warnings
 
@@ -34,14 +31,8 @@ from kvxfer.errors import (
     UnsupportedError,
 )
 from kvxfer.share import MAX_FDS_PER_MESSAGE, pack_handles, recv_handles, send_handles, unpack_handles
-
-CTX = mp.get_context("spawn")
-DEADLINE = 60.0
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
+from _data import open_fds, pattern
+from _procs import DEADLINE, spawn
 
 def mapped(name: str) -> bool:
     """Is a memfd of this name mapped in this process?"""
@@ -51,21 +42,6 @@ def mapped(name: str) -> bool:
 
 def uniq() -> str:
     return f"kvt-{uuid.uuid4().hex[:10]}"
-
-
-def pattern(seed: int, n: int) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
-
-
-@pytest.fixture
-def no_leaks():
-    """Fail the test if it leaves fds open or memfds mapped."""
-    multiprocessing.resource_tracker.ensure_running()  # spawn keeps this fd for the process life
-    gc.collect()
-    before = open_fds()
-    yield
-    gc.collect()
-    assert open_fds() == before, f"fd leak: {before} -> {open_fds()}: {os.listdir('/proc/self/fd')}"
 
 
 # ---- allocation and views ------------------------------------------------------------------
@@ -395,44 +371,6 @@ def test_pidfd_getfd_road(no_leaks):
 # ---- several processes ----------------------------------------------------------------------
 
 
-def _child(fn, conn, *args):
-    """Run fn in a spawned child; send ('ok', value) or ('err', traceback) back."""
-    try:
-        conn.send(("ok", fn(conn, *args)))
-    except BaseException:
-        conn.send(("err", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
-def _spawn(fn, *args):
-    parent, child = CTX.Pipe()
-    p = CTX.Process(target=_child, args=(fn, child, *args), daemon=True)
-    p.start()
-    child.close()
-    return p, parent
-
-
-def _result(p, conn):
-    """The child's next message (a progress note or its return value); raise its traceback."""
-    if not conn.poll(DEADLINE):
-        p.terminate()
-        raise AssertionError("child did not answer in time")
-    status, value = conn.recv()
-    if status == "err":
-        raise AssertionError(f"child failed:\n{value}")
-    return value
-
-
-def _join(p, conn):
-    p.join(DEADLINE)
-    conn.close()
-    if p.exitcode is None:
-        p.terminate()
-        raise AssertionError("child did not exit")
-    assert p.exitcode == 0
-
-
 def tp_worker(conn, sock, rank: int, nbytes: int):
     """A TP worker: allocate its shard, fill it, hand it to the engine process, then check
     what the engine writes back through its own mapping."""
@@ -469,25 +407,24 @@ def test_tp_workers_share_shards_with_engine_process(no_leaks):
     procs, socks = [], []
     for rank in range(2):
         mine, theirs = socket.socketpair()
-        procs.append(_spawn(tp_worker, theirs, rank, nbytes))
+        procs.append(spawn(tp_worker, theirs, rank, nbytes, with_conn=True))
         theirs.close()
         socks.append(mine)
     shards = []
-    for rank, (mine, (p, conn)) in enumerate(zip(socks, procs, strict=True)):
+    for rank, (mine, child) in enumerate(zip(socks, procs, strict=True)):
         mine.settimeout(DEADLINE)
         (h,) = recv_handles(mine)
         mine.close()
         with h:
             shard = KVBuffer.import_(h)
-        assert _result(p, conn) == rank  # the worker's ("sent", rank)
+        assert child.result() == rank  # the worker's ("sent", rank)
         shards.append(shard)
     for rank, shard in enumerate(shards):
         assert shard.read() == pattern(rank, nbytes)
         shard.write(b"ENGINE%d" % rank)
-        procs[rank][1].send("engine wrote")
-    for rank, (p, conn) in enumerate(procs):
-        assert _result(p, conn) == pattern(rank, nbytes)[-4:]
-        _join(p, conn)
+        procs[rank].send("engine wrote")
+    for rank, child in enumerate(procs):
+        assert child.finish() == pattern(rank, nbytes)[-4:]
     # workers are gone; the engine's mappings still hold their shards
     for rank, shard in enumerate(shards):
         assert shard.read(8)[:7] == b"ENGINE%d" % rank
@@ -498,13 +435,12 @@ def test_tp_workers_share_shards_with_engine_process(no_leaks):
 def test_exporter_exits_first(no_leaks):
     nbytes = 2 * 4096
     mine, theirs = socket.socketpair()
-    p, conn = _spawn(exporter_then_exit, theirs, nbytes)
+    child = spawn(exporter_then_exit, theirs, nbytes, with_conn=True)
     theirs.close()
     with mine:
         mine.settimeout(DEADLINE)
         (h,) = recv_handles(mine)
-    pid = _result(p, conn)
-    _join(p, conn)
+    pid = child.finish()
     assert not os.path.exists(f"/proc/{pid}/fd")  # the exporter is really gone
     with h:
         first = KVBuffer.import_(h)
@@ -516,13 +452,12 @@ def test_exporter_exits_first(no_leaks):
 
 def test_importer_writes_are_seen_by_exporter(no_leaks):
     mine, theirs = socket.socketpair()
-    p, conn = _spawn(importer_writes, theirs)
+    child = spawn(importer_writes, theirs, with_conn=True)
     theirs.close()
     with mine, KVBuffer.allocate(4096 + 1, name=uniq()) as buf:
         with buf.export() as h:
             send_handles(mine, [h])
-        assert _result(p, conn) == "wrote"
-        _join(p, conn)
+        assert child.finish() == "wrote"
         assert buf.read() == b"\x5a" * (4096 + 1)
 
 
@@ -532,274 +467,3 @@ def test_no_warnings_on_clean_life_cycle(recwarn):
         m.write(b"x")
     gc.collect()
     assert not [w for w in recwarn if issubclass(w.category, ResourceWarning)]
-
-
-# ---- the CUDA path, driven without a GPU ---------------------------------------------------
-# As mpi4py drives its GPU-buffer path with host arrays: a stand-in for cuda-python's driver
-# whose "device memory" is a memfd mapped into the VA range kvxfer reserves. The structs and
-# enums are cuda-python's own (they work without a GPU), so the flow, the bit mask written
-# into CUmemAllocationProp, the release order and fd hygiene are checked for real; what the
-# real driver does is checked by tests/gpu and bench/gpu_check.sh on a GPU machine.
-
-import contextlib  # noqa: E402
-import ctypes  # noqa: E402
-import mmap as _mmap  # noqa: E402
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MAP_FIXED, _MAP_ANON, _PROT_NONE = 0x10, 0x20, 0
-GRAN = 2 << 20
-
-
-class FakeDriver:
-    """cuda-python's calling convention ((CUresult, value...) tuples) over host memory."""
-
-    def __init__(self, real, *, fabric: bool = False, imex: bool = False, dmabuf: bool = True, devices: int = 2):
-        self.real = real
-        self.R = real.CUresult
-        self.fabric, self.imex, self.dmabuf, self.devices = fabric, imex, dmabuf, devices
-        self.handles: dict[int, tuple[int, int, int]] = {}  # id -> (memfd, size, requested types)
-        self.reserved: dict[int, int] = {}  # va -> size
-        self.mapped: dict[int, tuple[int, int]] = {}  # va -> (size, handle id)
-        self.fabric_table: dict[bytes, int] = {}
-        self.next_id = 1
-        self.calls: list[str] = []
-
-    def __getattr__(self, name):  # types and enums come from the real bindings
-        return getattr(self.real, name)
-
-    def _ok(self, *v):
-        return (self.R.CUDA_SUCCESS, *v)
-
-    def cuGetErrorName(self, err):
-        return self._ok(err.name.encode())
-
-    def cuGetErrorString(self, err):
-        return self._ok(b"fake driver says no")
-
-    def cuDeviceGetCount(self):
-        return self._ok(self.devices)
-
-    def cuDeviceGet(self, ordinal):
-        return self._ok(ordinal) if ordinal < self.devices else (self.R.CUDA_ERROR_INVALID_DEVICE, None)
-
-    def cuDeviceGetAttribute(self, attr, dev):
-        A = self.real.CUdevice_attribute
-        table = {
-            A.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: 1,
-            A.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: 1,
-            A.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: int(self.fabric),
-            A.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: 1,
-            A.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: int(self.dmabuf),
-        }
-        return self._ok(table.get(attr, 0))
-
-    def cuDeviceGetUuid(self, dev):
-        return self._ok(type("U", (), {"bytes": bytes([dev]) * 16})())
-
-    def cuDevicePrimaryCtxRetain(self, dev):
-        return self._ok(f"ctx{dev}")
-
-    def cuCtxSetCurrent(self, ctx):
-        return (self.R.CUDA_SUCCESS,)
-
-    def cuCtxSynchronize(self):
-        return (self.R.CUDA_SUCCESS,)
-
-    def cuMemGetAllocationGranularity(self, prop, option):
-        return self._ok(GRAN)
-
-    def cuMemCreate(self, size, prop, flags):
-        self.calls.append("cuMemCreate")
-        types = ctypes.c_int.from_address(int(prop.getPtr()) + 4).value  # the bit mask, as C sees it
-        assert prop.type == self.real.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        assert prop.location.type == self.real.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        assert prop.allocFlags.gpuDirectRDMACapable == 1
-        if size % GRAN:
-            return (self.R.CUDA_ERROR_INVALID_VALUE, None)
-        if types & int(self.real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC) and not self.imex:
-            return (self.R.CUDA_ERROR_NOT_PERMITTED, None)  # what a driver without IMEX channels says
-        fd = os.memfd_create("fake-cumem", os.MFD_CLOEXEC)
-        os.ftruncate(fd, size)
-        return self._ok(self._new(fd, size, types))
-
-    def _new(self, fd, size, types):
-        h = self.next_id
-        self.next_id += 1
-        self.handles[h] = (fd, size, types)
-        return h
-
-    def cuMemAddressReserve(self, size, align, addr, flags):
-        va = _libc.mmap(None, size, _PROT_NONE, _mmap.MAP_PRIVATE | _MAP_ANON, -1, 0)
-        self.reserved[va] = size
-        return self._ok(va)
-
-    def cuMemMap(self, va, size, offset, handle, flags):
-        self.calls.append("cuMemMap")
-        fd, hsize, _ = self.handles[int(handle)]
-        assert va in self.reserved and size == hsize == self.reserved[va]
-        got = _libc.mmap(va, size, _PROT_NONE, _mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
-        assert got == va
-        self.mapped[va] = (size, int(handle))
-        return (self.R.CUDA_SUCCESS,)
-
-    def cuMemSetAccess(self, va, size, descs, count):
-        assert count == 1 and descs[0].flags == self.real.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        assert va in self.mapped
-        _libc.mprotect(va, size, _mmap.PROT_READ | _mmap.PROT_WRITE)
-        return (self.R.CUDA_SUCCESS,)
-
-    def cuMemUnmap(self, va, size):
-        self.calls.append("cuMemUnmap")
-        del self.mapped[va]
-        _libc.mmap(va, size, _PROT_NONE, _mmap.MAP_PRIVATE | _MAP_ANON | _MAP_FIXED, -1, 0)
-        return (self.R.CUDA_SUCCESS,)
-
-    def cuMemAddressFree(self, va, size):
-        self.calls.append("cuMemAddressFree")
-        assert va not in self.mapped, "address range freed while still mapped"
-        assert self.reserved.pop(va) == size
-        _libc.munmap(va, size)
-        return (self.R.CUDA_SUCCESS,)
-
-    def cuMemRelease(self, handle):
-        self.calls.append("cuMemRelease")
-        fd, _, _ = self.handles.pop(int(handle))
-        os.close(fd)
-        return (self.R.CUDA_SUCCESS,)
-
-    def cuMemExportToShareableHandle(self, handle, htype, flags):
-        fd, size, types = self.handles[int(handle)]
-        T = self.real.CUmemAllocationHandleType
-        if not types & int(htype):
-            return (self.R.CUDA_ERROR_INVALID_VALUE, None)
-        if htype == T.CU_MEM_HANDLE_TYPE_FABRIC:
-            fh = self.real.CUmemFabricHandle()
-            key = os.urandom(64)
-            fh.data = key
-            self.fabric_table[key] = int(handle)
-            return self._ok(fh)
-        return self._ok(os.dup(fd))
-
-    def cuMemImportFromShareableHandle(self, os_handle, htype):
-        T = self.real.CUmemAllocationHandleType
-        if htype == T.CU_MEM_HANDLE_TYPE_FABRIC:
-            fd, size, types = self.handles[self.fabric_table[bytes(os_handle)]]
-            return self._ok(self._new(os.dup(fd), size, types))
-        assert isinstance(os_handle, int)
-        return self._ok(self._new(os.dup(os_handle), os.fstat(os_handle).st_size, 1))
-
-    def cuMemGetHandleForAddressRange(self, va, size, htype, flags):
-        if not self.dmabuf:
-            return (self.R.CUDA_ERROR_NOT_SUPPORTED, None)
-        msize, h = self.mapped[int(va)]
-        assert size == msize
-        return self._ok(os.dup(self.handles[h][0]))
-
-    def cuMemcpyHtoD(self, dst, src, n):
-        ctypes.memmove(dst, src, n)
-        return (self.R.CUDA_SUCCESS,)
-
-    def cuMemcpyDtoH(self, dst, src, n):
-        ctypes.memmove(dst, src, n)
-        return (self.R.CUDA_SUCCESS,)
-
-
-@contextlib.contextmanager
-def fake_cuda(**kw):
-    real = pytest.importorskip("cuda.bindings.driver", reason="needs cuda-python's types")
-    from kvxfer.buffers import _cuda
-
-    saved = (_cuda.drv, _cuda._loaded, _cuda._ctx, _cuda._err)
-    fake = FakeDriver(real, **kw)
-    _cuda.drv, _cuda._loaded, _cuda._ctx = fake, True, {}
-    try:
-        yield fake
-    finally:
-        _cuda.drv, _cuda._loaded, _cuda._ctx, _cuda._err = saved
-
-
-def test_cuda_path_with_stand_in_driver(no_leaks):
-    with fake_cuda() as drv:
-        buf = KVBuffer.allocate(3 * GRAN + 5, "cuda:1")
-        assert (buf.kind, buf.device, buf.device_ordinal, buf.ordinal) == ("cuda", "cuda:1", 1, 1)
-        assert buf.alloc_nbytes == 4 * GRAN and buf.granularity == GRAN and not buf.has_fabric_handle
-        data = pattern(7, buf.nbytes)
-        buf.write(data)
-        assert buf.read() == data
-        cai = buf.__cuda_array_interface__
-        assert cai["data"] == (buf.ptr, False) and cai["shape"] == (buf.nbytes,)
-        with pytest.raises(BufferError):
-            buf.numpy()
-        with buf.export() as h:
-            assert h.kind == "cuda" and h.fd >= 0 and h.fabric is None and h.device_uuid == "01" * 16
-            assert not os.get_inheritable(h.fd)
-            imp = KVBuffer.import_(h)
-        assert imp.device == "cuda:1" and imp.ptr != buf.ptr and imp.read() == data
-        fd = imp.dmabuf_fd()
-        os.close(fd)
-        lease = buf.lease()
-        buf.close()  # deferred: the lease holds the mapping
-        assert "cuMemUnmap" not in drv.calls
-        imp.write(b"after exporter closed")
-        del lease
-        gc.collect()
-        assert drv.calls[-3:] == ["cuMemUnmap", "cuMemAddressFree", "cuMemRelease"]
-        assert imp.read(21) == b"after exporter closed"
-        imp.close()
-        assert not drv.handles and not drv.reserved and not drv.mapped
-
-
-def test_cuda_fabric_falls_back_without_imex(no_leaks):
-    with fake_cuda(fabric=True, imex=False) as drv:
-        with KVBuffer.allocate(GRAN, "cuda:0") as buf:
-            assert not buf.has_fabric_handle
-            assert drv.calls.count("cuMemCreate") == 2  # POSIX|FABRIC refused, then POSIX alone
-            with pytest.raises(UnsupportedError):
-                buf.export(fabric=True)
-        with pytest.raises(UnsupportedError, match="NOT_PERMITTED"):
-            KVBuffer.allocate(GRAN, "cuda:0", fabric=True)
-    with fake_cuda(fabric=True, imex=True):
-        with KVBuffer.allocate(GRAN, "cuda:0") as buf, buf.export(fabric=True) as h:
-            assert h.fd == -1 and len(h.fabric) == 64
-            buf.write(b"fabric")
-            with KVBuffer.import_(h) as imp:
-                assert imp.read(6) == b"fabric"
-
-
-def test_cuda_refusals_with_stand_in_driver():
-    with fake_cuda(dmabuf=False, devices=1):
-        with pytest.raises(UnsupportedError, match="cuda:3 does not exist"):
-            KVBuffer.allocate(GRAN, "cuda:3")
-        with KVBuffer.allocate(GRAN, "cuda:0") as buf:
-            with pytest.raises(UnsupportedError, match="dma-buf"):
-                buf.dmabuf_fd()
-        with pytest.raises(InvalidArgumentError):
-            KVBuffer.allocate(GRAN, "cuda:0", huge_pages=True)
-
-
-def fake_cuda_importer(conn, sock):
-    with fake_cuda(), sock:
-        (h,) = recv_handles(sock)
-        with h, KVBuffer.import_(h) as buf:
-            assert (h.kind, h.granularity, h.alloc_nbytes) == ("cuda", GRAN, 2 * GRAN)
-            assert buf.device == "cuda:1" and buf.read() == pattern(8, buf.nbytes)
-            buf.write(b"child was here")
-    return "ok"
-
-
-def test_cuda_handles_cross_processes_with_stand_in_driver(no_leaks):
-    pytest.importorskip("cuda.bindings.driver", reason="needs cuda-python's types")
-    mine, theirs = socket.socketpair()
-    p, conn = _spawn(fake_cuda_importer, theirs)
-    theirs.close()
-    with fake_cuda(), mine, KVBuffer.allocate(GRAN + 1, "cuda:1") as buf:
-        buf.write(pattern(8, buf.nbytes))
-        with buf.export() as h:
-            send_handles(mine, [h])
-        assert _result(p, conn) == "ok"
-        _join(p, conn)
-        assert buf.read(14) == b"child was here"

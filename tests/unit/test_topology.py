@@ -17,7 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer.errors import InvalidArgumentError, TopologyError, UnsupportedError
-from kvxfer.topology import NIC, Core, NumaNode, Placement, Topology, _deal, _norm_busid
+from kvxfer.topology import NIC, Core, NumaNode, Placement, Topology
+from kvxfer.topology.model import norm_busid as _norm_busid
+from kvxfer.topology.rules import _deal
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "topologies"
 P4D = DATA / "aws-p4d.24xlarge.xml"
@@ -579,7 +581,7 @@ def _fake_driver(bus_ids, init_err=0):
 def test_cuda_ordinals_matched_by_bus_id(monkeypatch, xe):
     import types
 
-    from kvxfer.topology import _cuda_ordinals
+    from kvxfer.topology.machine import cuda_ordinals as _cuda_ordinals
 
     pkg, bindings = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")
     # CUDA's own order differs from bus order here: ordinal 0 is the GPU at db:00.0

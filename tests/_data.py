@@ -1,0 +1,17 @@
+"""Deterministic test bytes and fd counts, shared by the buffer tests and bench/gpu_check.py."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def pattern(seed: int, n: int) -> bytes:
+    """``n`` pseudo-random bytes, the same for the same seed in every process."""
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def open_fds() -> int:
+    """How many fds this process has open (leak checks compare two counts)."""
+    return len(os.listdir("/proc/self/fd"))

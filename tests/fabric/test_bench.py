@@ -1,0 +1,69 @@
+"""kvxfer-bench for real: tiny ``bw`` and ``lat`` runs against a spawned target on each provider
+(a few seconds each), and a target's failure coming back with its traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvxfer.cli import bench
+
+
+def test_bw_tiny_run_checks_data_and_writes_json(provider, tmp_path, capsys):
+    out = tmp_path / "bw.json"
+    rc = bench.main(["bw", "--provider", provider, "--case", "write:64K", "--case", "pages:4Kx64",
+                     "--case", "memmove:1M", "--iters", "3", "--warmup", "1", "--timeout", "20", "-q",
+                     "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "pages 4K x 64" in text and "FAIL" not in text
+    doc = json.loads(out.read_text())
+    assert doc["subcommand"] == "bw" and doc["command"][:2] == ["kvxfer-bench", "bw"]
+    assert doc["machine"]["nproc"] >= 1 and doc["timestamp"]
+    (run,) = doc["runs"]
+    assert run["provider"] == provider and run["error"] is None
+    assert run["info"]["provider"] == provider and run["target"]["info"]["provider"] == provider
+    res = {r["case"]: r for r in run["results"]}
+    assert set(res) == {"write:64K", "pages:4Kx64", "memmove:1M"}
+    for r in res.values():
+        assert r["check"] == "ok" and r["iterations"] == 3 and len(r["samples_us"]) == 3
+        assert r["gbps"] > 0 and r["p99_s"] >= r["p50_s"] > 0
+    paged = res["pages:4Kx64"]
+    assert paged["bytes"] == 64 * 4096 and paged["pages"] == 64
+    # 64 scattered pages, at most iov per message: as many immediates as count_writes says
+    iov = run["info"]["iov"]
+    assert -(-64 // iov) <= paged["writes"] <= 64
+    assert paged["post_per_page_s"] > 0 and paged["acked_p50_s"] > 0 and paged["local_p50_s"] > 0
+    assert paged["timing"] == "target clock"
+
+
+def test_lat_tiny_run(provider, tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    rc = bench.main(["lat", "--provider", provider, "--iters", "50", "--warmup", "5", "-q", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    (run,) = json.loads(out.read_text())["runs"]
+    (r,) = run["results"]
+    assert r["check"] == "ok" and r["iterations"] == 50 and r["size"] == 8
+    assert 0 < r["min_us"] <= r["p50_us"] <= r["p99_us"]
+
+
+def test_target_failure_comes_back_with_its_traceback(provider):
+    if provider != "tcp;ofi_rxm":
+        pytest.skip("one provider is enough: the failure path does not depend on it")
+    import kvxfer
+    from kvxfer.cli._channel import RemoteFailure
+    from kvxfer.cli._initiator import Initiator
+    from kvxfer.cli._target_process import TargetProcess
+
+    with kvxfer.Engine("tcp;ofi_rxm", node="127.0.0.1") as eng:
+        tp = TargetProcess(eng.provider, "127.0.0.1", progress="block", idle_timeout=20, deadline=60)
+        try:
+            ini = Initiator(eng, tp.address, timeout=20, alive=tp.dead)
+            ini.ch.send("bw", case="bogus", seed=0, warmup=1, imm_base=1, iov=eng.iov, max_write=eng.max_write,
+                        timeout=5)
+            with pytest.raises(RemoteFailure, match="unknown case"):
+                ini.ch.recv("desc", 20)
+            assert tp.stop(timeout=20) == 1   # the target ends by itself, with a failure status
+        finally:
+            tp.close()
