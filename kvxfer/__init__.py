@@ -30,13 +30,15 @@ _LAZY = {
     # topology (pyhwloc)
     "Topology": "kvxfer.topology",
     "Placement": "kvxfer.topology",
+    # messenger
+    "Messenger": "kvxfer.messenger",
     # buffers
     "KVBuffer": "kvxfer.buffers",
     "SharedHandle": "kvxfer.buffers",
 }
 
 # public submodules, imported on first attribute access (``kvxfer.share.send_handles``)
-_SUBMODULES = ("buffers", "cli", "engine", "errors", "layout", "planner", "share", "topology", "wire")
+_SUBMODULES = ("buffers", "cli", "engine", "errors", "layout", "messenger", "planner", "share", "topology", "wire")
 
 __all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
 
@@ -44,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvxfer.buffers import KVBuffer, SharedHandle
     from kvxfer.engine import Counter, Engine, MemoryRegion, Peer, RemoteRegion, Transfer, providers
     from kvxfer.layout import KVLayout, Sharding
+    from kvxfer.messenger import Messenger
     from kvxfer.planner import TransferPlan, plan
     from kvxfer.topology import Placement, Topology
     from kvxfer.wire import count_writes

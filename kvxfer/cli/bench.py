@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvxfer-bench",
         description="Bandwidth and latency of kvxfer writes between two processes, every byte checked at the target.",
     )
-    sub = parser.add_subparsers(dest="cmd", metavar="{bw,lat,topo}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{bw,lat,msg,topo}")
     sub.required = True
 
     bw = sub.add_parser(
@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(lat)
     lat.set_defaults(func=run_lat)
 
+    from kvxfer.cli import msg
+
+    msg.add_parser(sub)
     try:  # the topology subcommand lands separately; the benchmarks work without it
         from kvxfer.cli import topo
     except ImportError:

@@ -1,0 +1,330 @@
+"""``kvxfer-bench msg``: the messenger's request rate, CPU cost and latency, two processes.
+
+This process is the decode node; it spawns a prefill node (``python -m kvxfer.cli.msg
+_prefill``) that answers every request with ``send(...).finish()``. Per provider it measures
+
+* **small requests/s**: 1 page x 32 layers, TP 1 -> 1, ``--window`` requests in flight,
+  for one-region-per-layer (vLLM) and layer-major layouts;
+* **CPU per request**: each side's CPU time over that phase divided by the requests, split
+  into the engines' native progress threads and the rest (the messenger's and the
+  caller's Python threads: "messenger CPU");
+* **minimal request latency**: 1 page, 1 layer, one request at a time, ``receive()`` to
+  done, p50/p99; beside it the engine's own write round trip (an 8-byte write with imm
+  echoed back, as ``kvxfer-bench lat``) between the same two processes in the same run.
+
+Uses the public API only (``kvxfer.Engine``, ``kvxfer.Messenger``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["add_parser", "run_msg"]
+
+LOOPBACK = "127.0.0.1"
+
+
+def _layouts(args: Any) -> dict:
+    from kvxfer import KVLayout
+
+    kw = dict(dtype="float16")
+    out = {}
+    for placement in ("per_layer", "layer_major"):
+        if args.placement not in ("both", placement):
+            continue
+        out[placement] = KVLayout(args.layers, args.kv_heads, args.head_dim, args.page_size, args.pages,
+                                  placement=placement, **kw)
+    out["minimal"] = KVLayout(1, args.kv_heads, args.head_dim, args.page_size, args.pages, **kw)
+    return out
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "msg", help="messenger: small requests/s, CPU per request, minimal request latency vs write round trip",
+        description="Two processes (this one decodes, a spawned one prefills). Small requests (1 page x 32 "
+                    "layers, TP 1->1) with a window in flight, for per-layer and layer-major layouts; "
+                    "messenger CPU per request on each side; minimal request (1 page, 1 layer) latency "
+                    "p50/p99 beside the engine's write round trip in the same run.")
+    p.add_argument("--provider", action="append", metavar="P", help="libfabric provider (default: shm, then tcp;ofi_rxm)")
+    p.add_argument("--requests", type=int, default=20000, metavar="N", help="small requests per layout (default 20000)")
+    p.add_argument("--window", type=int, default=256, metavar="N", help="requests in flight (default 256)")
+    p.add_argument("--latency-iters", type=int, default=2000, metavar="N", help="minimal requests and round trips (default 2000)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--pages", type=int, default=1024, help="pages per pool (default 1024)")
+    p.add_argument("--placement", choices=("both", "per_layer", "layer_major"), default="both")
+    p.add_argument("--context", type=int, default=0, metavar="BYTES", help="context bytes per request (default 0)")
+    p.add_argument("--progress", choices=("block", "spin"), default="block")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.set_defaults(func=run_msg)
+
+
+def _cpu() -> dict:
+    """This process's CPU seconds: the engines' native progress threads apart from the rest
+    (the messenger's and the caller's Python threads), from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"progress": 0.0, "python": 0.0}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return {"progress": 0.0, "python": time.process_time()}
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/self/task/{t}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue                      # the thread ended meanwhile
+        secs = (int(fields[11]) + int(fields[12])) / tick     # utime + stime
+        out["progress" if comm == "kvxfer-progress" else "python"] += secs
+    return out
+
+
+# -- the prefill process ------------------------------------------------------------------
+
+def _prefill_main(argv: list[str]) -> int:
+    import kvxfer
+    from kvxfer import Sharding
+
+    ap = argparse.ArgumentParser(prog="kvxfer.cli.msg _prefill")
+    for name in ("layers", "kv_heads", "head_dim", "page_size", "pages"):
+        ap.add_argument("--" + name.replace("_", "-"), type=int, required=True)
+    ap.add_argument("--placement", required=True)
+    ap.add_argument("--provider", required=True)
+    ap.add_argument("--progress", default="block")
+    args = ap.parse_args(argv)
+    sh = Sharding(1)
+    layouts = _layouts(args)
+    engines, ms = [], {}
+    node = None if args.provider.startswith("shm") else LOOPBACK
+    for name, lay in layouts.items():
+        e = kvxfer.Engine(args.provider, node, progress=args.progress)
+        engines.append(e)
+        kv = [np.full(s, 7, np.uint8) for s in lay.region_sizes(sh)]
+        ms[name] = kvxfer.Messenger(e, lay, sh, {0: kv}, peer_timeout=30)
+    pong = kvxfer.Engine(args.provider, node, progress=args.progress)
+    engines.append(pong)
+    pbuf = np.zeros(8, np.uint8)
+    pmr = pong.register(pbuf)
+    stop = threading.Event()
+
+    def serve(m):
+        pages = args.pages
+        k = 0
+        try:
+            while not stop.is_set():
+                for req in m.requests(timeout=0.2):
+                    n = len(req.dst_pages)
+                    src = (np.arange(n) + k) % pages
+                    k += n
+                    m.send(req, src).finish(b"c" * req.peer.handshake.context_bytes if req.peer.handshake.context_slots else None)
+        except kvxfer.errors.ClosedError:
+            pass
+
+    threads = [threading.Thread(target=serve, args=(m,), daemon=True) for m in ms.values()]
+    for t in threads:
+        t.start()
+    print(json.dumps({"blobs": {k: m.handshake().hex() for k, m in ms.items()},
+                      "pong": pong.address.hex(), "pong_desc": pmr.descriptor().hex()}), flush=True)
+    peer = rr = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "cpu":
+            print(json.dumps({"cpu": _cpu()}), flush=True)
+        elif cmd["cmd"] == "pong":
+            peer = pong.connect(bytes.fromhex(cmd["address"]))
+            rr = pong.remote(bytes.fromhex(cmd["desc"]))
+            for i in range(cmd["n"]):
+                pong.expect(1 + i % 1000, 1).wait(30)
+                pong.write(pmr, 0, peer, rr, 0, 8, imm=1 + i % 1000)
+            print(json.dumps({"pong": "done"}), flush=True)
+        elif cmd["cmd"] == "quit":
+            break
+    stop.set()
+    for m in ms.values():
+        m.close()
+    pmr.close()
+    for e in engines:
+        e.close()
+    return 0
+
+
+# -- the decode side (this process) -------------------------------------------------------
+
+def _pct(a: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(a), q)) if a else float("nan")
+
+
+class _Prefill:
+    def __init__(self, args: Any, provider: str) -> None:
+        cmd = [sys.executable, "-m", "kvxfer.cli.msg", "_prefill", "--provider", provider, "--progress", args.progress,
+               "--placement", args.placement]
+        for name in ("layers", "kv_heads", "head_dim", "page_size", "pages"):
+            cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.info = self.read()
+
+    def read(self) -> dict:
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the prefill process exited ({self.p.wait()})")
+        return json.loads(line)
+
+    def ask(self, **cmd: Any) -> dict:
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        try:
+            self.p.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.p.stdin.flush()
+            self.p.wait(15)
+        except Exception:
+            self.p.kill()
+            self.p.wait()
+
+
+def _throughput(m: Any, pg: Any, args: Any, pre: _Prefill) -> dict:
+    n, window, pages = args.requests, args.window, args.pages
+    warm = min(500, n)
+    for i in range(warm):                       # warm-up: plans, staging, sleeping threads
+        m.receive(pg, f"w{i}", [i % pages], 1).wait(30)
+    live: list = []
+    free = list(range(pages))
+    c0 = _cpu()
+    p0 = pre.ask(cmd="cpu")["cpu"]
+    t0 = time.perf_counter()
+    for i in range(n):
+        if len(live) >= window or not free:
+            r = live.pop(0)
+            r.wait(30)
+            r.release()
+            free.append(int(r.dst_pages[0]))
+        live.append(m.receive(pg, i, [free.pop()], 1))
+    for r in live:
+        r.wait(30)
+        r.release()
+    wall = time.perf_counter() - t0
+    c1 = _cpu()
+    p1 = pre.ask(cmd="cpu")["cpu"]
+
+    def per(a, b, k):
+        return (b[k] - a[k]) / n * 1e6
+
+    return {"requests": n, "seconds": wall, "req_per_s": n / wall,
+            "decoder_cpu_us": per(c0, c1, "python"), "decoder_progress_cpu_us": per(c0, c1, "progress"),
+            "prefill_cpu_us": per(p0, p1, "python"), "prefill_progress_cpu_us": per(p0, p1, "progress")}
+
+
+def _latency(m: Any, pg: Any, iters: int) -> list[float]:
+    out = []
+    for i in range(200 + iters):
+        t0 = time.perf_counter()
+        r = m.receive(pg, f"l{i}", [i % 64], 1)
+        r.wait(30)
+        t1 = time.perf_counter()
+        r.release()
+        if i >= 200:
+            out.append(t1 - t0)
+    return out
+
+
+def _write_rtt(eng: Any, pre: _Prefill, iters: int) -> list[float]:
+    buf = np.zeros(8, np.uint8)
+    mr = eng.register(buf)
+    peer = eng.connect(bytes.fromhex(pre.info["pong"]))
+    rr = eng.remote(bytes.fromhex(pre.info["pong_desc"]))
+    total = 200 + iters
+    pre.p.stdin.write(json.dumps({"cmd": "pong", "n": total, "address": eng.address.hex(),
+                                  "desc": mr.descriptor().hex()}) + "\n")
+    pre.p.stdin.flush()
+    out = []
+    for i in range(total):
+        imm = 1 + i % 1000
+        c = eng.expect(imm, 1)
+        t0 = time.perf_counter()
+        eng.write(mr, 0, peer, rr, 0, 8, imm=imm)
+        c.wait(30)
+        t1 = time.perf_counter()
+        if i >= 200:
+            out.append(t1 - t0)
+    pre.read()
+    mr.close()
+    return out
+
+
+def run_msg(args: argparse.Namespace) -> int:
+    import kvxfer
+    from kvxfer import Sharding
+
+    providers = args.provider or ["shm", "tcp;ofi_rxm"]
+    layouts = _layouts(args)
+    sh = Sharding(1)
+    results = []
+    print(f"kvxfer-bench msg: {args.requests} requests of 1 page x {args.layers} layers (TP 1->1), "
+          f"window {args.window}; latency: {args.latency_iters} requests of 1 page x 1 layer")
+    hdr = (f"{'provider':<12} {'layout':<12} {'req/s':>9}  CPU us/request: {'decode':>7} {'(progress)':>10} "
+           f"{'prefill':>8} {'(progress)':>10}")
+    for prov in providers:
+        pre = _Prefill(args, prov)
+        engines, ms = [], {}
+        node = None if prov.startswith("shm") else LOOPBACK
+        try:
+            res: dict = {"provider": prov, "layouts": {}}
+            for name, lay in layouts.items():
+                e = kvxfer.Engine(prov, node, progress=args.progress)
+                engines.append(e)
+                kv = [np.zeros(s, np.uint8) for s in lay.region_sizes(sh)]
+                slots = args.window + 8 if args.context else 0
+                m = kvxfer.Messenger(e, lay, sh, {0: kv}, context_slots=slots, context_bytes=args.context,
+                                     peer_timeout=30)
+                ms[name] = m
+                pg = m.connect(bytes.fromhex(pre.info["blobs"][name]))
+                if name == "minimal":
+                    lat = _latency(m, pg, args.latency_iters)
+                    rtt = _write_rtt(e, pre, args.latency_iters)
+                    res["minimal_p50_us"] = _pct(lat, 50) * 1e6
+                    res["minimal_p99_us"] = _pct(lat, 99) * 1e6
+                    res["write_rtt_p50_us"] = _pct(rtt, 50) * 1e6
+                    res["write_rtt_p99_us"] = _pct(rtt, 99) * 1e6
+                else:
+                    res["layouts"][name] = _throughput(m, pg, args, pre)
+            print(hdr)
+            for name, t in res["layouts"].items():
+                print(f"{prov:<12} {name:<12} {t['req_per_s']:>9.0f}  {'':>15} {t['decoder_cpu_us']:>7.0f} "
+                      f"{t['decoder_progress_cpu_us']:>10.0f} {t['prefill_cpu_us']:>8.0f} "
+                      f"{t['prefill_progress_cpu_us']:>10.0f}")
+            print(f"{prov:<12} minimal request p50 {res['minimal_p50_us']:.0f} us, p99 {res['minimal_p99_us']:.0f} us; "
+                  f"write round trip p50 {res['write_rtt_p50_us']:.0f} us, p99 {res['write_rtt_p99_us']:.0f} us "
+                  f"(ratio {res['minimal_p50_us'] / res['write_rtt_p50_us']:.2f})")
+            results.append(res)
+        finally:
+            for m in ms.values():
+                m.close()
+            pre.close()
+            for e in engines:
+                e.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["_prefill"]:
+        sys.exit(_prefill_main(sys.argv[2:]))
+    print("run it as: python -m kvxfer.cli.bench msg", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,25 @@
+"""The KV messenger: handshakes, requests, exact completion, abort fences, dead peers.
+
+``Messenger`` (one per node) is the entry point; ``publish``/``collect`` hand TP workers'
+KV buffers to the node's messenger process; ``register_layout``/``post_plan`` are the two
+helpers for engines that drive kvxfer without the messenger. See docs/messenger.md.
+"""
+
+from __future__ import annotations
+
+from kvxfer.messenger.messenger import Messenger, PeerGroup, Receive, Request, Send, context_stride
+from kvxfer.messenger.paged import (
+    LayoutRegions,
+    PlanTransfer,
+    RemoteLayout,
+    post_plan,
+    register_layout,
+    remote_layout,
+)
+from kvxfer.messenger.workers import collect, publish
+
+__all__ = [
+    "Messenger", "PeerGroup", "Receive", "Request", "Send", "context_stride",
+    "LayoutRegions", "RemoteLayout", "PlanTransfer", "register_layout", "remote_layout", "post_plan",
+    "publish", "collect",
+]

@@ -1,0 +1,480 @@
+"""Versioned codecs for the messenger: the handshake blob and the control messages.
+
+A leaf over ``kvxfer.errors``, ``kvxfer.layout`` and ``kvxfer.wire`` (no libfabric), so the
+codecs are fuzzed on their own. Every decoder takes arbitrary bytes and either returns a
+value or raises ``DescriptorError`` (a ``ValueError``); nothing else escapes.
+
+Authentication: with a ``secret`` every blob and every control message carries a 32-byte
+HMAC-SHA256 tag over all bytes before it, and a decoder given the secret refuses a message
+whose tag is missing or wrong. Without a secret no tag is sent and none is accepted (the
+sizes differ, so a tagged message fails to parse): a node then trusts the fabric.
+
+Handshake, version 1 (little-endian)::
+
+    b"KXHS" | u8 version | u32 header length | header (UTF-8 JSON)
+            | u32 descriptors | per descriptor: u16 length + wire.Descriptor bytes
+            | [32-byte tag]
+
+The JSON header holds ``uid`` (the messenger's random 64-bit identity, new per process),
+``address`` (hex of the engine address), ``layout`` (KVLayout fields), ``sharding``
+(``[tp_size, replicated]``), ``ranks`` (TP ranks held, ascending), ``engine``
+(``provider``, ``iov``, ``max_write``, ``pack_min``, ``rails``: what fixes the message count),
+``context`` (``[slots, bytes]``) and ``peer_timeout``. Descriptors: for each rank held, the
+layout's regions in region-id order; then the context region when ``slots > 0``.
+
+Control message, version 1::
+
+    b"KC" | u8 version | u8 type | u64 src uid | u64 dst uid | u64 seq | payload | [32-byte tag]
+
+``src`` names the sender (the uid of its handshake), ``dst`` the receiver, ``seq`` counts the
+sender's messages to that receiver from 1 (a receiver drops anything not newer than the last
+it accepted: with a secret this refuses replays). Payloads by type:
+
+====== ============ =====================================================================
+type   name         payload
+====== ============ =====================================================================
+1      HELLO        a handshake blob (the sender's)
+2      HELLO_ACK    empty
+3      REQUEST      ``<I Q i I>`` imm, num_tokens, context slot (-1: none), page count;
+                    request id (u8 kind: 0 str, 1 bytes, 2 int; u16 length; bytes);
+                    pages as u32
+4      ANNOUNCE     ``<I Q>`` imm, messages the prefiller posts for it (context included)
+5      ABORT        ``<I>`` imm
+6      ABORTED      ``<I Q B>`` imm, messages posted, flags (1: request unknown,
+                    2: the prefiller gave up on its own)
+7      REJECT       ``<I>`` imm, then a UTF-8 reason
+8      HEARTBEAT    empty
+9      BYE          empty
+====== ============ =====================================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, LayoutError
+from kvxfer.layout import KVLayout, Sharding
+
+__all__ = [
+    "Handshake", "Control", "RequestId", "encode_request_id", "decode_request_id",
+    "HANDSHAKE_VERSION", "CONTROL_VERSION", "TAG_BYTES", "MSG_TYPES",
+    "HELLO", "HELLO_ACK", "REQUEST", "ANNOUNCE", "ABORT", "ABORTED", "REJECT", "HEARTBEAT", "BYE",
+    "ABORTED_UNKNOWN", "ABORTED_BY_PREFILLER", "MAX_PAGES",
+]
+
+HANDSHAKE_MAGIC = b"KXHS"
+HANDSHAKE_VERSION = 1
+CONTROL_MAGIC = b"KC"
+CONTROL_VERSION = 1
+TAG_BYTES = 32
+
+HELLO, HELLO_ACK, REQUEST, ANNOUNCE, ABORT, ABORTED, REJECT, HEARTBEAT, BYE = range(1, 10)
+MSG_TYPES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", REQUEST: "REQUEST", ANNOUNCE: "ANNOUNCE",
+             ABORT: "ABORT", ABORTED: "ABORTED", REJECT: "REJECT", HEARTBEAT: "HEARTBEAT", BYE: "BYE"}
+ABORTED_UNKNOWN = 1
+ABORTED_BY_PREFILLER = 2
+
+_HDR = struct.Struct("<2sBBQQQ")
+_REQ = struct.Struct("<IQiI")
+_ANN = struct.Struct("<IQ")
+_IMM = struct.Struct("<I")
+_ABD = struct.Struct("<IQB")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+
+#: The largest control message the engine carries (Engine.send: 64 KiB).
+MAX_MESSAGE = 65536
+#: Pages one request may name: what fits one control message (with a 255-byte id and a tag).
+MAX_PAGES = (MAX_MESSAGE - _HDR.size - _REQ.size - 3 - 1024 - TAG_BYTES) // 4
+_MAX_REASON = 1024
+_U64 = 2**64
+
+RequestId = Union[str, bytes, int]
+
+
+# -- authentication -----------------------------------------------------------------------
+
+def _check_secret(secret: Optional[bytes]) -> Optional[bytes]:
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
+        raise InvalidArgumentError("secret must be bytes (or str) of at least 16 bytes")
+    return bytes(secret)
+
+
+def _tag(secret: bytes, data: bytes) -> bytes:
+    return hmac.new(secret, data, hashlib.sha256).digest()
+
+
+def _seal(data: bytes, secret: Optional[bytes]) -> bytes:
+    return data + _tag(secret, data) if secret else data
+
+
+def _open(data: bytes, secret: Optional[bytes], what: str) -> bytes:
+    """The body of a sealed message: tag checked and stripped (with a secret)."""
+    if not secret:
+        return data
+    if len(data) < TAG_BYTES:
+        raise DescriptorError(f"{what} is too short to carry an authentication tag")
+    body, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
+    if not hmac.compare_digest(_tag(secret, body), tag):
+        raise DescriptorError(f"{what} failed authentication (wrong or missing shared secret)")
+    return body
+
+
+# -- request ids --------------------------------------------------------------------------
+
+def encode_request_id(rid: Any) -> bytes:
+    """u8 kind + u16 length + bytes; str, bytes and ints (|x| < 2**1000) travel."""
+    if isinstance(rid, bool):
+        raise InvalidArgumentError("a request id is a str, bytes or int, not a bool")
+    if isinstance(rid, str):
+        kind, b = 0, rid.encode("utf-8", "surrogatepass")
+    elif isinstance(rid, (bytes, bytearray)):
+        kind, b = 1, bytes(rid)
+    elif isinstance(rid, (int, np.integer)):
+        v = int(rid)
+        n = (v.bit_length() + 8) // 8
+        kind, b = 2, v.to_bytes(n, "little", signed=True)
+    else:
+        raise InvalidArgumentError(f"a request id is a str, bytes or int, not {type(rid).__name__}")
+    if len(b) > 255:
+        raise InvalidArgumentError(f"request id is {len(b)} bytes encoded; at most 255")
+    return bytes([kind]) + _U16.pack(len(b)) + b
+
+
+def decode_request_id(data: bytes, pos: int = 0) -> tuple[RequestId, int]:
+    if pos + 3 > len(data):
+        raise DescriptorError("request id is truncated")
+    kind = data[pos]
+    (n,) = _U16.unpack_from(data, pos + 1)
+    pos += 3
+    if n > 255 or pos + n > len(data):
+        raise DescriptorError("request id is truncated or too long")
+    b = bytes(data[pos:pos + n])
+    pos += n
+    if kind == 0:
+        try:
+            return b.decode("utf-8", "surrogatepass"), pos
+        except UnicodeDecodeError:
+            raise DescriptorError("request id is not valid UTF-8") from None
+    if kind == 1:
+        return b, pos
+    if kind == 2:
+        if n == 0:
+            raise DescriptorError("integer request id has no bytes")
+        return int.from_bytes(b, "little", signed=True), pos
+    raise DescriptorError(f"request id has unknown kind {kind}")
+
+
+# -- handshake ----------------------------------------------------------------------------
+
+_LAYOUT_FIELDS = ("num_layers", "kv_heads", "head_dim", "page_size", "num_pages", "dtype", "order", "kv",
+                  "placement", "page_stride", "layer_stride")
+_ENGINE_FIELDS = ("iov", "max_write", "pack_min", "rails")
+_DTYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
+
+
+def layout_dict(layout: KVLayout) -> dict:
+    d = {f: getattr(layout, f) for f in _LAYOUT_FIELDS}
+    d["dtype"] = str(layout.dtype).removeprefix("torch.")
+    return d
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = _U64 - 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise DescriptorError(f"handshake field {what} must be an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """Everything a peer needs to talk to a messenger; ``encode`` / ``decode`` the blob."""
+
+    uid: int
+    address: bytes
+    layout: KVLayout
+    sharding: Sharding
+    ranks: tuple[int, ...]
+    provider: str
+    iov: int
+    max_write: int
+    pack_min: int
+    rails: int
+    context_slots: int
+    context_bytes: int
+    peer_timeout: float
+    regions: tuple[tuple[bytes, ...], ...]   #: per rank held: the layout's region descriptors
+    context: Optional[bytes] = None           #: the context region's descriptor (slots > 0)
+
+    def encode(self, secret: Optional[bytes] = None) -> bytes:
+        header = json.dumps({
+            "uid": self.uid, "address": self.address.hex(), "layout": layout_dict(self.layout),
+            "sharding": [self.sharding.tp_size, bool(self.sharding.replicated)], "ranks": list(self.ranks),
+            "engine": {"provider": self.provider, "iov": self.iov, "max_write": self.max_write,
+                       "pack_min": self.pack_min, "rails": self.rails},
+            "context": [self.context_slots, self.context_bytes], "peer_timeout": self.peer_timeout,
+        }, separators=(",", ":")).encode()
+        descs = [d for per_rank in self.regions for d in per_rank]
+        if self.context_slots:
+            if self.context is None:
+                raise InvalidArgumentError("a handshake with context slots needs the context descriptor")
+            descs.append(self.context)
+        out = [HANDSHAKE_MAGIC, bytes([HANDSHAKE_VERSION]), _U32.pack(len(header)), header, _U32.pack(len(descs))]
+        for d in descs:
+            if not 0 < len(d) < 65536:
+                raise InvalidArgumentError("a descriptor must be 1..65535 bytes")
+            out += [_U16.pack(len(d)), d]
+        return _seal(b"".join(out), _check_secret(secret))
+
+    @classmethod
+    def decode(cls, data: Any, secret: Optional[bytes] = None) -> "Handshake":
+        """Parse and check a blob; any defect raises ``DescriptorError`` (or ``LayoutError``
+        for a layout or sharding that cannot exist)."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise DescriptorError(f"a handshake is bytes, not {type(data).__name__}")
+        data = _open(bytes(data), _check_secret(secret), "handshake")
+        if data[:4] != HANDSHAKE_MAGIC:
+            raise DescriptorError("not a kvxfer messenger handshake (bad magic)")
+        if len(data) < 5:
+            raise DescriptorError("handshake is truncated")
+        if data[4] != HANDSHAKE_VERSION:
+            raise DescriptorError(f"handshake version {data[4]} is not supported (this kvxfer speaks {HANDSHAKE_VERSION})")
+        pos = 5
+        if pos + 4 > len(data):
+            raise DescriptorError("handshake is truncated")
+        (hl,) = _U32.unpack_from(data, pos)
+        pos += 4
+        if pos + hl > len(data):
+            raise DescriptorError("handshake header is truncated")
+        try:
+            h = json.loads(data[pos:pos + hl].decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise DescriptorError("handshake header is not valid JSON") from None
+        pos += hl
+        if pos + 4 > len(data):
+            raise DescriptorError("handshake is truncated")
+        (nd,) = _U32.unpack_from(data, pos)
+        pos += 4
+        descs = []
+        for _ in range(nd):
+            if pos + 2 > len(data):
+                raise DescriptorError("handshake descriptor table is truncated")
+            (n,) = _U16.unpack_from(data, pos)
+            pos += 2
+            if n == 0 or pos + n > len(data):
+                raise DescriptorError("handshake descriptor is truncated")
+            descs.append(bytes(data[pos:pos + n]))
+            pos += n
+        if pos != len(data):
+            raise DescriptorError(f"handshake has {len(data) - pos} trailing bytes")
+        return cls._from_header(h, descs)
+
+    @classmethod
+    def _from_header(cls, h: Any, descs: list[bytes]) -> "Handshake":
+        if not isinstance(h, dict):
+            raise DescriptorError("handshake header is not an object")
+        try:
+            uid = _int(h["uid"], "uid", 1)
+            addr = h["address"]
+            if not isinstance(addr, str):
+                raise DescriptorError("handshake address must be hex text")
+            try:
+                address = bytes.fromhex(addr)
+            except ValueError:
+                raise DescriptorError("handshake address is not hex") from None
+            lay = h["layout"]
+            if not isinstance(lay, dict) or set(lay) != set(_LAYOUT_FIELDS):
+                raise DescriptorError("handshake layout has missing or unknown fields")
+            for f in _LAYOUT_FIELDS:
+                v = lay[f]
+                if f in ("dtype", "order", "kv", "placement"):
+                    if not isinstance(v, str) or len(v) > 64:
+                        raise DescriptorError(f"handshake layout field {f} must be a short string")
+                elif f in ("page_stride", "layer_stride") and v is None:
+                    continue
+                else:
+                    _int(v, f"layout.{f}", 1, 2**62)
+            if not _DTYPE_NAME.fullmatch(lay["dtype"]):
+                raise DescriptorError(f"handshake layout dtype {lay['dtype']!r} is not a plain dtype name")
+            try:
+                layout = KVLayout(**lay)
+            except LayoutError:
+                raise
+            except (TypeError, ValueError, OverflowError) as exc:   # e.g. a dtype numpy refuses
+                raise DescriptorError(f"handshake layout is invalid: {exc}") from None
+            if layout.itemsize not in (1, 2, 4, 8):
+                raise DescriptorError(f"handshake layout dtype {lay['dtype']!r} has itemsize {layout.itemsize}")
+            sh = h["sharding"]
+            if not isinstance(sh, list) or len(sh) != 2 or not isinstance(sh[1], bool):
+                raise DescriptorError("handshake sharding must be [tp_size, replicated]")
+            sharding = Sharding(_int(sh[0], "tp_size", 1, 4096), sh[1])
+            layout.resolve(sharding)    # LayoutError when the heads cannot be sharded so
+            ranks = h["ranks"]
+            if (not isinstance(ranks, list) or not ranks
+                    or any(isinstance(r, bool) or not isinstance(r, int) for r in ranks)
+                    or sorted(set(ranks)) != ranks or ranks[0] < 0 or ranks[-1] >= sharding.tp_size):
+                raise DescriptorError("handshake ranks must be distinct ascending ranks of the sharding")
+            eng = h["engine"]
+            if not isinstance(eng, dict) or set(eng) != {"provider", *_ENGINE_FIELDS}:
+                raise DescriptorError("handshake engine parameters have missing or unknown fields")
+            if not isinstance(eng["provider"], str) or not 0 < len(eng["provider"]) < 256:
+                raise DescriptorError("handshake provider must be a short string")
+            iov = _int(eng["iov"], "iov", 1, 1024)
+            max_write = _int(eng["max_write"], "max_write", 1)
+            pack_min = _int(eng["pack_min"], "pack_min", 0)
+            rails = _int(eng["rails"], "rails", 1, 255)
+            ctx = h["context"]
+            if not isinstance(ctx, list) or len(ctx) != 2:
+                raise DescriptorError("handshake context must be [slots, bytes]")
+            slots = _int(ctx[0], "context slots", 0, 2**31 - 1)
+            cbytes = _int(ctx[1], "context bytes", 0, 2**40)
+            pt = h["peer_timeout"]
+            if isinstance(pt, bool) or not isinstance(pt, (int, float)) or not (0 < pt < 1e6) or math.isnan(pt):
+                raise DescriptorError("handshake peer_timeout must be a positive number of seconds")
+            if len(h) != 8:
+                raise DescriptorError("handshake header has unknown fields")
+        except KeyError as exc:
+            raise DescriptorError(f"handshake header lacks {exc}") from None
+        nreg = layout.num_regions
+        want = len(ranks) * nreg + (1 if slots else 0)
+        if len(descs) != want:
+            raise DescriptorError(f"handshake carries {len(descs)} descriptors; {len(ranks)} rank(s) x "
+                                  f"{nreg} region(s){' + context' if slots else ''} = {want} expected")
+        regions = tuple(tuple(descs[i * nreg:(i + 1) * nreg]) for i in range(len(ranks)))
+        return cls(uid, address, layout, sharding, tuple(ranks), eng["provider"], iov, max_write, pack_min, rails,
+                   slots, cbytes, float(pt), regions, descs[-1] if slots else None)
+
+
+# -- control messages ---------------------------------------------------------------------
+
+class Control:
+    """One decoded control message. Fields not carried by its type stay at their defaults."""
+
+    __slots__ = ("type", "src", "dst", "seq", "imm", "count", "num_tokens", "slot", "request_id", "pages",
+                 "flags", "reason", "blob")
+
+    def __init__(self, type: int, src: int, dst: int, seq: int, *, imm: int = 0, count: int = 0,
+                 num_tokens: int = 0, slot: int = -1, request_id: Any = None, pages: Optional[np.ndarray] = None,
+                 flags: int = 0, reason: str = "", blob: bytes = b"") -> None:
+        self.type, self.src, self.dst, self.seq = type, src, dst, seq
+        self.imm, self.count, self.num_tokens, self.slot = imm, count, num_tokens, slot
+        self.request_id, self.pages, self.flags, self.reason, self.blob = request_id, pages, flags, reason, blob
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Control):
+            return NotImplemented
+        for f in self.__slots__:
+            a, b = getattr(self, f), getattr(other, f)
+            if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                if a is None or b is None or not np.array_equal(a, b):
+                    return False
+            elif a != b or type(a) is not type(b):
+                return False
+        return True
+
+    def __repr__(self) -> str:
+        return f"<Control {MSG_TYPES.get(self.type, self.type)} {self.src:x}->{self.dst:x} seq={self.seq} imm={self.imm}>"
+
+    # -- encoding -------------------------------------------------------------------------
+    def encode(self, secret: Optional[bytes] = None) -> bytes:
+        head = _HDR.pack(CONTROL_MAGIC, CONTROL_VERSION, self.type, self.src, self.dst, self.seq)
+        t = self.type
+        if t == HELLO:
+            body = bytes(self.blob)
+        elif t in (HELLO_ACK, HEARTBEAT, BYE):
+            body = b""
+        elif t == REQUEST:
+            pages = np.ascontiguousarray(self.pages, dtype="<u4")
+            if len(pages) > MAX_PAGES:
+                raise InvalidArgumentError(f"a request names at most {MAX_PAGES} pages, got {len(pages)}")
+            body = (_REQ.pack(self.imm, self.num_tokens, self.slot, len(pages))
+                    + encode_request_id(self.request_id) + pages.tobytes())
+        elif t == ANNOUNCE:
+            body = _ANN.pack(self.imm, self.count)
+        elif t == ABORT:
+            body = _IMM.pack(self.imm)
+        elif t == ABORTED:
+            body = _ABD.pack(self.imm, self.count, self.flags)
+        elif t == REJECT:
+            body = _IMM.pack(self.imm) + self.reason.encode("utf-8", "replace")[:_MAX_REASON]
+        else:
+            raise InvalidArgumentError(f"unknown control message type {t}")
+        return _seal(head + body, secret)
+
+    @classmethod
+    def decode(cls, data: Any, secret: Optional[bytes] = None) -> "Control":
+        """Parse one message; a defect of any kind raises ``DescriptorError``."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise DescriptorError(f"a control message is bytes, not {type(data).__name__}")
+        data = _open(bytes(data), secret, "control message")
+        if len(data) < _HDR.size:
+            raise DescriptorError("control message is truncated")
+        magic, ver, t, src, dst, seq = _HDR.unpack_from(data)
+        if magic != CONTROL_MAGIC:
+            raise DescriptorError("not a kvxfer control message (bad magic)")
+        if ver != CONTROL_VERSION:
+            raise DescriptorError(f"control message version {ver} is not supported")
+        body = data[_HDR.size:]
+        m = cls(t, src, dst, seq)
+        try:
+            if t == HELLO:
+                if not body:
+                    raise DescriptorError("HELLO without a handshake")
+                m.blob = body
+            elif t in (HELLO_ACK, HEARTBEAT, BYE):
+                if body:
+                    raise DescriptorError(f"{MSG_TYPES[t]} carries no payload")
+            elif t == REQUEST:
+                m.imm, m.num_tokens, m.slot, n = _REQ.unpack_from(body)
+                m.request_id, pos = decode_request_id(body, _REQ.size)
+                if n > MAX_PAGES or len(body) != pos + 4 * n:
+                    raise DescriptorError("REQUEST page list does not match its count")
+                m.pages = np.frombuffer(body, dtype="<u4", count=n, offset=pos).astype(np.int64)
+            elif t == ANNOUNCE:
+                _exact(body, _ANN.size, t)
+                m.imm, m.count = _ANN.unpack(body)
+            elif t == ABORT:
+                _exact(body, _IMM.size, t)
+                (m.imm,) = _IMM.unpack(body)
+            elif t == ABORTED:
+                _exact(body, _ABD.size, t)
+                m.imm, m.count, m.flags = _ABD.unpack(body)
+                if m.flags & ~(ABORTED_UNKNOWN | ABORTED_BY_PREFILLER):
+                    raise DescriptorError("ABORTED has unknown flags")
+            elif t == REJECT:
+                if len(body) < 4 or len(body) > 4 + _MAX_REASON:
+                    raise DescriptorError("REJECT has a bad length")
+                (m.imm,) = _IMM.unpack_from(body)
+                m.reason = body[4:].decode("utf-8", "replace")
+            else:
+                raise DescriptorError(f"unknown control message type {t}")
+        except struct.error:
+            raise DescriptorError(f"{MSG_TYPES.get(t, t)} payload is truncated") from None
+        return m
+
+
+def _exact(body: bytes, n: int, t: int) -> None:
+    if len(body) != n:
+        raise DescriptorError(f"{MSG_TYPES[t]} payload is {len(body)} bytes, expected {n}")
+
+
+def safe_decode_handshake(data: Any, secret: Optional[bytes]) -> Handshake:
+    """``Handshake.decode`` with any stray exception turned into ``DescriptorError``."""
+    try:
+        return Handshake.decode(data, secret)
+    except KvxferError:
+        raise
+    except Exception as exc:  # pragma: no cover - defensive: fuzzing found none
+        raise DescriptorError(f"malformed handshake: {exc}") from None

@@ -1,0 +1,172 @@
+"""Hypothesis for the messenger's handshake and control-message codecs: round trips, and
+random or mutated bytes never raise anything but kvxfer's errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxfer.errors import DescriptorError, KvxferError
+from kvxfer.layout import KVLayout, Sharding
+from kvxfer.messenger import _codec as C
+
+SECRET = b"0123456789abcdef-shared"
+
+u32 = st.integers(0, 2**32 - 1)
+u64 = st.integers(0, 2**64 - 1)
+rids = st.one_of(st.text(max_size=40), st.binary(max_size=60), st.integers(-2**200, 2**200))
+
+
+@st.composite
+def controls(draw):
+    t = draw(st.sampled_from(sorted(C.MSG_TYPES)))
+    kw = {}
+    if t == C.HELLO:
+        kw["blob"] = draw(st.binary(min_size=1, max_size=200))
+    elif t == C.REQUEST:
+        kw.update(imm=draw(u32), num_tokens=draw(u64), slot=draw(st.integers(-2**31, 2**31 - 1)),
+                  request_id=draw(rids),
+                  pages=np.array(draw(st.lists(u32, max_size=50)), np.int64))
+    elif t == C.ANNOUNCE:
+        kw.update(imm=draw(u32), count=draw(u64))
+    elif t == C.ABORT:
+        kw.update(imm=draw(u32))
+    elif t == C.ABORTED:
+        kw.update(imm=draw(u32), count=draw(u64), flags=draw(st.integers(0, 3)))
+    elif t == C.REJECT:
+        kw.update(imm=draw(u32), reason=draw(st.text(max_size=100)))
+    return C.Control(t, draw(u64), draw(u64), draw(u64), **kw)
+
+
+@given(controls(), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_control_round_trip(m, tagged):
+    secret = SECRET if tagged else None
+    data = m.encode(secret)
+    got = C.Control.decode(data, secret)
+    if m.type == C.REJECT:
+        m.reason = m.reason.encode("utf-8", "replace")[:1024].decode("utf-8", "replace")
+    assert got == m
+
+
+@given(st.binary(max_size=300), st.booleans())
+@settings(max_examples=500, deadline=None)
+def test_control_random_bytes(data, tagged):
+    try:
+        C.Control.decode(data, SECRET if tagged else None)
+    except KvxferError:
+        pass
+
+
+@given(controls(), st.data())
+@settings(max_examples=300, deadline=None)
+def test_control_tampering_is_refused(m, data):
+    """Any flipped byte of an authenticated message fails its tag; no tag, wrong secret too."""
+    raw = bytearray(m.encode(SECRET))
+    i = data.draw(st.integers(0, len(raw) - 1))
+    raw[i] ^= data.draw(st.integers(1, 255))
+    with pytest.raises(DescriptorError):
+        C.Control.decode(bytes(raw), SECRET)
+    with pytest.raises(DescriptorError):
+        C.Control.decode(m.encode(b"another secret of 16+ bytes"), SECRET)
+    with pytest.raises(DescriptorError):
+        C.Control.decode(m.encode(None), SECRET)
+
+
+def _handshake(layout, sharding, ranks, slots, cbytes, nregions=None):
+    n = layout.num_regions
+    regions = tuple(tuple(b"KXM" + bytes([1, r, i]) for i in range(n)) for r in ranks)
+    return C.Handshake(uid=12345, address=b"\x01\x02addr", layout=layout, sharding=sharding, ranks=tuple(ranks),
+                       provider="shm", iov=4, max_write=1 << 30, pack_min=65, rails=1, context_slots=slots,
+                       context_bytes=cbytes, peer_timeout=2.5, regions=regions,
+                       context=b"KXMctx" if slots else None)
+
+
+layouts = st.one_of(
+    st.builds(lambda L, h, d, p, n, o: KVLayout.vllm(L, h, d, p, n, "bfloat16", order=o),
+              st.integers(1, 6), st.sampled_from([1, 2, 4, 8]), st.sampled_from([8, 64, 128]),
+              st.integers(1, 32), st.integers(1, 10**6), st.sampled_from(["HND", "NHD"])),
+    st.builds(lambda L, d, p, n: KVLayout.mla(L, d, p, n, "float16", placement="layer_major"),
+              st.integers(1, 6), st.integers(1, 600), st.integers(1, 32), st.integers(1, 1000)),
+    st.builds(lambda L, h: KVLayout.sglang(L, h, 64, 16, 100, "float16"), st.integers(1, 4), st.sampled_from([2, 4])),
+)
+
+
+@given(layouts, st.integers(0, 2), st.integers(0, 64), st.integers(0, 4096), st.booleans(), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_handshake_round_trip(layout, tp_log, slots, cbytes, replicated, tagged):
+    sharding = Sharding(2**tp_log, replicated=replicated or layout.kv == "mla")
+    if not replicated and layout.kv != "mla" and layout.kv_heads % sharding.tp_size and \
+            sharding.tp_size % layout.kv_heads:
+        return
+    hs = _handshake(layout, sharding, range(sharding.tp_size), slots, cbytes)
+    secret = SECRET if tagged else None
+    got = C.Handshake.decode(hs.encode(secret), secret)
+    assert got == hs
+
+
+@given(st.binary(max_size=400), st.booleans())
+@settings(max_examples=500, deadline=None)
+def test_handshake_random_bytes(data, tagged):
+    try:
+        C.Handshake.decode(data, SECRET if tagged else None)
+    except KvxferError:
+        pass
+
+
+@given(st.data())
+@settings(max_examples=300, deadline=None)
+def test_handshake_mutations(data):
+    """Byte flips, truncations and edited JSON fields never crash the decoder."""
+    hs = _handshake(KVLayout.vllm(2, 4, 64, 16, 100), Sharding(2), (0, 1), 4, 100)
+    raw = bytearray(hs.encode())
+    op = data.draw(st.sampled_from(["flip", "cut", "json"]))
+    if op == "flip":
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    elif op == "cut":
+        raw = raw[:data.draw(st.integers(0, len(raw)))]
+    else:
+        import json
+        import struct
+
+        (hl,) = struct.unpack_from("<I", raw, 5)
+        h = json.loads(raw[9:9 + hl])
+        key = data.draw(st.sampled_from(sorted(h)))
+        h[key] = data.draw(st.one_of(st.none(), st.integers(-5, 2**70), st.text(max_size=5), st.booleans(),
+                                     st.lists(st.integers(-3, 5), max_size=3), st.floats(allow_nan=True)))
+        body = json.dumps(h).encode()
+        raw = raw[:5] + struct.pack("<I", len(body)) + body + raw[9 + hl:]
+    try:
+        C.Handshake.decode(bytes(raw))
+    except KvxferError:
+        pass
+
+
+def test_handshake_refusals():
+    hs = _handshake(KVLayout.vllm(2, 4, 64, 16, 100), Sharding(2), (0, 1), 0, 0)
+    raw = hs.encode()
+    with pytest.raises(DescriptorError, match="version"):
+        C.Handshake.decode(raw[:4] + b"\x02" + raw[5:])
+    with pytest.raises(DescriptorError, match="authentication"):
+        C.Handshake.decode(raw, SECRET)            # untagged blob where a secret is required
+    with pytest.raises(DescriptorError, match="authentication"):
+        C.Handshake.decode(hs.encode(b"a different secret!!"), SECRET)
+    with pytest.raises(DescriptorError):
+        C.Handshake.decode(hs.encode(SECRET))      # a tag where none is expected: trailing bytes
+    import dataclasses
+
+    short = dataclasses.replace(hs, regions=hs.regions[:1])      # ranks (0, 1), regions of one rank
+    with pytest.raises(DescriptorError, match="descriptors"):
+        C.Handshake.decode(short.encode())
+
+
+def test_request_id_kinds():
+    for rid in ("a", "é" * 10, b"\x00\xff", 0, -1, 2**64, -2**100):
+        enc = C.encode_request_id(rid)
+        assert C.decode_request_id(enc) == (rid, len(enc))
+    for bad in (True, 1.5, None, ("a",), "x" * 300):
+        with pytest.raises(KvxferError):
+            C.encode_request_id(bad)
