@@ -1094,10 +1094,13 @@ class Messenger:
         if p.abandoned:
             return 0
         p.abandoned = True
-        n = self._watcher.disarm_tag(p.id)
-        for s in p.sends:
+        n = 0
+        for s in p.sends:                   # aborting first: the reaper never sees them "done"
+            n += sum(1 for t in s._transfers if t.threshold > p.base and t.threshold <= p.end
+                     and t.state == "armed")
             if not s.done:
                 self._abort_send(s, by_prefiller=True)
+        self._watcher.disarm_tag(p.id)
         self._watcher.advance(p.end)
         return n
 
@@ -1319,6 +1322,11 @@ class Messenger:
                 return False
             err = s.error or next((t.error for t in s._transfers if t.error is not None), None)
             posted = sum(transfer_posted(t) for t in s._transfers)
+            if s._stream is not None and not s._abort_req and any(t.state == "disarmed" for t in s._transfers):
+                # a write that never posts (its pass was abandoned): the decoder must fence
+                s._abort_req = True
+                s._reply = True
+                s._abort_flags |= C.ABORTED_BY_PREFILLER
             if s._abort_req:
                 state = "failed" if s.error is not None else "aborted"
             elif err is not None:
