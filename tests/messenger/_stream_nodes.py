@@ -81,7 +81,7 @@ def _stream_prefill(conn, spec):
 
 
 def _serve(m, layout, *, expect: int, budget: int, layer_delay: float, mirror: str, abandon=None,
-           finish_early: bool = True, timeout: float = 60.0) -> dict:
+           finish_early: bool = True, gather: bool = False, timeout: float = 60.0) -> dict:
     """Serve ``expect`` requests with chunked prefill: each pass gives at most ``budget``
     tokens, first come first served; the model bumps every layer after ``layer_delay`` s.
     ``abandon=(pass index, layers)``: that pass is abandoned after that many layers."""
@@ -97,14 +97,14 @@ def _serve(m, layout, *, expect: int, budget: int, layer_delay: float, mirror: s
     while seen < expect or active:
         if time.monotonic() > deadline:
             raise TimeoutError(f"served {seen}/{expect} requests, {len(active)} active")
-        for req in m.requests(timeout=0 if active else 0.05):
+        for req in m.requests(timeout=0 if active and not (gather and seen < expect) else 0.05):
             s = m.stream(req)
             sends.append(s)
             seen += 1
             if s.state == "pending":
                 active.append(s)
         active = [s for s in active if not s.done]
-        if not active:
+        if not active or (gather and seen < expect):
             continue
         left = budget
         chunks = []

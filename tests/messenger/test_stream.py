@@ -53,7 +53,7 @@ def test_layers_land_before_layer_plus_4(provider, nodes, tmp_path):
     reqs = [("a", [3, 4, 5, 6], 61), ("b", [50, 20], 32)]
     dec.call("receive", reqs)
     dec.call("watch", ["a", "b"], mirror)
-    out = pre.call("serve", dict(expect=2, budget=1000, layer_delay=0.005, mirror=mirror), timeout=120)
+    out = pre.call("serve", dict(expect=2, budget=1000, layer_delay=0.005, mirror=mirror, gather=True), timeout=120)
     res = dec.call("wait", ["a", "b"], 30)
     assert {k: v[0] for k, v in res.items()} == {"a": "done", "b": "done"}, res
     landed = dec.call("watched", 30)
