@@ -445,6 +445,7 @@ class WatchEntry:
     done = property(lambda self: self._h.done, doc="Disarmed, failed, or posted and complete.")
     state = property(lambda self: self._h.state, doc="armed, posting, posted, disarmed or failed.")
     threshold = property(lambda self: self._h.threshold, doc="The counter value that fires it.")
+    fired_ns = property(lambda self: self._h.fired_ns, doc="CLOCK_MONOTONIC ns of its post call (0 before).")
 
     @property
     def fired(self) -> bool:

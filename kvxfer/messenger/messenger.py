@@ -201,6 +201,20 @@ class Receive:
             raise self.error
         return self._state
 
+    @property
+    def arrived(self) -> int:
+        """Messages of this request credited so far (0 until the prefiller announced its
+        count): progress, e.g. layers landing while a stream runs."""
+        c = self._counter
+        if c is None:
+            return 0
+        return c.count if c.done else c.arrived
+
+    @property
+    def expected(self) -> Optional[int]:
+        """The announced message count (None before the ANNOUNCE)."""
+        return self._announced
+
     def add_done_callback(self, fn: Callable[["Receive"], Any]) -> None:
         """``fn(receive)`` once final, on the messenger's dispatcher thread."""
         if not callable(fn):
@@ -311,6 +325,12 @@ class Send:
     def last_chunk(self) -> bool:
         """A streaming Send whose last chunk (the one ending at ``num_tokens``) was scheduled."""
         return self._stream is not None and self._stream.end is not None
+
+    @property
+    def entries(self) -> list:
+        """A streaming Send's armed writes (``kvxfer.engine.WatchEntry``: ``threshold``,
+        ``nbytes``, ``num_writes``, ``state``, ``fired_ns``), in arming order; the context's last."""
+        return list(self._transfers) if self._stream is not None else []
 
     @property
     def next_token(self) -> int:

@@ -131,7 +131,7 @@ def _serve(m, layout, *, expect: int, budget: int, layer_delay: float, mirror: s
             time.sleep(layer_delay)
             if layer == L - 1:
                 # the last bump: every earlier layer's writes are already posted
-                early = [t for s in p.sends for t in s._transfers if t.threshold < p.end and not t.fired]
+                early = [t for s in p.sends for t in s.entries if t.threshold < p.end and not t.fired]
                 out["unfired_before_last_bump"].append(len(early))
                 out.setdefault("last_bump", []).append(time.monotonic())
             mir[0] = lc.value + 1
