@@ -160,6 +160,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     void kx_watcher_get_stats(kx_watcher *w, kx_watcher_stats *out)
     int kx_watcher_close(kx_watcher *w, int64_t timeout_ns)
     void kx_watcher_free(kx_watcher *w)
+    void kx_rail_hold_awake(kx_rail *r, int delta)
 
     # libfabric versions
     uint32_t kx_runtime_version()

@@ -356,6 +356,12 @@ cdef class Rail:
             self.prune()
         return t
 
+    def hold_awake(self, int delta):
+        """Keep the progress thread polling while holds are taken (data expected soon)."""
+        cdef kx_rail *r = self._rail()
+        with nogil:
+            kx_rail_hold_awake(r, delta)
+
     def prune(self):
         """Forget finished transfers (and so release their registrations' buffers)."""
         self.pending = [t for t in self.pending if not (<TransferHandle>t).done]

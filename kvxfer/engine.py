@@ -950,6 +950,14 @@ class Engine:
                 raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
         return self._post(src, peer, dst, so, do, ln, imm)
 
+    def hold_awake(self, hold: bool = True) -> None:
+        """Take (``hold=True``) or release a hold that keeps every rail's progress thread
+        polling instead of sleeping in its back-off: arrivals are expected soon (a streamed
+        request's layers). Costs CPU while held; holds nest."""
+        self._check_open()
+        for r in self._rails:
+            r.hold_awake(1 if hold else -1)
+
     def watcher(self, *, word: int = 0, poll_us: float = 10.0, cpus: Optional[Iterable[int]] = None,
                 keep: Any = None) -> Watcher:
         """A native counter watcher that posts armed writes when a counter reaches their

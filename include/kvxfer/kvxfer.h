@@ -233,6 +233,9 @@ void kx_watcher_get_stats(kx_watcher *w, kx_watcher_stats *out);
 /* Stop and join the thread (blocks up to timeout_ns; -FI_ETIMEDOUT: leaked, never freed). */
 int kx_watcher_close(kx_watcher *w, int64_t timeout_ns);
 void kx_watcher_free(kx_watcher *w);
+/* Keep the rail's progress thread polling (delta +1) or release a hold (-1): data is
+ * expected soon, e.g. a streamed request's layers (src/watcher.c). */
+void kx_rail_hold_awake(kx_rail *r, int delta);
 
 /* ---- libfabric versions (src/rail.c) ----------------------------------------------- */
 

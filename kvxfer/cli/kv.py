@@ -68,6 +68,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-mib", type=int, default=192, help="cap one side's KV for a prompt at this (default 192)")
     p.add_argument("--provider", default="shm")
     p.add_argument("--poll-us", type=float, default=10.0, help="the watcher's poll interval while armed")
+    p.add_argument("--hot", action="store_true",
+                   help="receive with hot=True: the decoder's progress threads poll while the request is in flight")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="PNG", help="timeline of the first stream run of each case")
     p.set_defaults(func=run_kv)
@@ -233,10 +235,10 @@ def _pct(a: list, q: float) -> float:
     return float(np.percentile(np.asarray(a, dtype=float), q)) if len(a) else float("nan")
 
 
-def _one(m: Any, pg: Any, pre: _Prefill, mode: str, layer_ms: float, tokens: int, i: int) -> dict:
+def _one(m: Any, pg: Any, pre: _Prefill, mode: str, layer_ms: float, tokens: int, i: int, hot: bool) -> dict:
     """One request: the decoder receives, the prefiller runs ``mode``; arrivals sampled."""
     npages = -(-tokens // m.layout.page_size)
-    r = m.receive(pg, f"{mode}{i}", list(range(npages)), tokens)
+    r = m.receive(pg, f"{mode}{i}", list(range(npages)), tokens, hot=hot)
     samples: list = []
     stop = threading.Event()
 
@@ -275,11 +277,12 @@ def _landed(res: dict) -> list[int]:
     return out
 
 
-def run_case(m: Any, pg: Any, pre: _Prefill, preset: str, tokens: int, layer_ms: float, repeat: int) -> dict:
-    L = m.layout.num_layers if pg is None else pg.layout.num_layers
-    bulk = [_one(m, pg, pre, "bulk", 0.0, tokens, i) for i in range(repeat)]
-    stream = [_one(m, pg, pre, "stream", layer_ms, tokens, i) for i in range(repeat)]
-    after = [_one(m, pg, pre, "after", layer_ms, tokens, i) for i in range(repeat)]
+def run_case(m: Any, pg: Any, pre: _Prefill, preset: str, tokens: int, layer_ms: float, repeat: int,
+             hot: bool = False) -> dict:
+    L = pg.layout.num_layers
+    bulk = [_one(m, pg, pre, "bulk", 0.0, tokens, i, hot) for i in range(repeat)]
+    stream = [_one(m, pg, pre, "stream", layer_ms, tokens, i, hot) for i in range(repeat)]
+    after = [_one(m, pg, pre, "after", layer_ms, tokens, i, hot) for i in range(repeat)]
     t_all = [(b["done_ns"] - b["bump_ns"][0]) / 1e6 for b in bulk]
     t_layer = float(np.median(t_all)) / L
     tails = [(s["done_ns"] - s["bump_ns"][-1]) / 1e6 for s in stream]
@@ -326,9 +329,10 @@ def run_kv(args: argparse.Namespace) -> int:
                 kv = {r: [np.zeros(s, np.uint8) for s in dl.region_sizes(ds)] for r in range(ds.tp_size)}
                 with kvxfer.Messenger(eng, dl, ds, kv, peer_timeout=60) as m:
                     pg = m.connect(blob)
-                    res = run_case(m, pg, pre, preset, tokens, layer_ms, args.repeat)
+                    res = run_case(m, pg, pre, preset, tokens, layer_ms, args.repeat, args.hot)
                 res["tokens_asked"] = want
                 res["provider"] = args.provider
+                res["hot"] = args.hot
                 results.append(res)
                 _print_row(res, first=len(results) == 1)
     finally:

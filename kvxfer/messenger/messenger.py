@@ -179,6 +179,7 @@ class Receive:
         self._fence_counter: Any = None
         self._fence_ok = False        # fenced by the prefiller's ABORTED, not by a teardown
         self._released = False
+        self._hot = False
         self.t_start = time.monotonic()
         self.t_done: Optional[float] = None
 
@@ -691,11 +692,13 @@ class Messenger:
 
     # -- decode side --------------------------------------------------------------------
     def receive(self, peer: PeerGroup, request_id: Any, dst_pages: Any, num_tokens: int, *,
-                timeout: Optional[float] = None) -> Receive:
+                timeout: Optional[float] = None, hot: bool = False) -> Receive:
         """Ask ``peer`` (a prefill node) for ``request_id``'s KV into ``dst_pages`` (indices of
         this node's layout, on every rank it holds). Returns at once; the ``Receive`` is done
         once every write and the context landed. With ``timeout``, a request not done by then
-        is aborted (with the fence) and fails with ``TimeoutError``."""
+        is aborted (with the fence) and fails with ``TimeoutError``. ``hot``: keep the engine's
+        progress threads polling until the request is final (``Engine.hold_awake``), so each
+        streamed layer lands without a sleeping thread's wake-up (costs CPU meanwhile)."""
         self._check_open()
         if not isinstance(peer, PeerGroup) or peer._m is not self:
             raise InvalidArgumentError("peer must come from this messenger's connect()")
@@ -735,6 +738,9 @@ class Messenger:
             slot = self._free_slots.popleft() if self.context_slots else -1
             deadline = None if timeout is None else time.monotonic() + timeout
             r = Receive(self, peer, request_id, rid_bytes, pages, int(num_tokens), imm, slot, deadline)
+            if hot:
+                self.engine.hold_awake(True)
+                r._hot = True
             self._busy_pages[pages] = True
             self._receives[imm] = r
             self._rids[request_id] = r
@@ -752,6 +758,9 @@ class Messenger:
                 r._state = "failed"
                 r.fenced = True
                 r._released = True
+                if r._hot:
+                    r._hot = False
+                    self.engine.hold_awake(False)
             self._free_cell(r._slot_cell)
             raise PeerError(f"could not send the request to peer {peer.uid:016x}: {exc}") from exc
         return r
@@ -805,6 +814,12 @@ class Messenger:
             if error is not None and r.error is None:
                 r.error = error
             r.t_done = time.monotonic()
+            if r._hot:
+                r._hot = False
+                try:
+                    self.engine.hold_awake(False)
+                except KvxferError:
+                    pass
             self._rids.pop(r.request_id, None)
             self._fencing.discard(r)
             if fenced:
