@@ -19,6 +19,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
 from libc.string cimport strcpy
+from libc.stdlib cimport malloc, calloc, free
 from kvxfer._core cimport *
 
 import errno as _errno
@@ -135,6 +136,8 @@ cdef class Rail:
     cdef readonly object join
     cdef list pending       # TransferHandles not yet done: each keeps its source region (and buffer) alive
     cdef Py_ssize_t pruned  # len(pending) after the last prune (amortises pruning)
+    cdef list pending_sets  # TransferSets not yet done: each keeps its source regions alive
+    cdef Py_ssize_t pruned_sets
     cdef readonly str provider, fabric_name, domain_name
     cdef readonly uint64_t mr_mode, caps
     cdef readonly size_t iov_limit, max_msg_size, inject_size, cq_data_size
@@ -164,6 +167,7 @@ cdef class Rail:
         self.r = NULL
         self.closed = True
         self.pending = []
+        self.pending_sets = []
         strcpy(errcall, "kx_rail_open")        # the open names the failing call instead
         with nogil:
             ret = kx_rail_open(prov, bind, dom, hmem, spin, first, &self.r, errcall, sizeof(errcall))
@@ -362,10 +366,83 @@ cdef class Rail:
         with nogil:
             kx_rail_hold_awake(r, delta)
 
+    def write_groups(self, fi_addr_t peer, list regions, const uint64_t[::1] dst_base, const uint64_t[::1] key,
+                     const int64_t[::1] pair, const uint64_t[::1] src_off, const uint64_t[::1] dst_off,
+                     const uint64_t[::1] length, const int64_t[::1] starts, imm, size_t iov, uint64_t max_write,
+                     uint64_t pack_min):
+        """Post many groups to one peer in one GIL-free loop. Group g writes triples
+        ``[starts[g], starts[g+1])`` from ``regions[pair[g]]`` (a RegionHandle of this rail,
+        whose ``ptr`` is the source base) to the peer's region at ``dst_base[pair[g]]`` with
+        ``key[pair[g]]``: one ``kx_write`` (one native transfer, the message rule on its own)
+        per group. The caller validated every offset (kvxfer.engine.Engine.write_pairs)."""
+        cdef kx_rail *r = self._rail()
+        cdef Py_ssize_t ng = pair.shape[0], npairs = len(regions), g, p
+        cdef int has_imm = imm is not None
+        cdef uint32_t imm_value = imm if has_imm else 0
+        cdef int ret = 0
+        cdef Py_ssize_t posted = 0
+        cdef RegionHandle m
+        if starts.shape[0] != ng + 1 or dst_base.shape[0] < npairs or key.shape[0] < npairs:
+            raise InvalidArgumentError("write_groups: group tables differ in length")
+        if ng and (starts[0] < 0 or starts[ng] > length.shape[0] or src_off.shape[0] < starts[ng]
+                   or dst_off.shape[0] < starts[ng]):
+            raise InvalidArgumentError("write_groups: group bounds exceed the triples")
+        for g in range(ng):
+            if starts[g + 1] < starts[g] or not 0 <= pair[g] < npairs:
+                raise InvalidArgumentError("write_groups: bad group bounds or pair index")
+        cdef TransferSet t = TransferSet.__new__(TransferSet)
+        t.rail = self
+        t.regions = tuple([regions[pair[g]] for g in range(ng)])
+        if ng == 0:
+            return t
+        t.xs = <kx_transfer **>calloc(ng, sizeof(kx_transfer *))
+        cdef void **descs = <void **>malloc(ng * sizeof(void *))
+        cdef char **bases = <char **>malloc(ng * sizeof(char *))
+        if t.xs == NULL or descs == NULL or bases == NULL:
+            free(descs)
+            free(bases)
+            raise MemoryError()
+        try:
+            for g in range(ng):
+                m = <RegionHandle?>t.regions[g]
+                if m.rail is not self or m.mr == NULL:
+                    raise ClosedError("source registration is closed or belongs to another rail")
+                descs[g] = m.desc
+                bases[g] = <char *>m.ptr
+            for g in range(ng):          # RegionHandle.close refuses while a post is under way
+                (<RegionHandle>t.regions[g]).busy += 1
+            with nogil:
+                for g in range(ng):
+                    p = pair[g]
+                    ret = kx_write(r, peer, bases[g], descs[g], dst_base[p], key[p],
+                                   &src_off[0] + starts[g], &dst_off[0] + starts[g], &length[0] + starts[g],
+                                   <size_t>(starts[g + 1] - starts[g]), has_imm, imm_value, iov, max_write,
+                                   pack_min, &t.xs[g])
+                    if ret:
+                        break
+                    posted += 1
+            # recorded before any Python code can run (see write)
+            t.n = posted
+            if not t.done:
+                self.pending_sets.append(t)
+            for g in range(ng):
+                (<RegionHandle>t.regions[g]).busy -= 1
+        finally:
+            free(descs)
+            free(bases)
+        if ret:
+            t.cancel()                   # what was posted completes; nothing more goes out
+            check(ret, "kx_write")
+        if len(self.pending_sets) > max(64, 2 * self.pruned_sets):
+            self.prune()
+        return t
+
     def prune(self):
         """Forget finished transfers (and so release their registrations' buffers)."""
         self.pending = [t for t in self.pending if not (<TransferHandle>t).done]
         self.pruned = len(self.pending)
+        self.pending_sets = [t for t in self.pending_sets if not (<TransferSet>t).done]
+        self.pruned_sets = len(self.pending_sets)
 
     def close_if_idle(self, list regions):
         """Close these registrations (one per rail) unless a transfer from any of them is
@@ -387,6 +464,9 @@ cdef class Rail:
             return True
         for t in self.pending:
             if (<TransferHandle>t).region is region and not (<TransferHandle>t).done:
+                return True
+        for t in self.pending_sets:
+            if region in (<TransferSet>t).regions and not (<TransferSet>t).done:
                 return True
         return False
 
@@ -594,6 +674,88 @@ cdef class TransferHandle:
         return _wait(self.rail.r, WAIT_TRANSFER, self.x, timeout)
 
 
+@cython.no_gc_clear  # __dealloc__ needs its Rail (GC clears Rail.pending_sets first, so it outlives them)
+cdef class TransferSet:
+    """The native side of one ``Engine.write_groups`` call on one rail: one ``kx_transfer``
+    per group, seen as one (planned, posted and completed are sums; done when all are)."""
+
+    cdef readonly Rail rail
+    cdef kx_transfer **xs
+    cdef Py_ssize_t n
+    cdef readonly tuple regions          # the groups' source registrations, alive while in flight
+
+    def __dealloc__(self):
+        cdef Py_ssize_t g
+        if self.xs != NULL:
+            with nogil:
+                for g in range(self.n):
+                    kx_transfer_release(self.rail.r, self.xs[g])
+            free(self.xs)
+            self.xs = NULL
+
+    cdef kx_transfer_state _state(self):
+        cdef kx_transfer_state s, one
+        cdef Py_ssize_t g
+        s.planned = s.posted = s.completed = 0
+        s.posting_done = s.done = 1
+        s.error = 0
+        for g in range(self.n):
+            kx_transfer_get_state(self.xs[g], &one)
+            s.planned += one.planned
+            s.posted += one.posted
+            s.completed += one.completed
+            s.posting_done &= one.posting_done
+            s.done &= one.done
+            if s.error == 0:
+                s.error = one.error
+        return s
+
+    @property
+    def groups(self):
+        return self.n
+
+    @property
+    def planned(self):
+        return self._state().planned
+
+    @property
+    def posted(self):
+        return self._state().posted
+
+    @property
+    def completed(self):
+        return self._state().completed
+
+    @property
+    def posting_done(self):
+        return bool(self._state().posting_done)
+
+    @property
+    def done(self):
+        return bool(self._state().done)
+
+    @property
+    def errno(self):
+        return self._state().error
+
+    def cancel(self):
+        """Post nothing more of any group; what was posted still completes."""
+        cdef Py_ssize_t g
+        with nogil:
+            for g in range(self.n):
+                kx_transfer_cancel(self.rail.r, self.xs[g])
+
+    def wait(self, timeout=None):
+        """True once every group's posted messages completed; False if `timeout` s pass first."""
+        cdef Py_ssize_t g
+        deadline = None if timeout is None else _time.monotonic() + timeout
+        for g in range(self.n):
+            left = None if deadline is None else max(0.0, deadline - _time.monotonic())
+            if not _wait(self.rail.r, WAIT_TRANSFER, self.xs[g], left):
+                return False
+        return True
+
+
 @cython.no_gc_clear  # __dealloc__ needs its Rail (GC clears Rail.pending first, so it outlives them)
 cdef class CounterHandle:
     """The native side of a Counter: an expectation of `count` arrivals of one imm."""
@@ -639,6 +801,32 @@ cdef class CounterHandle:
     def wait(self, timeout=None):
         """True once all arrivals were credited; False if `timeout` seconds pass first."""
         return _wait(self.rail.r, WAIT_COUNTER, self.c, timeout)
+
+
+def check_groups(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
+                 const int64_t[::1] starts, const int64_t[::1] pair, const uint64_t[::1] src_size,
+                 const uint64_t[::1] dst_size):
+    """For Engine.write_pairs, one pass over the triples: None when every write of group g
+    (triples ``[starts[g], starts[g+1])``) stays inside ``src_size[pair[g]]`` and
+    ``dst_size[pair[g]]``; else ``(g, side, i, end)`` of the first that does not (side 0:
+    source, 1: destination; i counted within the group). Offsets are below 2**62."""
+    cdef Py_ssize_t ng = pair.shape[0], g, i, p
+    cdef uint64_t e
+    if starts.shape[0] != ng + 1 or (ng and (starts[ng] > length.shape[0] or starts[ng] > src_off.shape[0]
+                                             or starts[ng] > dst_off.shape[0])):
+        raise InvalidArgumentError("check_groups: group bounds exceed the triples")
+    for g in range(ng):
+        p = pair[g]
+        if not 0 <= p < src_size.shape[0] or p >= dst_size.shape[0] or starts[g] < 0 or starts[g + 1] < starts[g]:
+            raise InvalidArgumentError("check_groups: bad group bounds or pair index")
+        for i in range(starts[g], starts[g + 1]):
+            e = src_off[i] + length[i]
+            if e > src_size[p]:
+                return (g, 0, i - starts[g], e)
+            e = dst_off[i] + length[i]
+            if e > dst_size[p]:
+                return (g, 1, i - starts[g], e)
+    return None
 
 
 def count_messages(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,

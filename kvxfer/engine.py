@@ -40,8 +40,8 @@ except ImportError as _exc:  # pragma: no cover - exercised only on broken insta
     _fabric = None
     _IMPORT_ERROR = _exc
 
-__all__ = ["Engine", "Peer", "MemoryRegion", "RemoteRegion", "Transfer", "Counter", "Watcher", "WatchEntry",
-           "providers"]
+__all__ = ["Engine", "Peer", "MemoryRegion", "RemoteRegion", "RegionPairs", "Transfer", "Counter", "Watcher",
+           "WatchEntry", "providers"]
 
 #: Tried in this order when no provider is named: RDMA hardware first, then sockets.
 PREFERENCE = ("efa", "verbs;ofi_rxm", "psm3", "cxi", "tcp;ofi_rxm", "shm")
@@ -86,6 +86,15 @@ def _as_offsets(a, name: str) -> np.ndarray:
     # always a private copy: the progress thread reads it after the call returns, so the
     # caller must not be able to change what was validated
     return np.array(arr, dtype=np.uint64, copy=True)
+
+
+def _concat_index(parts: list) -> np.ndarray:
+    """Concatenate groups' index arrays; signed and unsigned groups mixed would promote to
+    float, so integer groups are joined as int64 (values that large are refused anyway)."""
+    out = np.concatenate(parts)
+    if out.dtype.kind == "f" and all(np.asarray(p).dtype.kind in "iu" for p in parts):
+        out = np.concatenate([np.asarray(p).astype(np.int64) for p in parts])
+    return out
 
 
 def _nonneg(v, name: str, positive: bool = False) -> int:
@@ -321,6 +330,33 @@ class RemoteRegion:
 
     def __repr__(self) -> str:
         return f"<RemoteRegion {self.nbytes} bytes, {len(self.descriptor.keys)} rail(s)>"
+
+
+class RegionPairs:
+    """(source region, destination region) pairs to one peer, checked once by
+    ``Engine.region_pairs``; ``Engine.write_pairs`` posts groups over them. Holds its regions
+    (and so their buffers) alive; a region closed since is refused when posting."""
+
+    __slots__ = ("engine", "peer", "pairs", "src_sizes", "dst_sizes", "handles", "dst_base", "keys")
+
+    def __init__(self, engine: "Engine", peer: Peer, pairs: list) -> None:
+        self.engine = engine
+        self.peer = peer
+        self.pairs = pairs
+        n = len(pairs)
+        self.src_sizes = np.fromiter([s.nbytes for s, _ in pairs], np.uint64, n)
+        self.dst_sizes = np.fromiter([d.nbytes for _, d in pairs], np.uint64, n)
+        self.dst_base = np.fromiter([d.base for _, d in pairs], np.uint64, n)
+        rails = len(engine._rails)
+        #: per local rail: the source registrations and the destination keys of every pair
+        self.handles = [[s._handles[k] for s, _ in pairs] for k in range(rails)]
+        self.keys = [np.fromiter([d.keys[k] for _, d in pairs], np.uint64, n) for k in range(rails)]
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __repr__(self) -> str:
+        return f"<RegionPairs {len(self.pairs)} pair(s)>"
 
 
 class Transfer:
@@ -969,6 +1005,153 @@ class Engine:
         w = Watcher(self, word, poll_us, cpus or (), keep)
         self._watchers.add(w)
         return w
+
+    def region_pairs(self, peer: Peer, pairs: Iterable[tuple]) -> "RegionPairs":
+        """Check ``(src MemoryRegion, dst RemoteRegion of peer)`` pairs once, for
+        ``write_pairs``: a request's region table (one pair per layer, say) is checked when a
+        peer connects, not on every post."""
+        self._check_open()
+        if not isinstance(peer, Peer) or peer.engine is not self:
+            raise InvalidArgumentError("peer must come from this engine's connect()")
+        try:
+            pairs = [(s, d) for s, d in pairs]
+        except (TypeError, ValueError):
+            raise InvalidArgumentError("pairs must be (src, dst) region pairs") from None
+        try:
+            usrc, udst = set(p[0] for p in pairs), set(p[1] for p in pairs)
+        except TypeError:
+            raise InvalidArgumentError("a pair's src or dst is not a region") from None
+        for src in usrc:
+            if not isinstance(src, MemoryRegion) or src.engine is not self:
+                raise InvalidArgumentError("src must be a MemoryRegion registered with this engine")
+            src._live()
+        for dst in udst:
+            if not isinstance(dst, RemoteRegion) or dst.engine is not self:
+                raise InvalidArgumentError("dst must come from this engine's remote()")
+            if dst.descriptor.owner != peer.owner:
+                raise DescriptorError("the remote region belongs to another engine than this peer")
+            if len(dst.descriptor.keys) != peer.remote_rails:
+                raise DescriptorError(f"descriptor has {len(dst.descriptor.keys)} rail key(s) but the peer has "
+                                      f"{peer.remote_rails} rail(s)")
+        return RegionPairs(self, peer, pairs)
+
+    def write_groups(self, peer: Peer, groups: Iterable[tuple], *, imm: Optional[int] = None,
+                     rail: Optional[int] = None) -> Transfer:
+        """Many ``(src, dst, src_offsets, dst_offsets, lengths)`` groups to one peer with one
+        imm, as ONE ``Transfer``: a request's rank pair over many regions (one per layer,
+        say). Each group is what ``write_batch(src, peer, dst, ...)`` would post; all groups
+        are validated at once (on any bad one nothing is posted, and the error names the
+        group) and posted by one native loop with the GIL released.
+
+        The message rule applies to each group on its own: writes of different groups never
+        merge, so ``num_writes`` is the sum of ``count_writes`` over the groups. ``rail``
+        pins every group to that local rail (``nearest_rail(placement)`` of the source GPU;
+        count with one rail); None cuts each group over all rails as ``write_batch`` does.
+        Posting the same region pairs often? Check them once with ``region_pairs`` and use
+        ``write_pairs``."""
+        groups = groups if isinstance(groups, (list, tuple)) else list(groups)
+        try:
+            if set(map(len, groups)) - {5}:
+                raise ValueError
+            srcs, dsts, sos, dos, lns = zip(*groups) if groups else ((),) * 5
+        except (TypeError, ValueError):
+            raise InvalidArgumentError("each group is (src, dst, src_offsets, dst_offsets, lengths)") from None
+        pairs = self.region_pairs(peer, zip(srcs, dsts))
+        try:
+            counts = np.fromiter(map(len, lns), np.int64, len(lns))
+            for g in np.flatnonzero((np.fromiter(map(len, sos), np.int64, len(sos)) != counts)
+                                    | (np.fromiter(map(len, dos), np.int64, len(dos)) != counts))[:1]:
+                raise InvalidArgumentError(f"group {g}: triples differ in length: {len(sos[g])}, {len(dos[g])}, "
+                                           f"{counts[g]}")
+        except TypeError:
+            raise InvalidArgumentError("a group's offsets and lengths must be 1-D arrays") from None
+        keep = np.flatnonzero(counts).tolist()      # empty groups post nothing (and spoil dtypes)
+        if keep:
+            try:
+                so, do, ln = (_concat_index([x[i] for i in keep]) for x in (sos, dos, lns))
+            except ValueError:
+                raise InvalidArgumentError("a group's offsets and lengths must be 1-D arrays") from None
+        else:
+            so = do = ln = np.empty(0, np.uint64)
+        return self.write_pairs(pairs, so, do, ln, counts, imm=imm, rail=rail)
+
+    def write_pairs(self, pairs: "RegionPairs", src_offsets, dst_offsets, lengths, counts, *,
+                    imm: Optional[int] = None, rail: Optional[int] = None) -> Transfer:
+        """``write_groups`` over a checked ``RegionPairs`` table: group g is pair g with the
+        next ``counts[g]`` triples of the concatenated ``src_offsets``, ``dst_offsets``,
+        ``lengths`` (a pair with count 0 posts nothing). One vectorised validation, one
+        native loop (GIL released), one ``Transfer``; nothing posted on bad input."""
+        self._check_open()
+        if not isinstance(pairs, RegionPairs) or pairs.engine is not self:
+            raise InvalidArgumentError("pairs must come from this engine's region_pairs()")
+        peer = pairs.peer
+        if peer.closed:
+            raise PeerError(_errno.ENOTCONN, "peer was disconnected")
+        if rail is not None:
+            if isinstance(rail, bool) or not isinstance(rail, (int, np.integer)) or not 0 <= rail < len(self._rails):
+                raise InvalidArgumentError(f"rail must be an int in [0, {len(self._rails)}), got {rail!r}")
+            rail = int(rail)
+        imm = _check_imm(imm)
+        if imm is not None and self._rails[0].cq_data_size < 4:
+            raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")
+        so = _as_offsets(src_offsets, "src_offsets")
+        do = _as_offsets(dst_offsets, "dst_offsets")
+        ln = _as_offsets(lengths, "lengths")
+        if not (len(so) == len(do) == len(ln)):
+            raise InvalidArgumentError(f"triples differ in length: {len(so)}, {len(do)}, {len(ln)}")
+        c = _as_index(counts, "counts")
+        if len(c) != len(pairs):
+            raise InvalidArgumentError(f"counts has {len(c)} entries for {len(pairs)} region pairs")
+        c = c.astype(np.int64)
+        if int(c.sum()) != len(ln):
+            raise InvalidArgumentError(f"counts add up to {int(c.sum())}, but there are {len(ln)} triples")
+        if c.all():                         # the pairs that post
+            which = np.arange(len(c), dtype=np.int64)
+        else:
+            which = np.flatnonzero(c)
+            c = c[which]
+        starts = np.zeros(len(c) + 1, np.int64)
+        np.cumsum(c, out=starts[1:])
+        bad = _fabric.check_groups(so, do, ln, starts, which, pairs.src_sizes, pairs.dst_sizes)
+        if bad is not None:
+            g, side, i, end = bad
+            p = int(which[g])
+            size = int((pairs.dst_sizes if side else pairs.src_sizes)[p])
+            raise OutOfBoundsError(f"group {p}: {'destination' if side else 'source'} write {i} ends at byte {end}, "
+                                   f"beyond the {size}-byte {'remote ' if side else ''}region")
+        nr = len(self._rails)
+        if rail is not None or nr == 1:
+            k = 0 if rail is None else rail
+            sets = [self._rails[k].write_groups(peer.fi_addrs[k], pairs.handles[k], pairs.dst_base, pairs.keys[k],
+                                                which, so, do, ln, starts, imm, self.iov, self.max_write,
+                                                self.pack_min)]
+        else:
+            sets = []
+            for k in range(nr):
+                # each group cut over the rails as write_batch cuts it (wire.stripe_bounds)
+                lo, hi = c * k // nr, c * (k + 1) // nr
+                sel = np.flatnonzero(hi > lo)
+                if not len(sel):
+                    continue
+                lens = (hi - lo)[sel]
+                st = np.zeros(len(sel) + 1, np.int64)
+                np.cumsum(lens, out=st[1:])
+                # rail k's triples: [starts[g] + lo[g], starts[g] + hi[g]) of each selected group g
+                idx = np.repeat(starts[sel] + lo[sel] - st[:-1], lens) + np.arange(int(st[-1]))
+                sets.append(self._rails[k].write_groups(peer.fi_addrs[k], pairs.handles[k], pairs.dst_base,
+                                                        pairs.keys[k], which[sel], so[idx], do[idx], ln[idx], st,
+                                                        imm, self.iov, self.max_write, self.pack_min))
+        return Transfer(sets, int(ln.sum()) if len(ln) else 0, imm)
+
+    def nearest_rail(self, placement: Any) -> Optional[int]:
+        """The local rail nearest to a ``Placement`` (from ``Topology.assign``): the first of
+        its NICs (nearest first) that one of this engine's rails was opened on; None when
+        none is (then let ``write_groups`` stripe). For ``write_groups(..., rail=)``."""
+        doms = [r.domain_name for r in self._rails]
+        for d in getattr(placement, "domains", ()):
+            if d in doms:
+                return doms.index(d)
+        return None
 
     def count_writes(self, src_offsets, dst_offsets, lengths) -> int:
         """``wire.count_writes`` with this engine's ``iov``, ``max_write``, ``pack_min`` and rails."""
