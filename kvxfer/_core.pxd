@@ -141,7 +141,9 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
         uint64_t fired
         uint64_t wakeups
         int tid
-    int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus, kx_watcher **out)
+        int rt
+    int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus, int rt_priority,
+                        kx_watcher **out)
     uint64_t *kx_watcher_word(kx_watcher *w)
     uint64_t kx_watcher_value(const kx_watcher *w)
     uint64_t kx_watcher_bump(kx_watcher *w, uint64_t n)

@@ -849,7 +849,7 @@ cdef class WatcherHandle:
     cdef readonly object keep          # the memory behind an external word
     cdef readonly bint closed
 
-    def __cinit__(self, uintptr_t word=0, int64_t poll_ns=10000, cpus=(), object keep=None):
+    def __cinit__(self, uintptr_t word=0, int64_t poll_ns=10000, cpus=(), object keep=None, int rt_priority=0):
         cdef int cpu_arr[256]
         cdef int ncpus = 0
         cdef int ret
@@ -861,7 +861,7 @@ cdef class WatcherHandle:
         self.w = NULL
         self.keep = keep
         with nogil:
-            ret = kx_watcher_open(<uint64_t *>word, poll_ns, cpu_arr, ncpus, &self.w)
+            ret = kx_watcher_open(<uint64_t *>word, poll_ns, cpu_arr, ncpus, rt_priority, &self.w)
         check(ret, "kx_watcher_open")
 
     def __dealloc__(self):
@@ -951,7 +951,7 @@ cdef class WatcherHandle:
     def stats(self):
         cdef kx_watcher_stats s
         kx_watcher_get_stats(self._w(), &s)
-        return {"armed": s.armed, "fired": s.fired, "wakeups": s.wakeups, "tid": s.tid}
+        return {"armed": s.armed, "fired": s.fired, "wakeups": s.wakeups, "tid": s.tid, "rt": s.rt}
 
     def close(self, double timeout=5.0):
         """Stop and join the thread (armed entries never post). False if it could not be joined."""

@@ -519,12 +519,13 @@ class Watcher:
 
     ``word``: the counter's address; 0 lets the watcher allocate it (``ptr``). ``keep``: the
     owner of external memory, kept alive. The thread blocks when nothing is armed, polls every
-    ``poll_us`` while something is, and ``bump()`` wakes it at once."""
+    ``poll_us`` while something is, and ``bump()`` wakes it at once. ``rt_priority`` > 0 asks
+    for SCHED_FIFO (it sleeps between polls; ``stats()["rt"]`` says whether it was granted)."""
 
     def __init__(self, engine: "Engine", word: int = 0, poll_us: float = 10.0, cpus: Iterable[int] = (),
-                 keep: Any = None) -> None:
+                 keep: Any = None, rt_priority: int = 0) -> None:
         self.engine = engine
-        self._h = _fabric.WatcherHandle(int(word), int(poll_us * 1000), tuple(cpus), keep)
+        self._h = _fabric.WatcherHandle(int(word), int(poll_us * 1000), tuple(cpus), keep, int(rt_priority))
 
     @property
     def ptr(self) -> int:
@@ -995,14 +996,16 @@ class Engine:
             r.hold_awake(1 if hold else -1)
 
     def watcher(self, *, word: int = 0, poll_us: float = 10.0, cpus: Optional[Iterable[int]] = None,
-                keep: Any = None) -> Watcher:
+                keep: Any = None, rt_priority: int = 0) -> Watcher:
         """A native counter watcher that posts armed writes when a counter reaches their
         threshold (see ``Watcher``); pinned to ``cpus`` (default: the engine's)."""
         self._check_open()
         if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not poll_us > 0:
             raise InvalidArgumentError(f"poll_us must be a positive number, got {poll_us!r}")
         cpus = self.cpus if cpus is None else _check_cpus(cpus)
-        w = Watcher(self, word, poll_us, cpus or (), keep)
+        if isinstance(rt_priority, bool) or not isinstance(rt_priority, int) or not 0 <= rt_priority <= 99:
+            raise InvalidArgumentError(f"rt_priority must be an int in 0..99, got {rt_priority!r}")
+        w = Watcher(self, word, poll_us, cpus or (), keep, rt_priority)
         self._watchers.add(w)
         return w
 

@@ -63,6 +63,7 @@ struct kx_watcher {
     int64_t lat_call[KX_LAT_SAMPLES], lat_post[KX_LAT_SAMPLES];
     size_t nlat;
     uint64_t fired, wakeups;
+    int rt;                    /* SCHED_FIFO priority it runs at, 0 if none */
 };
 
 static void watch_release_locked(kx_watcher *w, kx_watch *e, int *free_it)
@@ -175,7 +176,7 @@ static void *watcher_main(void *arg)
     return NULL;
 }
 
-int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus, kx_watcher **out)
+int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus, int rt_priority, kx_watcher **out)
 {
     kx_watcher *w = calloc(1, sizeof(*w));
     if (!w)
@@ -214,6 +215,12 @@ int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus,
     pthread_setname_np(w->thread, "kvxfer-watch");
     if (w->pin)
         pthread_setaffinity_np(w->thread, sizeof(w->cpus), &w->cpus);
+    if (rt_priority > 0) {
+        /* SCHED_FIFO: the thread sleeps between polls, so it costs no more CPU, but a bump
+         * is acted on without waiting for a busy core's time slice */
+        struct sched_param sp = {.sched_priority = rt_priority};
+        w->rt = pthread_setschedparam(w->thread, SCHED_FIFO, &sp) == 0 ? rt_priority : 0;
+    }
     *out = w;
     return 0;
 }
@@ -437,6 +444,7 @@ void kx_watcher_get_stats(kx_watcher *w, kx_watcher_stats *out)
     out->fired = w->fired;
     out->wakeups = w->wakeups;
     out->tid = w->tid;
+    out->rt = w->rt;
     pthread_mutex_unlock(&w->lock);
 }
 

@@ -199,10 +199,13 @@ typedef struct kx_watcher_stats {
     uint64_t fired;        /* entries posted (or failed) */
     uint64_t wakeups;      /* the thread's wake-ups (polls included) */
     int tid;               /* the thread's kernel id */
+    int rt;                /* its SCHED_FIFO priority, 0: normal scheduling */
 } kx_watcher_stats;
 
-/* `word`: the counter (NULL: the watcher allocates one, 64-byte aligned, zeroed). */
-int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus, kx_watcher **out);
+/* `word`: the counter (NULL: the watcher allocates one, 64-byte aligned, zeroed).
+ * rt_priority > 0 asks for SCHED_FIFO at that priority (ignored where not permitted). */
+int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus, int rt_priority,
+                    kx_watcher **out);
 uint64_t *kx_watcher_word(kx_watcher *w);
 uint64_t kx_watcher_value(const kx_watcher *w);
 /* Atomically add n and wake the thread; returns the new value. */

@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import zlib
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -62,7 +62,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tokens", default="1024", help="prompt lengths, comma-separated (default 1024)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--layer-ms", type=float, default=None,
-                   help="simulated compute per layer (default: prompt / the preset's tokens/s / layers)")
+                   help="simulated compute per layer (default: prompt / the preset's tokens/s / layers, raised to "
+                        "--min-ratio x this machine's measured per-layer transfer when the link is slower)")
+    p.add_argument("--min-ratio", type=float, default=1.5,
+                   help="without --layer-ms: compute per layer at least this x one layer's measured transfer "
+                        "(a link slower than the model leaves a tail of L x the difference whatever streams; "
+                        "0 keeps the preset's rate; default 1.5)")
+    p.add_argument("--rt", type=int, default=0, metavar="PRIO",
+                   help="run the prefill node's watcher thread SCHED_FIFO at this priority (default 0: normal)")
     p.add_argument("--tokens-per-s", type=float, default=None, help="derive --layer-ms from this prefill rate")
     p.add_argument("--repeat", type=int, default=5, help="requests per mode (default 5)")
     p.add_argument("--max-mib", type=int, default=192, help="cap one side's KV for a prompt at this (default 192)")
@@ -110,6 +117,7 @@ def _prefill_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kvxfer.cli.kv _prefill")
     ap.add_argument("--provider", required=True)
     ap.add_argument("--poll-us", type=float, default=10.0)
+    ap.add_argument("--rt", type=int, default=0)
     args = ap.parse_args(argv)
     node = None if args.provider.startswith("shm") else LOOPBACK
     eng = kvxfer.Engine(args.provider, node)
@@ -123,9 +131,10 @@ def _prefill_main(argv: list[str]) -> int:
                     m.close()
                 sl, ss, _, _ = _layouts(cmd["preset"], cmd["tokens"], cmd["page_size"])
                 kv = {r: [np.full(s, r + 1, np.uint8) for s in sl.region_sizes(ss)] for r in range(ss.tp_size)}
-                m = kvxfer.Messenger(eng, sl, ss, kv, peer_timeout=60, watch_poll_us=args.poll_us)
-                m.layer_counter
-                print(json.dumps({"blob": m.handshake().hex()}), flush=True)
+                m = kvxfer.Messenger(eng, sl, ss, kv, peer_timeout=60, watch_poll_us=args.poll_us,
+                                     watch_rt_priority=args.rt)
+                rt = m.layer_counter.stats()["rt"]
+                print(json.dumps({"blob": m.handshake().hex(), "rt": rt}), flush=True)
             elif cmd["cmd"] == "run":
                 print(json.dumps(_prefill_run(m, cmd)), flush=True)
             elif cmd["cmd"] == "quit":
@@ -208,7 +217,7 @@ def _sleep_until(t: float) -> None:
 class _Prefill:
     def __init__(self, args: Any) -> None:
         self.p = subprocess.Popen([sys.executable, "-m", "kvxfer.cli.kv", "_prefill", "--provider", args.provider,
-                                   "--poll-us", str(args.poll_us)],
+                                   "--poll-us", str(args.poll_us), "--rt", str(args.rt)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.read()
 
@@ -277,21 +286,29 @@ def _landed(res: dict) -> list[int]:
     return out
 
 
-def run_case(m: Any, pg: Any, pre: _Prefill, preset: str, tokens: int, layer_ms: float, repeat: int,
-             hot: bool = False) -> dict:
+def run_case(m: Any, pg: Any, pre: _Prefill, preset: str, tokens: int, layer_ms: Optional[float], repeat: int,
+             hot: bool = False, model_ms: float = 0.0, min_ratio: float = 1.5) -> dict:
+    """bulk (one layer's transfer), then stream and after at ``layer_ms`` (None: the
+    model's ``model_ms``, raised to ``min_ratio`` x one layer's transfer)."""
     L = pg.layout.num_layers
     bulk = [_one(m, pg, pre, "bulk", 0.0, tokens, i, hot) for i in range(repeat)]
-    stream = [_one(m, pg, pre, "stream", layer_ms, tokens, i, hot) for i in range(repeat)]
-    after = [_one(m, pg, pre, "after", layer_ms, tokens, i, hot) for i in range(repeat)]
     t_all = [(b["done_ns"] - b["bump_ns"][0]) / 1e6 for b in bulk]
     t_layer = float(np.median(t_all)) / L
+    scaled = False
+    if layer_ms is None:
+        layer_ms = model_ms
+        if min_ratio and layer_ms < min_ratio * t_layer:
+            layer_ms, scaled = min_ratio * t_layer, True
+    stream = [_one(m, pg, pre, "stream", layer_ms, tokens, i, hot) for i in range(repeat)]
+    after = [_one(m, pg, pre, "after", layer_ms, tokens, i, hot) for i in range(repeat)]
     tails = [(s["done_ns"] - s["bump_ns"][-1]) / 1e6 for s in stream]
     tails_after = [(a["done_ns"] - a["bump_ns"][-1]) / 1e6 for a in after]
     call = [x for s in stream for x in s["lat_call_ns"]]
     post = [x for s in stream for x in s["lat_post_ns"]]
     s0 = stream[0]
     return {
-        "preset": preset, "tokens": tokens, "layers": L, "layer_ms": layer_ms,
+        "preset": preset, "tokens": tokens, "layers": L, "layer_ms": layer_ms, "model_layer_ms": model_ms,
+        "compute_scaled": scaled,
         "bytes_per_layer": s0["bytes_per_layer"][0], "writes_per_layer": s0["writes_per_layer"][0],
         "prompt_transfer_ms": float(np.median(t_all)), "layer_transfer_ms": t_layer,
         "stream_tail_ms": float(np.median(tails)), "stream_tail_max_ms": float(max(tails)),
@@ -316,23 +333,30 @@ def run_kv(args: argparse.Namespace) -> int:
     node = None if args.provider.startswith("shm") else LOOPBACK
     eng = kvxfer.Engine(args.provider, node)
     results = []
+    done = set()
     try:
         for preset in presets:
             for want in lengths:
                 tokens = fit_tokens(preset, want, args.page_size, args.max_mib)
+                if (preset, tokens) in done:
+                    continue                        # capped to a length already run
+                done.add((preset, tokens))
                 layers, *_, tps = PRESETS[preset]
                 rate = args.tokens_per_s or tps
-                layer_ms = args.layer_ms if args.layer_ms is not None else tokens / rate / layers * 1e3
+                model_ms = tokens / rate / layers * 1e3
                 _, _, dl, ds = _layouts(preset, tokens, args.page_size)
                 pre.send(cmd="setup", preset=preset, tokens=tokens, page_size=args.page_size)
-                blob = bytes.fromhex(pre.read()["blob"])
+                info = pre.read()
+                blob = bytes.fromhex(info["blob"])
                 kv = {r: [np.zeros(s, np.uint8) for s in dl.region_sizes(ds)] for r in range(ds.tp_size)}
                 with kvxfer.Messenger(eng, dl, ds, kv, peer_timeout=60) as m:
                     pg = m.connect(blob)
-                    res = run_case(m, pg, pre, preset, tokens, layer_ms, args.repeat, args.hot)
+                    res = run_case(m, pg, pre, preset, tokens, args.layer_ms, args.repeat, args.hot, model_ms,
+                                   args.min_ratio)
                 res["tokens_asked"] = want
                 res["provider"] = args.provider
                 res["hot"] = args.hot
+                res["watcher_rt"] = info["rt"]
                 results.append(res)
                 _print_row(res, first=len(results) == 1)
     finally:
@@ -352,6 +376,8 @@ def _print_row(r: dict, first: bool) -> None:
         print(f"{'preset':<16} {'tokens':>7} {'L':>3} {'KiB/layer':>9} {'wr/layer':>8} {'layer ms':>8} "
               f"{'xfer/layer':>10} {'tail':>7} {'tail/layer':>10} {'after':>7} {'bump->post p50/p99 us':>22}")
     cap = "" if r["tokens"] == r["tokens_asked"] else f" (of {r['tokens_asked']})"
+    if r["compute_scaled"]:
+        cap += f" compute scaled from {r['model_layer_ms']:.3f} ms"
     print(f"{r['preset']:<16} {r['tokens']:>7} {r['layers']:>3} {r['bytes_per_layer'] / 1024:>9.0f} "
           f"{r['writes_per_layer']:>8} {r['layer_ms']:>8.3f} {r['layer_transfer_ms']:>9.3f}m {r['stream_tail_ms']:>6.2f}m "
           f"{r['tail_over_layer']:>10.2f} {r['after_tail_ms']:>6.1f}m "

@@ -395,13 +395,18 @@ class Messenger:
     ``context_slots`` x ``context_bytes`` is the decoder-side space for per-request context
     data. ``secret`` (bytes, >= 16) authenticates handshakes and control messages with
     HMAC-SHA256; peers must share it. ``on_request(request)`` replaces ``requests()``.
+    Streaming (``layer_counter``, ``stream``, ``schedule``; kvxfer/messenger/stream.py):
+    ``counter_device`` puts the layer counter in pinned host memory mapped into that CUDA
+    device; ``watch_poll_us``, ``watch_cpus`` and ``watch_rt_priority`` tune its native
+    watcher thread (poll interval while writes are armed, CPUs to pin to, SCHED_FIFO).
     """
 
     def __init__(self, engine: Any, layout: KVLayout, sharding: Sharding, kv: Any, *,
                  ranks: Optional[Iterable[int]] = None, context_slots: int = 0, context_bytes: int = 0,
                  peer_timeout: float = 10.0, secret: Optional[bytes] = None,
                  on_request: Optional[Callable[[Request], Any]] = None, counter_device: Optional[int] = None,
-                 watch_poll_us: float = 10.0, watch_cpus: Optional[Iterable[int]] = None) -> None:
+                 watch_poll_us: float = 10.0, watch_cpus: Optional[Iterable[int]] = None,
+                 watch_rt_priority: int = 0) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidArgumentError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if not isinstance(sharding, Sharding):
@@ -430,7 +435,8 @@ class Messenger:
             raise InvalidArgumentError(f"counter_device must be a CUDA device ordinal, got {counter_device!r}")
         if isinstance(watch_poll_us, bool) or not isinstance(watch_poll_us, (int, float)) or not watch_poll_us > 0:
             raise InvalidArgumentError(f"watch_poll_us must be a positive number, got {watch_poll_us!r}")
-        self._counter_opts = (counter_device, float(watch_poll_us), None if watch_cpus is None else tuple(watch_cpus))
+        self._counter_opts = (counter_device, float(watch_poll_us), None if watch_cpus is None else tuple(watch_cpus),
+                              watch_rt_priority)
         self._counter: Optional[LayerCounter] = None
         self._watcher: Any = None
         self._counter_release: Optional[Callable[[], None]] = None
@@ -937,13 +943,13 @@ class Messenger:
         with self._lock:
             if self._counter is None:
                 self._check_open()
-                device, poll_us, cpus = self._counter_opts
+                device, poll_us, cpus, rt = self._counter_opts
                 word, dptr, keep = 0, None, None
                 if device is not None:
                     from kvxfer.messenger import _cudabump
 
                     word, dptr, self._counter_release = _cudabump.alloc_mapped_word(device)
-                self._watcher = self.engine.watcher(word=word, poll_us=poll_us, cpus=cpus, keep=keep)
+                self._watcher = self.engine.watcher(word=word, poll_us=poll_us, cpus=cpus, keep=keep, rt_priority=rt)
                 self._counter = LayerCounter(self._watcher, self.layout.num_layers, dptr, device)
             return self._counter
 

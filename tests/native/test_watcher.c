@@ -16,7 +16,7 @@ static kx_watch *arm(kx_watcher *w, uint64_t threshold, uint64_t tag)
 static void test_arm_disarm_free(void)
 {
     kx_watcher *w = NULL;
-    CHECK_EQ(kx_watcher_open(NULL, 10000, NULL, 0, &w), 0);
+    CHECK_EQ(kx_watcher_open(NULL, 10000, NULL, 0, 0, &w), 0);
     CHECK_EQ(kx_watcher_value(w), 0);
     kx_watch *a = arm(w, 1000, 1), *b = arm(w, 500, 2), *c = arm(w, 1000, 2), *d = arm(w, 2000, 3);
     /* three contiguous pieces of 4096, 4096, 100 bytes, iov 4: one message */
@@ -55,7 +55,7 @@ static void test_idle_sleeps(void)
 {
     kx_watcher *w = NULL;
     uint64_t word = 5;
-    CHECK_EQ(kx_watcher_open(&word, 10000, NULL, 0, &w), 0);
+    CHECK_EQ(kx_watcher_open(&word, 10000, NULL, 0, 0, &w), 0);
     CHECK(kx_watcher_word(w) == &word);
     struct timespec ts = {0, 100000000};
     nanosleep(&ts, NULL);
