@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvxfer.messenger.messenger import Messenger, PeerGroup, Receive, Request, Send, context_stride
 from kvxfer.messenger.stream import LayerCounter, Pass, pages_completed
+from kvxfer.messenger.context import pack_context, unpack_context
 from kvxfer.messenger.paged import (
     LayoutRegions,
     PlanTransfer,
@@ -21,7 +22,7 @@ from kvxfer.messenger.workers import collect, publish
 
 __all__ = [
     "Messenger", "PeerGroup", "Receive", "Request", "Send", "context_stride", "LayerCounter", "Pass",
-    "pages_completed",
+    "pages_completed", "pack_context", "unpack_context",
     "LayoutRegions", "RemoteLayout", "PlanTransfer", "register_layout", "remote_layout", "post_plan",
     "publish", "collect",
 ]
