@@ -186,9 +186,9 @@ def _stream_decode(conn, spec):
             if cmd == "connect":
                 peer = m.connect(args[0], timeout=20)
                 conn.send(("ok", None))
-            elif cmd == "receive":            # [(rid, pages, num_tokens)]
+            elif cmd == "receive":            # [(rid, pages, num_tokens)], hot
                 for rid, pages, nt in args[0]:
-                    recvs[rid] = m.receive(peer, rid, np.asarray(pages), nt)
+                    recvs[rid] = m.receive(peer, rid, np.asarray(pages), nt, hot=len(args) > 1 and args[1])
                 conn.send(("ok", None))
             elif cmd == "watch":              # record the mirror when each layer of these requests landed
                 rids, mirror = args
@@ -267,13 +267,15 @@ def _watch_layers(mems, cache, recvs, src_layout, mir, result) -> None:
                 for plane in range(cache.shape[1]):
                     parts.append((mem, layer, plane, r.dst_pages, cache[layer, plane][src][:, mem.heads]))
         want.append(parts)
-    pending = set(range(len(want)))
+    # layers are posted in order: check the lowest not yet seen (cheap, so this observer
+    # lags the landing as little as possible), then the next
+    nxt = 0
     t_end = time.monotonic() + 60
-    while pending and time.monotonic() < t_end:
-        for layer in sorted(pending):
-            if all(np.array_equal(mem.page_view(lay, plane)[pages], w) for mem, lay, plane, pages, w in want[layer]):
-                result[layer] = (int(mir[0]), time.monotonic())
-                pending.discard(layer)
+    while nxt < len(want) and time.monotonic() < t_end:
+        while nxt < len(want) and all(np.array_equal(mem.page_view(lay, plane)[pages], w)
+                                      for mem, lay, plane, pages, w in want[nxt]):
+            result[nxt] = (int(mir[0]), time.monotonic())
+            nxt += 1
         time.sleep(0.0002)
 
 
