@@ -1070,6 +1070,8 @@ cdef class WatchHandle:
             slice_ns = _slice_ns(deadline)
             with nogil:
                 fired = kx_watch_wait(self.watcher.w, self.e, slice_ns)
+            if fired < 0:
+                raise ClosedError("the watcher stopped with this entry armed: it never posts")
             if fired:
                 break
             if _deadline_passed(deadline):

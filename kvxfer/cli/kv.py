@@ -78,7 +78,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--hot", action="store_true",
                    help="receive with hot=True: the decoder's progress threads poll while the request is in flight")
     p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="PNG", help="timeline of the first stream run of each case")
+    p.add_argument("--plot", metavar="PNG", help="timeline of the median-tail stream run of each case")
     p.set_defaults(func=run_kv)
 
 
@@ -305,7 +305,7 @@ def run_case(m: Any, pg: Any, pre: _Prefill, preset: str, tokens: int, layer_ms:
     tails_after = [(a["done_ns"] - a["bump_ns"][-1]) / 1e6 for a in after]
     call = [x for s in stream for x in s["lat_call_ns"]]
     post = [x for s in stream for x in s["lat_post_ns"]]
-    s0 = stream[0]
+    s0 = stream[int(np.argsort(tails)[len(tails) // 2])]     # the timeline of the median-tail run
     return {
         "preset": preset, "tokens": tokens, "layers": L, "layer_ms": layer_ms, "model_layer_ms": model_ms,
         "compute_scaled": scaled,
