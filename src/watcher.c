@@ -406,6 +406,8 @@ int kx_watch_wait(kx_watcher *w, kx_watch *e, int64_t slice_ns)
             break;
     }
     int fired = e->state != KX_WATCH_ARMED && e->state != KX_WATCH_POSTING;
+    if (!fired && w->exited)
+        fired = -1;            /* the thread is gone: it never will */
     pthread_mutex_unlock(&w->lock);
     return fired;
 }

@@ -225,7 +225,8 @@ void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out);
 int kx_watch_disarm(kx_watcher *w, kx_watch *e);
 /* Disarm every armed entry with this tag; returns how many. */
 size_t kx_watcher_disarm_tag(kx_watcher *w, uint64_t tag);
-/* Blocks up to slice_ns; 1 once the entry is no longer armed (posted, failed or disarmed). */
+/* Blocks up to slice_ns; 1 once the entry is no longer armed (posted, failed or disarmed),
+ * 0 on timeout, -1 if the watcher stopped with it armed (it never posts). */
 int kx_watch_wait(kx_watcher *w, kx_watch *e, int64_t slice_ns);
 /* The owner drops the entry (disarming it if armed). */
 void kx_watch_free(kx_watcher *w, kx_watch *e);
