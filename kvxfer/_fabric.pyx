@@ -931,6 +931,56 @@ cdef class WatcherHandle:
         h.region = region
         return h
 
+    def arm_groups(self, const uint64_t[::1] thresholds, uint64_t tag, Rail rail, fi_addr_t peer, uintptr_t src_base,
+                   RegionHandle region, uint64_t dst_base, uint64_t key, const uint64_t[::1] src_off,
+                   const uint64_t[::1] dst_off, const uint64_t[::1] length, const int64_t[::1] starts, imm,
+                   size_t iov, uint64_t max_write, uint64_t pack_min):
+        """Arm group g (triples ``[starts[g], starts[g+1])``) at ``thresholds[g]``, all in one
+        GIL-free loop (the caller checked the triples and the bounds of ``starts``)."""
+        cdef kx_watcher *w = self._w()
+        cdef kx_rail *r = rail._rail()
+        cdef Py_ssize_t g, ng = thresholds.shape[0]
+        cdef int has_imm = imm is not None
+        cdef uint32_t imm_value = imm if has_imm else 0
+        cdef int ret = 0
+        cdef Py_ssize_t done_n = 0
+        cdef int64_t a, b
+        cdef uint64_t zero = 0
+        if starts.shape[0] != ng + 1:
+            raise InvalidArgumentError("starts must have one more entry than thresholds")
+        if region.rail is not rail or region.mr == NULL:
+            raise ClosedError("source registration is closed or belongs to another rail")
+        import numpy
+        ptrs = numpy.zeros(max(ng, 1), dtype=numpy.uintp)
+        cdef size_t[::1] pv = ptrs
+        cdef kx_watch *e = NULL
+        with nogil:
+            for g in range(ng):
+                a = starts[g]
+                b = starts[g + 1]
+                ret = kx_watch_arm(w, thresholds[g], tag, r, peer, <char *>src_base, region.desc, dst_base, key,
+                                   &src_off[a] if b > a else &zero, &dst_off[a] if b > a else &zero,
+                                   &length[a] if b > a else &zero, <size_t>(b - a), has_imm, imm_value, iov,
+                                   max_write, pack_min, &e)
+                if ret:
+                    break
+                pv[g] = <size_t>e
+                done_n += 1
+        out = []
+        cdef WatchHandle h
+        for g in range(done_n):
+            h = WatchHandle.__new__(WatchHandle)
+            h.watcher = self
+            h.e = <kx_watch *>pv[g]
+            h.rail = rail
+            h.region = region
+            out.append(h)
+        if ret:
+            for x in out:
+                x.disarm()
+            check(ret, "kx_watch_arm")
+        return out
+
     def disarm_tag(self, uint64_t tag):
         cdef kx_watcher *w = self._w()
         cdef size_t n

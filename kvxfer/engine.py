@@ -574,6 +574,43 @@ class Watcher:
                         np.ascontiguousarray(ln, np.uint64), imm, eng.iov, eng.max_write, eng.pack_min)
         return WatchEntry(h, src, int(ln.sum()) if len(ln) else 0, imm, int(tag))
 
+    def arm_groups(self, thresholds, src: "MemoryRegion", peer: "Peer", dst: "RemoteRegion", src_offsets,
+                   dst_offsets, lengths, starts, *, imm: Optional[int] = None, tag: int = 0,
+                   rail: int = 0) -> list[WatchEntry]:
+        """``arm`` for many groups of one region pair at once (e.g. every layer of a rank
+        pair): group g is triples ``[starts[g], starts[g + 1])`` armed at ``thresholds[g]``.
+        Checked once, armed in one native loop."""
+        eng = self.engine
+        eng._endpoints(src, peer, dst)
+        so = _as_offsets(src_offsets, "src_offsets")
+        do = _as_offsets(dst_offsets, "dst_offsets")
+        ln = _as_offsets(lengths, "lengths")
+        th = _as_offsets(thresholds, "thresholds")
+        st = np.ascontiguousarray(starts, dtype=np.int64)
+        if not (len(so) == len(do) == len(ln)):
+            raise InvalidArgumentError(f"triples differ in length: {len(so)}, {len(do)}, {len(ln)}")
+        if (st.ndim != 1 or len(st) != len(th) + 1 or st[0] != 0 or st[-1] != len(ln)
+                or (np.diff(st) < 0).any()):
+            raise InvalidArgumentError("starts must run from 0 to the number of triples, one more than thresholds")
+        if len(ln):
+            se, de = so + ln, do + ln
+            i, j = int(se.argmax()), int(de.argmax())
+            if int(se[i]) > src.nbytes:
+                raise OutOfBoundsError(f"source write {i} ends at byte {int(se[i])}, beyond the {src.nbytes}-byte region")
+            if int(de[j]) > dst.nbytes:
+                raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
+        imm = _check_imm(imm)
+        if not 0 <= rail < len(eng._rails):
+            raise InvalidArgumentError(f"rail {rail} is not one of this engine's {len(eng._rails)}")
+        handles = src._live()
+        hs = self._h.arm_groups(np.ascontiguousarray(th, np.uint64), int(tag), eng._rails[rail], peer.fi_addrs[rail],
+                                src.ptr, handles[rail], dst.base, dst.keys[rail], np.ascontiguousarray(so, np.uint64),
+                                np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), st, imm,
+                                eng.iov, eng.max_write, eng.pack_min)
+        cs = np.concatenate([[0], np.cumsum(ln, dtype=np.uint64)]).astype(np.uint64)
+        sums = (cs[st[1:]] - cs[st[:-1]]).tolist()
+        return [WatchEntry(h, src, int(sums[g]), imm, int(tag)) for g, h in enumerate(hs)]
+
     def disarm_tag(self, tag: int) -> int:
         """Disarm every still-armed entry of ``tag``; returns how many."""
         return self._h.disarm_tag(int(tag))

@@ -1059,11 +1059,19 @@ class Messenger:
             st.passes.append(p.id)
             try:
                 if layers is not None:
+                    # one native arming loop per region pair, its layers as groups
+                    by_pair: dict = {}
                     for lay, batches in enumerate(layers):
                         for src, dst, sr, dr, so, do, ln in batches:
-                            s._transfers.append(w.arm(p.base + lay + 1, self._local[src][sr], pg.peer,
-                                                      pg.remote[dst][dr], so, do, ln, imm=req.imm, tag=p.id,
-                                                      rail=src % nrails))
+                            by_pair.setdefault((src, dst, sr, dr), []).append((p.base + lay + 1, so, do, ln))
+                    for (src, dst, sr, dr), groups in by_pair.items():
+                        starts = np.zeros(len(groups) + 1, np.int64)
+                        np.cumsum([len(g[3]) for g in groups], out=starts[1:])
+                        s._transfers.extend(w.arm_groups(
+                            [g[0] for g in groups], self._local[src][sr], pg.peer, pg.remote[dst][dr],
+                            np.concatenate([g[1] for g in groups]), np.concatenate([g[2] for g in groups]),
+                            np.concatenate([g[3] for g in groups]), starts, imm=req.imm, tag=p.id,
+                            rail=src % nrails))
             except KvxferError as exc:
                 err = exc
             if err is None and end == req.num_tokens:

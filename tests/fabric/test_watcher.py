@@ -150,3 +150,24 @@ def test_hold_awake_nests(engine):
     engine.hold_awake()
     engine.hold_awake(False)
     engine.hold_awake(False)
+
+
+def test_arm_groups_matches_arm(pair):
+    """Many layers of one region pair armed in one call: the same entries as one by one."""
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher()
+    parts = [_layer(l) for l in range(4)]
+    starts = np.cumsum([0] + [len(p[0]) for p in parts])
+    es = w.arm_groups([1, 2, 3, 4], ms, peer, rd, *(np.concatenate([p[i] for p in parts]) for i in range(3)),
+                      starts, imm=11, tag=2)
+    assert [e.threshold for e in es] == [1, 2, 3, 4]
+    assert [e.num_writes for e in es] == [kvxfer.wire.count_writes(*p, a.iov, a.max_write, a.pack_min) for p in parts]
+    assert [e.nbytes for e in es] == [4 * 1024] * 4
+    w.bump(2)
+    b.expect(11, es[0].num_writes + es[1].num_writes).wait(10)
+    assert w.disarm_tag(2) == 2
+    with pytest.raises(InvalidArgumentError):
+        w.arm_groups([1], ms, peer, rd, [0], [0], [1], [0, 2])
+    with pytest.raises(OutOfBoundsError):
+        w.arm_groups([1], ms, peer, rd, [0], [len(dst)], [1], [0, 1])
