@@ -81,7 +81,7 @@ def _stream_prefill(conn, spec):
 
 
 def _serve(m, layout, *, expect: int, budget: int, layer_delay: float, mirror: str, abandon=None,
-           finish_early: bool = True, gather: bool = False, timeout: float = 60.0) -> dict:
+           finish_early: bool = True, gather: bool = False, close_at=None, timeout: float = 60.0) -> dict:
     """Serve ``expect`` requests with chunked prefill: each pass gives at most ``budget``
     tokens, first come first served; the model bumps every layer after ``layer_delay`` s.
     ``abandon=(pass index, layers)``: that pass is abandoned after that many layers."""
@@ -127,6 +127,8 @@ def _serve(m, layout, *, expect: int, budget: int, layer_delay: float, mirror: s
         stop_at = L
         if abandon is not None and abandon[0] == npass:
             stop_at = abandon[1]
+        if close_at is not None and close_at[0] == npass:
+            stop_at = close_at[1]
         for layer in range(stop_at):           # the model: one bump per layer
             time.sleep(layer_delay)
             if layer == L - 1:
@@ -136,6 +138,13 @@ def _serve(m, layout, *, expect: int, budget: int, layer_delay: float, mirror: s
                 out.setdefault("last_bump", []).append(time.monotonic())
             mir[0] = lc.value + 1
             lc.bump()
+        if close_at is not None and close_at[0] == npass:
+            t0 = time.monotonic()
+            m.close()                            # mid-stream: armed writes never post
+            out["closed_in"] = time.monotonic() - t0
+            out["close_states"] = [(s.state, type(s.error).__name__ if s.error else None) for s in sends]
+            out["unposted"] = sum(1 for s in sends for t in s.entries if t.state in ("armed", "disarmed"))
+            return out
         if stop_at < L:
             out["abandoned"].append((p.base, p.end, p.abandon(), [repr(s.request.request_id) for s in p.sends]))
             mir[0] = lc.value

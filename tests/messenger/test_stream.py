@@ -145,3 +145,20 @@ def test_abandoned_pass(provider, nodes, tmp_path):
     (base, end, disarmed, sends), = out["abandoned"]
     assert disarmed > 0 and sends == ["'p'"]
     assert out["passes"][1][0] == end                # the next pass starts where the abandoned one ended
+
+
+def test_prefiller_closes_mid_stream(provider, nodes, tmp_path):
+    """The prefill messenger closes after 6 of 32 layers: close returns (within the call's deadline) with
+    writes still armed (they never post), its Send fails, and the decoder's request fails
+    with PeerError (BYE), fenced."""
+    mirror = _mirror(tmp_path)
+    sl = KVLayout.vllm(L, 4, 8, 16, 64, "float16")
+    dl = KVLayout.vllm(L, 4, 8, 16, 96, "float16")
+    pre, dec = _pair(provider, nodes, sl, Sharding(1), dl, Sharding(1))
+    dec.call("receive", [("c", [2, 3], 30)])
+    out = pre.call("serve", dict(expect=1, budget=1000, layer_delay=0.002, mirror=mirror, close_at=(0, 6)),
+                   timeout=60)
+    assert out["unposted"] > 0
+    assert out["close_states"] == [("failed", "ClosedError")], out["close_states"]
+    res = dec.call("wait", ["c"], 30)
+    assert res["c"][0] == "failed" and res["c"][1] == "PeerError" and res["c"][2], res
