@@ -96,14 +96,16 @@ esac
 
 # 5. the GPU unit tests, if time is left
 if [ $((SECONDS - T0)) -lt 110 ] && $PY -c 'import pytest' >/dev/null 2>&1; then
-  timeout 60 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cuda_buffers.py | tee "$LOGDIR/gpu_check.pytest.log"
+  # the layer counter: bump_on captured in a CUDA graph, seen by the native watcher (issue 10)
+  timeout 60 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cuda_buffers.py tests/gpu/test_layer_counter.py \
+    | tee "$LOGDIR/gpu_check.pytest.log"
   PRC=${PIPESTATUS[0]}
   if [ "$PRC" -ne 0 ]; then
-    note FAIL "pytest tests/gpu/test_cuda_buffers.py (exit $PRC)"
+    note FAIL "pytest tests/gpu/test_cuda_buffers.py tests/gpu/test_layer_counter.py (exit $PRC)"
   elif grep -q ' passed' "$LOGDIR/gpu_check.pytest.log"; then
-    note PASS "pytest tests/gpu/test_cuda_buffers.py: $(tail -n 1 "$LOGDIR/gpu_check.pytest.log")"
+    note PASS "pytest tests/gpu (buffers, layer counter): $(tail -n 1 "$LOGDIR/gpu_check.pytest.log")"
   else
-    note SKIP "pytest tests/gpu/test_cuda_buffers.py: everything skipped"
+    note SKIP "pytest tests/gpu (buffers, layer counter): everything skipped"
   fi
 fi
 

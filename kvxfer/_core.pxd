@@ -29,6 +29,10 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
         pass
     ctypedef struct kx_msg:
         pass
+    ctypedef struct kx_watcher:
+        pass
+    ctypedef struct kx_watch:
+        pass
 
     ctypedef struct kx_rail_info:
         const char *provider
@@ -122,6 +126,43 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     size_t kx_msg_len(const kx_msg *m)
     const char *kx_msg_data(const kx_msg *m)
     void kx_msg_free(kx_msg *m)
+
+    # the layer watcher
+    int KX_WATCH_ARMED, KX_WATCH_POSTING, KX_WATCH_POSTED, KX_WATCH_DISARMED, KX_WATCH_FAILED
+    ctypedef struct kx_watch_state:
+        int state
+        int error
+        uint64_t threshold
+        int64_t planned
+        int64_t fired_ns
+        kx_transfer *transfer
+    ctypedef struct kx_watcher_stats:
+        size_t armed
+        uint64_t fired
+        uint64_t wakeups
+        int tid
+        int rt
+    int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus, int rt_priority,
+                        kx_watcher **out)
+    uint64_t *kx_watcher_word(kx_watcher *w)
+    uint64_t kx_watcher_value(const kx_watcher *w)
+    uint64_t kx_watcher_bump(kx_watcher *w, uint64_t n)
+    uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to)
+    int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, char *src_base,
+                     void *desc, uint64_t dst_base, uint64_t key, const uint64_t *src_off, const uint64_t *dst_off,
+                     const uint64_t *length, size_t n, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
+                     uint64_t pack_min, kx_watch **out)
+    int64_t kx_watch_planned(const kx_watch *e)
+    void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out)
+    int kx_watch_disarm(kx_watcher *w, kx_watch *e)
+    size_t kx_watcher_disarm_tag(kx_watcher *w, uint64_t tag)
+    int kx_watch_wait(kx_watcher *w, kx_watch *e, int64_t slice_ns)
+    void kx_watch_free(kx_watcher *w, kx_watch *e)
+    size_t kx_watcher_latencies(kx_watcher *w, int64_t *call_ns, int64_t *post_ns, size_t max)
+    void kx_watcher_get_stats(kx_watcher *w, kx_watcher_stats *out)
+    int kx_watcher_close(kx_watcher *w, int64_t timeout_ns)
+    void kx_watcher_free(kx_watcher *w)
+    void kx_rail_hold_awake(kx_rail *r, int delta)
 
     # libfabric versions
     uint32_t kx_runtime_version()

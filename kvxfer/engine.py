@@ -40,7 +40,8 @@ except ImportError as _exc:  # pragma: no cover - exercised only on broken insta
     _fabric = None
     _IMPORT_ERROR = _exc
 
-__all__ = ["Engine", "Peer", "MemoryRegion", "RemoteRegion", "RegionPairs", "Transfer", "Counter", "providers"]
+__all__ = ["Engine", "Peer", "MemoryRegion", "RemoteRegion", "RegionPairs", "Transfer", "Counter", "Watcher",
+           "WatchEntry", "providers"]
 
 #: Tried in this order when no provider is named: RDMA hardware first, then sockets.
 PREFERENCE = ("efa", "verbs;ofi_rxm", "psm3", "cxi", "tcp;ofi_rxm", "shm")
@@ -458,6 +459,179 @@ class Counter:
         return f"<Counter imm={self.imm} {self.arrived}/{self.count}>"
 
 
+class WatchEntry:
+    """Writes armed on a ``Watcher``: posted natively once its counter reaches ``threshold``.
+
+    Quacks like a ``Transfer``: ``num_writes`` (exact, known at arming), ``posted``,
+    ``done`` (posted and complete, or disarmed), ``error``, ``cancel()`` (disarm, or stop
+    posting what was posted), ``wait()``. ``state``: "armed", "posting", "posted",
+    "disarmed" or "failed". It keeps its source region alive."""
+
+    __slots__ = ("_h", "_src", "nbytes", "imm", "tag", "__weakref__")
+
+    def __init__(self, h: Any, src: "MemoryRegion", nbytes: int, imm: Optional[int], tag: int) -> None:
+        self._h = h
+        self._src = src
+        self.nbytes = nbytes
+        self.imm = imm
+        self.tag = tag
+
+    num_writes = property(lambda self: self._h.num_writes, doc="Messages it posts (the message rule).")
+    posted = property(lambda self: self._h.posted, doc="Messages handed to the provider so far.")
+    done = property(lambda self: self._h.done, doc="Disarmed, failed, or posted and complete.")
+    state = property(lambda self: self._h.state, doc="armed, posting, posted, disarmed or failed.")
+    threshold = property(lambda self: self._h.threshold, doc="The counter value that fires it.")
+    fired_ns = property(lambda self: self._h.fired_ns, doc="CLOCK_MONOTONIC ns of its post call (0 before).")
+
+    @property
+    def fired(self) -> bool:
+        """Posted (or failed to post)."""
+        return self._h.state in ("posted", "failed")
+
+    @property
+    def error(self) -> Optional[KvxferError]:
+        return self._h.error
+
+    def disarm(self) -> bool:
+        """True if it was still armed and now never posts; False if it was already posted."""
+        return self._h.disarm()
+
+    def cancel(self) -> None:
+        """Disarm it, or if it was posted post nothing more (what was posted completes)."""
+        self._h.cancel()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until ``done``; raise its error, or TimeoutError."""
+        if not self._h.wait(timeout):
+            raise TimeoutError(f"watch entry still {self.state} after {timeout} s")
+        err = self.error
+        if err is not None:
+            raise err
+
+    def __repr__(self) -> str:
+        return f"<WatchEntry at {self.threshold}: {self.num_writes} writes, {self.state}>"
+
+
+class Watcher:
+    """A native thread (``kvxfer-watch``) that watches a monotonic 64-bit counter and posts
+    armed writes when it reaches their threshold (``Engine.watcher``). No Python runs per
+    layer: the thread compares, then posts through the engine's native path.
+
+    ``word``: the counter's address; 0 lets the watcher allocate it (``ptr``). ``keep``: the
+    owner of external memory, kept alive. The thread blocks when nothing is armed, polls every
+    ``poll_us`` while something is, and ``bump()`` wakes it at once. ``rt_priority`` > 0 asks
+    for SCHED_FIFO (it sleeps between polls; ``stats()["rt"]`` says whether it was granted)."""
+
+    def __init__(self, engine: "Engine", word: int = 0, poll_us: float = 10.0, cpus: Iterable[int] = (),
+                 keep: Any = None, rt_priority: int = 0) -> None:
+        self.engine = engine
+        self._h = _fabric.WatcherHandle(int(word), int(poll_us * 1000), tuple(cpus), keep, int(rt_priority))
+
+    @property
+    def ptr(self) -> int:
+        """The counter's address (host memory)."""
+        return self._h.word
+
+    @property
+    def value(self) -> int:
+        return self._h.value
+
+    def bump(self, n: int = 1) -> int:
+        """Add ``n`` (CPU) and wake the thread; returns the new value."""
+        return self._h.bump(n)
+
+    def advance(self, to: int) -> int:
+        """Raise the counter to at least ``to``; returns its value after."""
+        return self._h.advance(to)
+
+    def arm(self, threshold: int, src: "MemoryRegion", peer: "Peer", dst: "RemoteRegion", src_offsets, dst_offsets,
+            lengths, *, imm: Optional[int] = None, tag: int = 0, rail: int = 0) -> WatchEntry:
+        """Arm ``write_batch``'s triples for when the counter reaches ``threshold`` (checked
+        like ``write_batch`` now; posted on local rail ``rail`` to the peer's rail
+        ``rail % peer rails``). ``tag`` groups entries for ``disarm_tag``."""
+        eng = self.engine
+        eng._endpoints(src, peer, dst)
+        so = _as_offsets(src_offsets, "src_offsets")
+        do = _as_offsets(dst_offsets, "dst_offsets")
+        ln = _as_offsets(lengths, "lengths")
+        if not (len(so) == len(do) == len(ln)):
+            raise InvalidArgumentError(f"triples differ in length: {len(so)}, {len(do)}, {len(ln)}")
+        if len(ln):
+            se, de = so + ln, do + ln
+            i, j = int(se.argmax()), int(de.argmax())
+            if int(se[i]) > src.nbytes:
+                raise OutOfBoundsError(f"source write {i} ends at byte {int(se[i])}, beyond the {src.nbytes}-byte region")
+            if int(de[j]) > dst.nbytes:
+                raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
+        imm = _check_imm(imm)
+        threshold = _nonneg(threshold, "threshold")
+        if not 0 <= rail < len(eng._rails):
+            raise InvalidArgumentError(f"rail {rail} is not one of this engine's {len(eng._rails)}")
+        handles = src._live()
+        r = eng._rails[rail]
+        h = self._h.arm(threshold, int(tag), r, peer.fi_addrs[rail], src.ptr, handles[rail], dst.base, dst.keys[rail],
+                        np.ascontiguousarray(so, np.uint64), np.ascontiguousarray(do, np.uint64),
+                        np.ascontiguousarray(ln, np.uint64), imm, eng.iov, eng.max_write, eng.pack_min)
+        return WatchEntry(h, src, int(ln.sum()) if len(ln) else 0, imm, int(tag))
+
+    def arm_groups(self, thresholds, src: "MemoryRegion", peer: "Peer", dst: "RemoteRegion", src_offsets,
+                   dst_offsets, lengths, starts, *, imm: Optional[int] = None, tag: int = 0,
+                   rail: int = 0) -> list[WatchEntry]:
+        """``arm`` for many groups of one region pair at once (e.g. every layer of a rank
+        pair): group g is triples ``[starts[g], starts[g + 1])`` armed at ``thresholds[g]``.
+        Checked once, armed in one native loop."""
+        eng = self.engine
+        eng._endpoints(src, peer, dst)
+        so = _as_offsets(src_offsets, "src_offsets")
+        do = _as_offsets(dst_offsets, "dst_offsets")
+        ln = _as_offsets(lengths, "lengths")
+        th = _as_offsets(thresholds, "thresholds")
+        st = np.ascontiguousarray(starts, dtype=np.int64)
+        if not (len(so) == len(do) == len(ln)):
+            raise InvalidArgumentError(f"triples differ in length: {len(so)}, {len(do)}, {len(ln)}")
+        if (st.ndim != 1 or len(st) != len(th) + 1 or st[0] != 0 or st[-1] != len(ln)
+                or (np.diff(st) < 0).any()):
+            raise InvalidArgumentError("starts must run from 0 to the number of triples, one more than thresholds")
+        if len(ln):
+            se, de = so + ln, do + ln
+            i, j = int(se.argmax()), int(de.argmax())
+            if int(se[i]) > src.nbytes:
+                raise OutOfBoundsError(f"source write {i} ends at byte {int(se[i])}, beyond the {src.nbytes}-byte region")
+            if int(de[j]) > dst.nbytes:
+                raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
+        imm = _check_imm(imm)
+        if not 0 <= rail < len(eng._rails):
+            raise InvalidArgumentError(f"rail {rail} is not one of this engine's {len(eng._rails)}")
+        handles = src._live()
+        hs = self._h.arm_groups(np.ascontiguousarray(th, np.uint64), int(tag), eng._rails[rail], peer.fi_addrs[rail],
+                                src.ptr, handles[rail], dst.base, dst.keys[rail], np.ascontiguousarray(so, np.uint64),
+                                np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), st, imm,
+                                eng.iov, eng.max_write, eng.pack_min)
+        cs = np.concatenate([[0], np.cumsum(ln, dtype=np.uint64)]).astype(np.uint64)
+        sums = (cs[st[1:]] - cs[st[:-1]]).tolist()
+        return [WatchEntry(h, src, int(sums[g]), imm, int(tag)) for g, h in enumerate(hs)]
+
+    def disarm_tag(self, tag: int) -> int:
+        """Disarm every still-armed entry of ``tag``; returns how many."""
+        return self._h.disarm_tag(int(tag))
+
+    def latencies(self) -> tuple[list[int], list[int]]:
+        """CPU ``bump()`` -> first post of what it fired, in ns, since the last call: to the
+        native post call, and to its return."""
+        return self._h.latencies()
+
+    def stats(self) -> dict:
+        return self._h.stats()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop and join the thread (idempotent); armed entries never post."""
+        self._h.close(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._h.closed)
+
+
 class Engine:
     """One libfabric RDM endpoint with a native progress thread.
 
@@ -498,6 +672,7 @@ class Engine:
         self._dispatcher: Optional[threading.Thread] = None
         self._raw_keys: list[tuple[Any, int]] = []
         self._peers: dict[bytes, Peer] = {}
+        self._watchers: "weakref.WeakSet[Watcher]" = weakref.WeakSet()
         self._rails: list = []
         _check_options(progress, iov, max_write, pack_min, rails)
         if provider is None:
@@ -539,6 +714,8 @@ class Engine:
             self._closed = True
         if not self._rails:
             return
+        for w in list(self._watchers):  # armed writes never post into a closing rail
+            w.close()
         self._rails[0].dispatch_stop()
         for r in self._rails:           # let posted writes finish (bounded), queued ones go
             r.drain(1.0)
@@ -846,6 +1023,28 @@ class Engine:
             if int(de[j]) > dst.nbytes:
                 raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
         return self._post(src, peer, dst, so, do, ln, imm)
+
+    def hold_awake(self, hold: bool = True) -> None:
+        """Take (``hold=True``) or release a hold that keeps every rail's progress thread
+        polling instead of sleeping in its back-off: arrivals are expected soon (a streamed
+        request's layers). Costs CPU while held; holds nest."""
+        self._check_open()
+        for r in self._rails:
+            r.hold_awake(1 if hold else -1)
+
+    def watcher(self, *, word: int = 0, poll_us: float = 10.0, cpus: Optional[Iterable[int]] = None,
+                keep: Any = None, rt_priority: int = 0) -> Watcher:
+        """A native counter watcher that posts armed writes when a counter reaches their
+        threshold (see ``Watcher``); pinned to ``cpus`` (default: the engine's)."""
+        self._check_open()
+        if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not poll_us > 0:
+            raise InvalidArgumentError(f"poll_us must be a positive number, got {poll_us!r}")
+        cpus = self.cpus if cpus is None else _check_cpus(cpus)
+        if isinstance(rt_priority, bool) or not isinstance(rt_priority, int) or not 0 <= rt_priority <= 99:
+            raise InvalidArgumentError(f"rt_priority must be an int in 0..99, got {rt_priority!r}")
+        w = Watcher(self, word, poll_us, cpus or (), keep, rt_priority)
+        self._watchers.add(w)
+        return w
 
     def region_pairs(self, peer: Peer, pairs: Iterable[tuple]) -> "RegionPairs":
         """Check ``(src MemoryRegion, dst RemoteRegion of peer)`` pairs once, for

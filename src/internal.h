@@ -165,6 +165,7 @@ struct kx_rail {
     cpu_set_t cpus;
     int pin;
     int sleeping;          /* the progress thread is blocked; posts must wake it */
+    int awake;             /* holds (kx_rail_hold_awake): poll as if operations were outstanding */
     int endpoint_closed;
     int quiesced;
     pid_t tid;             /* the progress thread's kernel id, for tests of pinning */

@@ -204,7 +204,8 @@ void *kx_progress_main(void *arg)
         }
         int64_t now = kx_now_ns();
         int64_t quiet = now - r->last_activity_ns;
-        int64_t outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_RELAXED) + (r->q_head != NULL);
+        int64_t outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_RELAXED) + (r->q_head != NULL)
+                              + __atomic_load_n(&r->awake, __ATOMIC_RELAXED);
         if (quiet < KX_SPIN_WINDOW_NS || (outstanding > 0 && quiet < KX_STALL_NS)) {
             sched_yield();
             continue;
@@ -212,7 +213,8 @@ void *kx_progress_main(void *arg)
         /* idle: block. Announce it first, then look again, so a post that raced with us
          * either sees `sleeping` (and signals) or is seen here (no lost wake-up). */
         __atomic_store_n(&r->sleeping, 1, __ATOMIC_SEQ_CST);
-        outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_SEQ_CST) + (r->q_head != NULL);
+        outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_SEQ_CST) + (r->q_head != NULL)
+                      + __atomic_load_n(&r->awake, __ATOMIC_SEQ_CST);
         if (r->has_wait && outstanding == 0) {
             struct fi_cq_data_entry ent[KX_CQ_BATCH];
             ssize_t got = fi_cq_sread(r->cq, ent, KX_CQ_BATCH, NULL, 50);

@@ -29,6 +29,8 @@ typedef struct kx_rail kx_rail;
 typedef struct kx_transfer kx_transfer;
 typedef struct kx_counter kx_counter;
 typedef struct kx_msg kx_msg;
+typedef struct kx_watcher kx_watcher;
+typedef struct kx_watch kx_watch;
 
 /* What a rail's provider allows; kvxfer obeys it (strings live as long as the rail). */
 typedef struct kx_rail_info {
@@ -172,6 +174,72 @@ int kx_recv_wait(kx_rail *r, int64_t slice_ns, kx_msg **out);
 size_t kx_msg_len(const kx_msg *m);
 const char *kx_msg_data(const kx_msg *m);
 void kx_msg_free(kx_msg *m);
+
+/* ---- the layer watcher (src/watcher.c) ------------------------------------------- */
+
+/* A native thread (kvxfer-watch) that polls a 64-bit counter word and, when it reaches an
+ * armed entry's threshold, posts the entry's prepared writes with kx_write (same message
+ * rule: kx_watch_planned == what the target counts). Sleeps on a condition variable when
+ * nothing is armed; polls every poll_ns (timer slack 1 us) while armed; kx_watcher_bump
+ * wakes it at once. */
+enum { KX_WATCH_ARMED = 0, KX_WATCH_POSTING = 1, KX_WATCH_POSTED = 2, KX_WATCH_DISARMED = 3,
+       KX_WATCH_FAILED = 4 };
+
+typedef struct kx_watch_state {
+    int state;             /* KX_WATCH_* */
+    int error;             /* KX_WATCH_FAILED: kx_write's errno (positive) */
+    uint64_t threshold;
+    int64_t planned;       /* messages the entry posts */
+    int64_t fired_ns;      /* CLOCK_MONOTONIC time of its post, 0 before */
+    kx_transfer *transfer; /* KX_WATCH_POSTED: the transfer (owned by the entry) */
+} kx_watch_state;
+
+typedef struct kx_watcher_stats {
+    size_t armed;
+    uint64_t fired;        /* entries posted (or failed) */
+    uint64_t wakeups;      /* the thread's wake-ups (polls included) */
+    int tid;               /* the thread's kernel id */
+    int rt;                /* its SCHED_FIFO priority, 0: normal scheduling */
+} kx_watcher_stats;
+
+/* `word`: the counter (NULL: the watcher allocates one, 64-byte aligned, zeroed).
+ * rt_priority > 0 asks for SCHED_FIFO at that priority (ignored where not permitted). */
+int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus, int rt_priority,
+                    kx_watcher **out);
+uint64_t *kx_watcher_word(kx_watcher *w);
+uint64_t kx_watcher_value(const kx_watcher *w);
+/* Atomically add n and wake the thread; returns the new value. */
+uint64_t kx_watcher_bump(kx_watcher *w, uint64_t n);
+/* Raise the word to at least `to` (an abandoned pass); returns the value after. */
+uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to);
+/* Arm the triples' writes for when the word reaches `threshold` (copies the triples). The
+ * rail, source registration and peer must outlive the entry. *out: the owner's reference. */
+int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, char *src_base,
+                 void *desc, uint64_t dst_base, uint64_t key, const uint64_t *src_off, const uint64_t *dst_off,
+                 const uint64_t *length, size_t n, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
+                 uint64_t pack_min, kx_watch **out);
+int64_t kx_watch_planned(const kx_watch *e);
+void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out);
+/* 1 if the entry was still armed and now never posts; 0 if it was posted (waits for a post
+ * in progress to return, so the answer is exact). */
+int kx_watch_disarm(kx_watcher *w, kx_watch *e);
+/* Disarm every armed entry with this tag; returns how many. */
+size_t kx_watcher_disarm_tag(kx_watcher *w, uint64_t tag);
+/* Blocks up to slice_ns; 1 once the entry is no longer armed (posted, failed or disarmed),
+ * 0 on timeout, -1 if the watcher stopped with it armed (it never posts). */
+int kx_watch_wait(kx_watcher *w, kx_watch *e, int64_t slice_ns);
+/* The owner drops the entry (disarming it if armed). */
+void kx_watch_free(kx_watcher *w, kx_watch *e);
+/* Bump -> post latencies (ns) of CPU bumps since the last call: to the first kx_write call
+ * and to its return; returns how many (at most max, 8192 kept). */
+size_t kx_watcher_latencies(kx_watcher *w, int64_t *call_ns, int64_t *post_ns, size_t max);
+void kx_watcher_get_stats(kx_watcher *w, kx_watcher_stats *out);
+/* Stop and join the thread (blocks up to timeout_ns; -FI_ETIMEDOUT: leaked, never freed). */
+int kx_watcher_close(kx_watcher *w, int64_t timeout_ns);
+void kx_watcher_free(kx_watcher *w);
+/* Keep the rail's progress thread polling (delta +1) or release a hold (-1): data is
+ * expected soon, e.g. a streamed request's layers (src/watcher.c). */
+void kx_rail_hold_awake(kx_rail *r, int delta);
 
 /* ---- libfabric versions (src/rail.c) ----------------------------------------------- */
 

@@ -8,6 +8,8 @@ helpers for engines that drive kvxfer without the messenger. See docs/messenger.
 from __future__ import annotations
 
 from kvxfer.messenger.messenger import Messenger, PeerGroup, Receive, Request, Send, context_stride
+from kvxfer.messenger.stream import LayerCounter, Pass, pages_completed
+from kvxfer.messenger.context import pack_context, unpack_context
 from kvxfer.messenger.paged import (
     LayoutRegions,
     PlanTransfer,
@@ -19,7 +21,8 @@ from kvxfer.messenger.paged import (
 from kvxfer.messenger.workers import collect, publish
 
 __all__ = [
-    "Messenger", "PeerGroup", "Receive", "Request", "Send", "context_stride",
+    "Messenger", "PeerGroup", "Receive", "Request", "Send", "context_stride", "LayerCounter", "Pass",
+    "pages_completed", "pack_context", "unpack_context",
     "LayoutRegions", "RemoteLayout", "PlanTransfer", "register_layout", "remote_layout", "post_plan",
     "publish", "collect",
 ]

@@ -51,6 +51,7 @@ from kvxfer.errors import (
 from kvxfer.layout import KVLayout, Sharding
 from kvxfer.messenger import _codec as C
 from kvxfer.messenger.paged import LayoutRegions, plan_batches, register_layout, transfer_posted
+from kvxfer.messenger.stream import LayerCounter, Pass, _Stream, pages_completed
 from kvxfer.planner import plan as _plan
 
 __all__ = ["Messenger", "PeerGroup", "Receive", "Request", "Send", "context_stride"]
@@ -183,6 +184,7 @@ class Receive:
         self._fence_counter: Any = None
         self._fence_ok = False        # fenced by the prefiller's ABORTED, not by a teardown
         self._released = False
+        self._hot = False
         self.t_start = time.monotonic()
         self.t_done: Optional[float] = None
 
@@ -230,6 +232,19 @@ class Receive:
             if c.state == "done":
                 self._m._on_counter(self)
             return
+    @property
+    def arrived(self) -> int:
+        """Messages of this request credited so far (0 until the prefiller announced its
+        count): progress, e.g. layers landing while a stream runs."""
+        c = self._counter
+        if c is None:
+            return 0
+        return c.count if c.done else c.arrived
+
+    @property
+    def expected(self) -> Optional[int]:
+        """The announced message count (None before the ANNOUNCE)."""
+        return self._announced
 
     def add_done_callback(self, fn: Callable[["Receive"], Any]) -> None:
         """``fn(receive)`` once final, on the messenger's dispatcher thread."""
@@ -326,10 +341,32 @@ class Send:
         self._staging: Optional[tuple] = None
         self._event = threading.Event()
         self._callbacks: list[Callable[[Send], Any]] = []
+        self._stream: Optional[_Stream] = None
 
     @property
     def state(self) -> str:
         return self._state
+
+    @property
+    def streaming(self) -> bool:
+        """Made by ``Messenger.stream``: its writes are posted layer by layer by ``schedule``."""
+        return self._stream is not None
+
+    @property
+    def last_chunk(self) -> bool:
+        """A streaming Send whose last chunk (the one ending at ``num_tokens``) was scheduled."""
+        return self._stream is not None and self._stream.end is not None
+
+    @property
+    def entries(self) -> list:
+        """A streaming Send's armed writes (``kvxfer.engine.WatchEntry``: ``threshold``,
+        ``nbytes``, ``num_writes``, ``state``, ``fired_ns``), in arming order; the context's last."""
+        return list(self._transfers) if self._stream is not None else []
+
+    @property
+    def next_token(self) -> int:
+        """A streaming Send's next chunk starts here."""
+        return self._stream.next_token if self._stream is not None else self.request.num_tokens
 
     @property
     def done(self) -> bool:
@@ -394,13 +431,19 @@ class Messenger:
     source rank to its GPU's ``Placement`` (``Topology.assign``) or directly to a local rail
     index: that rank's writes go over the engine rail nearest to it (``Engine.nearest_rail``);
     without one they are striped over every rail.
+    Streaming (``layer_counter``, ``stream``, ``schedule``; kvxfer/messenger/stream.py):
+    ``counter_device`` puts the layer counter in pinned host memory mapped into that CUDA
+    device; ``watch_poll_us``, ``watch_cpus`` and ``watch_rt_priority`` tune its native
+    watcher thread (poll interval while writes are armed, CPUs to pin to, SCHED_FIFO).
     """
 
     def __init__(self, engine: Any, layout: KVLayout, sharding: Sharding, kv: Any, *,
                  ranks: Optional[Iterable[int]] = None, context_slots: int = 0, context_bytes: int = 0,
                  peer_timeout: float = 10.0, secret: Optional[bytes] = None,
                  on_request: Optional[Callable[[Request], Any]] = None, inline_requests: bool = False,
-                 placements: Optional[Mapping[int, Any]] = None) -> None:
+                 placements: Optional[Mapping[int, Any]] = None, counter_device: Optional[int] = None,
+                 watch_poll_us: float = 10.0, watch_cpus: Optional[Iterable[int]] = None,
+                 watch_rt_priority: int = 0) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidArgumentError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if not isinstance(sharding, Sharding):
@@ -425,6 +468,16 @@ class Messenger:
             raise InvalidArgumentError(f"context_bytes {context_bytes} exceeds one message of this engine")
         self._on_request = on_request
         self._inline_requests = bool(inline_requests)
+        if counter_device is not None and (isinstance(counter_device, bool) or not isinstance(counter_device, int)
+                                           or counter_device < 0):
+            raise InvalidArgumentError(f"counter_device must be a CUDA device ordinal, got {counter_device!r}")
+        if isinstance(watch_poll_us, bool) or not isinstance(watch_poll_us, (int, float)) or not watch_poll_us > 0:
+            raise InvalidArgumentError(f"watch_poll_us must be a positive number, got {watch_poll_us!r}")
+        self._counter_opts = (counter_device, float(watch_poll_us), None if watch_cpus is None else tuple(watch_cpus),
+                              watch_rt_priority)
+        self._counter: Optional[LayerCounter] = None
+        self._watcher: Any = None
+        self._counter_release: Optional[Callable[[], None]] = None
         self.ranks, regions = self._ranks(kv, ranks, sharding)
         self._rails = self._rails_of(engine, placements, self.ranks)
         self.uid = int.from_bytes(os.urandom(8), "little") | 1
@@ -572,6 +625,11 @@ class Messenger:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
+        if self._watcher is not None:          # armed writes never post after this
+            self._watcher.close(max(0.1, deadline - time.monotonic()))
+            if self._counter_release is not None:
+                self._counter_release()
+                self._counter_release = None
         if self.engine.closed:
             return
         regions = [mr for lr in self._local.values() for mr in lr.regions] + self._staging_mrs
@@ -702,11 +760,13 @@ class Messenger:
 
     # -- decode side --------------------------------------------------------------------
     def receive(self, peer: PeerGroup, request_id: Any, dst_pages: Any, num_tokens: int, *,
-                timeout: Optional[float] = None) -> Receive:
+                timeout: Optional[float] = None, hot: bool = False) -> Receive:
         """Ask ``peer`` (a prefill node) for ``request_id``'s KV into ``dst_pages`` (indices of
         this node's layout, on every rank it holds). Returns at once; the ``Receive`` is done
         once every write and the context landed. With ``timeout``, a request not done by then
-        is aborted (with the fence) and fails with ``TimeoutError``."""
+        is aborted (with the fence) and fails with ``TimeoutError``. ``hot``: keep the engine's
+        progress threads polling until the request is final (``Engine.hold_awake``), so each
+        streamed layer lands without a sleeping thread's wake-up (costs CPU meanwhile)."""
         self._check_open()
         if not isinstance(peer, PeerGroup) or peer._m is not self:
             raise InvalidArgumentError("peer must come from this messenger's connect()")
@@ -746,6 +806,9 @@ class Messenger:
             slot = self._free_slots.popleft() if self.context_slots else -1
             deadline = None if timeout is None else time.monotonic() + timeout
             r = Receive(self, peer, request_id, rid_bytes, pages, int(num_tokens), imm, slot, deadline)
+            if hot:
+                self.engine.hold_awake(True)
+                r._hot = True
             self._busy_pages[pages] = True
             self._receives[imm] = r
             self._rids[request_id] = r
@@ -763,6 +826,9 @@ class Messenger:
                 r._state = "failed"
                 r.fenced = True
                 r._released = True
+                if r._hot:
+                    r._hot = False
+                    self.engine.hold_awake(False)
             self._free_cell(r._slot_cell)
             raise PeerError(f"could not send the request to peer {peer.uid:016x}: {exc}") from exc
         return r
@@ -816,6 +882,12 @@ class Messenger:
             if error is not None and r.error is None:
                 r.error = error
             r.t_done = time.monotonic()
+            if r._hot:
+                r._hot = False
+                try:
+                    self.engine.hold_awake(False)
+                except KvxferError:
+                    pass
             self._rids.pop(r.request_id, None)
             self._fencing.discard(r)
             if fenced:
@@ -990,6 +1062,257 @@ class Messenger:
             counts = np.array([len(r[4]) for r in rows], np.int64)
             key = np.concatenate([i * nl + r[5].astype(np.int64) for i, r in enumerate(rows)])
             out.append((s_, pairs, so, do, ln, counts, key))
+
+    # -- streaming (layer by layer; see kvxfer/messenger/stream.py) ---------------------------
+    @property
+    def layer_counter(self) -> LayerCounter:
+        """The counter the model bumps once per layer (made, with its native watcher thread,
+        on first use; device-visible with ``counter_device``)."""
+        with self._lock:
+            if self._counter is None:
+                self._check_open()
+                device, poll_us, cpus, rt = self._counter_opts
+                word, dptr, keep = 0, None, None
+                if device is not None:
+                    from kvxfer.messenger import _cudabump
+
+                    word, dptr, self._counter_release = _cudabump.alloc_mapped_word(device)
+                self._watcher = self.engine.watcher(word=word, poll_us=poll_us, cpus=cpus, keep=keep, rt_priority=rt)
+                self._counter = LayerCounter(self._watcher, self.layout.num_layers, dptr, device)
+            return self._counter
+
+    def stream(self, request: Request, src_pages: Any = None) -> Send:
+        """A Send whose writes ``schedule`` posts layer by layer as the model computes them.
+        ``src_pages``: the request's source pages, all or a prefix (a chunk may extend them).
+        Call ``finish(context)`` any time; the context is written after the last layer."""
+        self._check_open()
+        if not isinstance(request, Request) or request._m is not self:
+            raise InvalidArgumentError("request must come from this messenger's requests()")
+        if len(self.ranks) != self.sharding.tp_size:
+            raise UnsupportedError(f"sending needs every rank of TP{self.sharding.tp_size} in this messenger; "
+                                   f"it holds {list(self.ranks)}")
+        sp = None if src_pages is None else self._src_prefix(src_pages, request)
+        self.layer_counter                      # the watcher exists before anything is armed
+        pg = request.peer
+        s = Send(self, request)
+        s._stream = _Stream(sp)
+        with self._lock:
+            if request.send is not None:
+                raise InvalidArgumentError(f"request {request.request_id!r} was already sent")
+            request.send = s
+            if request.aborted or not pg.alive:
+                s._state = "aborted" if request.aborted else "failed"
+                s.error = None if request.aborted else PeerError(f"peer {pg.uid:016x} is dead")
+                s._posting_done = s._finished = True
+                s._event.set()
+                self._requests.pop((pg.uid, request.imm), None)
+            self._count("sends")
+        return s
+
+    def _src_prefix(self, src_pages: Any, request: Request) -> np.ndarray:
+        a = np.asarray(src_pages)
+        n = len(request.dst_pages)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise PlanError("src_pages must be a 1-D list of page indices")
+        if a.shape[0] > n:
+            raise PlanError(f"src_pages has {a.shape[0]} pages but the request has {n}")
+        return self._src_pages(a, a.shape[0])
+
+    def schedule(self, chunks: Iterable[Any]) -> Pass:
+        """Before a forward pass: the request chunks it computes, as ``(send, start_token,
+        end_token)`` or ``(send, start_token, end_token, src_pages)`` (the request's source
+        pages so far, a prefix that grows). Arms, for every layer ``l``, the writes of the
+        pages each chunk completes, to be posted by the watcher when the layer counter
+        reaches ``pass.base + l + 1``. A chunk ending at ``num_tokens`` is the request's last:
+        its count is announced now. Chunks of Sends already aborted are skipped. Everything
+        is checked before anything is armed."""
+        self._check_open()
+        lc = self.layer_counter
+        work = []
+        seen: set[int] = set()
+        for ch in chunks:
+            if not isinstance(ch, tuple) or len(ch) not in (3, 4):
+                raise InvalidArgumentError(f"a chunk is (send, start_token, end_token[, src_pages]), got {ch!r}")
+            send, start, end = ch[:3]
+            if not isinstance(send, Send) or send._m is not self or send._stream is None:
+                raise InvalidArgumentError("a chunk's send must come from this messenger's stream()")
+            if id(send) in seen:
+                raise InvalidArgumentError(f"request {send.request.request_id!r} has two chunks in one pass")
+            seen.add(id(send))
+            for name, v in (("start_token", start), ("end_token", end)):
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise InvalidArgumentError(f"{name} must be an int, got {v!r}")
+            start, end = int(start), int(end)
+            st = send._stream
+            req = send.request
+            if send._abort_req or send._state in _FINAL:
+                continue                       # left between passes (aborted, failed)
+            if st.end is not None:
+                raise InvalidArgumentError(f"request {req.request_id!r}'s last chunk was already scheduled")
+            if start != st.next_token or not start < end <= req.num_tokens:
+                raise InvalidArgumentError(f"chunk [{start}, {end}) of request {req.request_id!r} must start at "
+                                           f"{st.next_token} and end after it, at most at {req.num_tokens}")
+            sp = st.src_pages
+            if len(ch) == 4:
+                new = self._src_prefix(ch[3], req)
+                if sp is not None and not np.array_equal(new[:len(sp)], sp[:len(new)]):
+                    raise PlanError(f"request {req.request_id!r}'s source pages changed between chunks")
+                if sp is None or len(new) > len(sp):
+                    sp = new
+            idx = pages_completed(req.num_tokens, self.layout.page_size, start, end)
+            if len(idx) and (sp is None or int(idx[-1]) >= len(sp)):
+                raise PlanError(f"chunk [{start}, {end}) of request {req.request_id!r} completes page "
+                                f"{int(idx[-1])} but only {0 if sp is None else len(sp)} source pages are known")
+            layers = self._layer_batches(req.peer, req, req.dst_pages[idx], sp[idx]) if len(idx) else None
+            work.append((send, start, end, sp, layers))
+        base, end_ = lc._take_pass()
+        p = Pass(self, base, end_, [w[0] for w in work])
+        for send, start, end, sp, layers in work:
+            self._arm_chunk(p, send, end, sp, layers)
+        return p
+
+    def _arm_chunk(self, p: Pass, s: Send, end: int, sp: Optional[np.ndarray], layers: Optional[list]) -> None:
+        req = s.request
+        pg = req.peer
+        st = s._stream
+        w = self._watcher
+        nrails = self.engine.rails
+        announce = None
+        err: Optional[BaseException] = None
+        with s._lock:
+            if s._abort_req or s._state in _FINAL:
+                return
+            st.src_pages = sp
+            st.next_token = end
+            st.passes.append(p.id)
+            try:
+                if layers is not None:
+                    # one native arming loop per region pair, its layers as groups
+                    by_pair: dict = {}
+                    for lay, batches in enumerate(layers):
+                        for src, dst, sr, dr, so, do, ln in batches:
+                            by_pair.setdefault((src, dst, sr, dr), []).append((p.base + lay + 1, so, do, ln))
+                    for (src, dst, sr, dr), groups in by_pair.items():
+                        starts = np.zeros(len(groups) + 1, np.int64)
+                        np.cumsum([len(g[3]) for g in groups], out=starts[1:])
+                        s._transfers.extend(w.arm_groups(
+                            [g[0] for g in groups], self._local[src][sr], pg.peer, pg.remote[dst][dr],
+                            np.concatenate([g[1] for g in groups]), np.concatenate([g[2] for g in groups]),
+                            np.concatenate([g[3] for g in groups]), starts, imm=req.imm, tag=p.id,
+                            rail=src % nrails))
+            except KvxferError as exc:
+                err = exc
+            if err is None and end == req.num_tokens:
+                st.end = p.end
+                announce = sum(t.num_writes for t in s._transfers) + (1 if pg.handshake.context_slots else 0)
+                s._count = announce
+                if st.context is not None:
+                    try:
+                        self._arm_context(s)
+                    except KvxferError as exc:
+                        err = exc
+            if err is not None:
+                s.error = err
+                s._abort_req = True
+                s._abort_flags = C.ABORTED_BY_PREFILLER
+                s._reply = True
+                for t in s._transfers:
+                    t.cancel()
+                s._posting_done = s._finished = True
+                announce = None
+        if err is not None:
+            self._queue_reap(s)
+            return
+        if announce is not None:
+            try:
+                self._send(pg, C.ANNOUNCE, imm=req.imm, count=announce)
+                with s._lock:
+                    if s._state == "pending":
+                        s._state = "transferring"
+            except KvxferError as exc:
+                s.error = PeerError(f"could not announce to peer {pg.uid:016x}: {exc}")
+                self._abort_send(s, by_prefiller=True)
+                return
+            self._maybe_done_posting(s)
+
+    def _arm_context(self, s: Send) -> None:
+        """Arm the context write at the last pass's end (under ``s._lock``)."""
+        st = s._stream
+        pg = s.request.peer
+        if st.context_armed:
+            return
+        st.context_armed = True
+        if not pg.handshake.context_slots:
+            return
+        (data,) = st.context
+        stride = context_stride(pg.handshake.context_bytes)
+        mr, arr, idx = self._staging_slot(stride)
+        s._staging = (stride, (mr, arr, idx))
+        n = 0 if data is None else len(data)
+        base = idx * stride
+        arr[base:base + 8].view("<u8")[0] = n
+        if n:
+            arr[base + 8:base + 8 + n] = np.frombuffer(data, np.uint8)
+        s._transfers.append(self._watcher.arm(st.end, mr, pg.peer, pg.context_region, np.array([base], np.uint64),
+                                              np.array([s.request.slot * stride], np.uint64),
+                                              np.array([8 + n], np.uint64), imm=s.request.imm, tag=st.passes[-1]))
+
+    def _maybe_done_posting(self, s: Send) -> None:
+        """A streaming Send whose last chunk was scheduled and whose context is armed has
+        nothing more to arm: the reaper settles it once every entry posted and completed."""
+        with s._lock:
+            st = s._stream
+            if s._posting_done or st.end is None or not st.context_armed:
+                return
+            s._posting_done = s._finished = True
+        self._queue_reap(s)
+
+    def _abandon_pass(self, p: Pass) -> int:
+        if p.abandoned:
+            return 0
+        p.abandoned = True
+        n = 0
+        for s in p.sends:                   # aborting first: the reaper never sees them "done"
+            n += sum(1 for t in s._transfers if t.threshold > p.base and t.threshold <= p.end
+                     and t.state == "armed")
+            if not s.done:
+                self._abort_send(s, by_prefiller=True)
+        self._watcher.disarm_tag(p.id)
+        self._watcher.advance(p.end)
+        return n
+
+    def _layer_batches(self, pg: PeerGroup, request: Request, dst_pages: np.ndarray, src_pages: np.ndarray) -> list:
+        """The writes of these pages, per layer: ``[layer] -> [(src rank, dst rank, src region,
+        dst region, so, do, ln)]``, in the planner's order within a layer (page, then entry)
+        so contiguous pages coalesce. Same two roads as ``_batches``."""
+        nl = self.layout.num_layers
+        out: list[list] = [[] for _ in range(nl)]
+        sh = self.sharding
+        if sh.replicated or self.layout.kv_heads < sh.tp_size:
+            seed = _request_seed(C.encode_request_id(request.request_id))
+            p = _plan(self.layout, sh, pg.layout, pg.sharding, src_pages, dst_pages, seed=seed)
+            for lay in p.layers:
+                pl = p.layer(lay)
+                for s, d in p.pairs:
+                    if d in pg.remote:
+                        out[lay].extend((s, d, *b) for b in plan_batches(pl, s, d))
+            return out
+        sp, dp = src_pages, dst_pages
+        if len(sp) > 1:
+            order = np.argsort(sp, kind="stable")
+            sp, dp = sp[order], dp[order]
+        t = pg._template
+        if t is None:
+            t = pg._template = self._make_template(pg)
+        soff = sp * self._geometry.page_stride
+        doff = dp * pg._geometry.page_stride
+        for s, d, sr, dr, so, do, ln, lay in t:
+            for layer in np.unique(lay).tolist():
+                sel = lay == layer
+                a, b, c = so[sel], do[sel], ln[sel]
+                out[layer].append((s, d, sr, dr, (a[None, :] + soff[:, None]).ravel(),
+                                   (b[None, :] + doff[:, None]).ravel(),
+                                   np.broadcast_to(c, (len(sp), len(c))).ravel()))
         return out
 
     def _batches(self, pg: PeerGroup, request: Request, src_pages: Any) -> list:
@@ -1076,6 +1399,8 @@ class Messenger:
             if data.nbytes > pg.handshake.context_bytes:
                 raise InvalidArgumentError(f"context of {data.nbytes} bytes exceeds the decoder's "
                                            f"{pg.handshake.context_bytes}-byte slots")
+        if s._stream is not None:
+            return self._finish_stream(s, data)
         with s._lock:
             if s._finished:
                 if s._abort_req or s._state in _FINAL:
@@ -1093,6 +1418,27 @@ class Messenger:
                     for t in s._transfers:
                         t.cancel()
         self._queue_reap(s)
+        return s
+
+    def _finish_stream(self, s: Send, data: Optional[memoryview]) -> Send:
+        err = None
+        with s._lock:
+            st = s._stream
+            if st.context is not None or s._abort_req or s._state in _FINAL:
+                if s._abort_req or s._state in _FINAL:
+                    return s
+                raise InvalidArgumentError("finish() was already called")
+            st.context = (None if data is None else bytes(data),)
+            if st.end is not None:
+                try:
+                    self._arm_context(s)
+                except KvxferError as exc:
+                    err = exc
+        if err is not None:
+            s.error = err
+            self._abort_send(s, by_prefiller=True)
+            return s
+        self._maybe_done_posting(s)
         return s
 
     def _post_context(self, s: Send, data: Optional[memoryview]) -> Any:
@@ -1132,6 +1478,8 @@ class Messenger:
             s._reply = True
             if by_prefiller:
                 s._abort_flags |= C.ABORTED_BY_PREFILLER
+            if s._stream is not None:
+                s._posting_done = True        # entries disarm (or stop posting) below
             if not s._posting_done:
                 return                        # send() sees the flag when it stops posting
             for t in s._transfers:
@@ -1156,6 +1504,11 @@ class Messenger:
                 return False
             err = s.error or next((t.error for t in s._transfers if t.error is not None), None)
             posted = sum(transfer_posted(t) for t in s._transfers)
+            if s._stream is not None and not s._abort_req and any(t.state == "disarmed" for t in s._transfers):
+                # a write that never posts (its pass was abandoned): the decoder must fence
+                s._abort_req = True
+                s._reply = True
+                s._abort_flags |= C.ABORTED_BY_PREFILLER
             if s._abort_req:
                 state = "failed" if s.error is not None else "aborted"
             elif err is not None:

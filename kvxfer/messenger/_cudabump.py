@@ -1,0 +1,101 @@
+"""The layer counter on a GPU: a word of pinned host memory mapped into the device, and a
+one-thread kernel that increments it, launched on the model's stream (capturable in a CUDA
+graph). Compiled once per process with NVRTC (cuda-python); nothing here imports without
+being used, and every failure is an ``UnsupportedError`` with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvxfer._cuda import driver
+from kvxfer.errors import UnsupportedError
+
+_SRC = rb"""
+extern "C" __global__ void kx_layer_bump(unsigned long long *word)
+{
+    /* one thread of one block: launches on one stream are ordered, so a plain
+     * read-modify-write is enough; the fence publishes it to the host's watcher */
+    volatile unsigned long long *w = word;
+    *w = *w + 1ULL;
+    __threadfence_system();
+}
+"""
+
+
+def alloc_mapped_word(device: int) -> tuple[int, int, Any]:
+    """8 bytes (64 allocated) of pinned host memory mapped into ``device``: (host ptr,
+    device ptr, a release function)."""
+    d = driver()
+    drv = d.load()
+    d.make_current(device)
+    flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
+    host = d.check(drv.cuMemHostAlloc(64, flags), "cuMemHostAlloc")
+    host_ptr = int(host)
+    dev = d.check(drv.cuMemHostGetDevicePointer(host_ptr, 0), "cuMemHostGetDevicePointer")
+    import ctypes
+
+    ctypes.memset(host_ptr, 0, 64)
+
+    def release() -> None:
+        try:
+            drv.cuMemFreeHost(host_ptr)
+        except Exception:
+            pass
+
+    return host_ptr, int(dev), release
+
+
+class Kernel:
+    """The compiled increment kernel, loaded into ``device``'s primary context."""
+
+    def __init__(self, device: int) -> None:
+        try:
+            from cuda.bindings import nvrtc
+        except ImportError:
+            try:
+                from cuda import nvrtc  # type: ignore[no-redef]
+            except ImportError:
+                raise UnsupportedError("bump_on needs cuda-python's nvrtc") from None
+        d = driver()
+        drv = d.load()
+        d.make_current(device)
+        major = d.attr(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR")
+        minor = d.attr(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR")
+        err, prog = nvrtc.nvrtcCreateProgram(_SRC, b"kx_layer_bump.cu", 0, [], [])
+        self._nv_check(nvrtc, err, "nvrtcCreateProgram")
+        opts = [f"--gpu-architecture=compute_{major}{minor}".encode()]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * n
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise UnsupportedError(f"nvrtc could not compile the bump kernel: {log.decode(errors='replace')}")
+        err, n = nvrtc.nvrtcGetPTXSize(prog)
+        self._nv_check(nvrtc, err, "nvrtcGetPTXSize")
+        ptx = b" " * n
+        (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
+        self._nv_check(nvrtc, err, "nvrtcGetPTX")
+        self._module = d.check(drv.cuModuleLoadData(ptx), "cuModuleLoadData")
+        self._fn = d.check(drv.cuModuleGetFunction(self._module, b"kx_layer_bump"), "cuModuleGetFunction")
+        self._d = d
+        self._drv = drv
+
+    @staticmethod
+    def _nv_check(nvrtc: Any, err: Any, call: str) -> None:
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise UnsupportedError(f"{call} failed: {err}")
+
+    def launch(self, stream: int, word_dptr: int) -> None:
+        """Enqueue one increment of the word at ``word_dptr`` on ``stream``."""
+        import ctypes
+
+        import numpy as np
+
+        drv = self._drv
+        arg = np.array([word_dptr], dtype=np.uint64)
+        args = np.array([arg.ctypes.data], dtype=np.uint64)
+        (err,) = drv.cuLaunchKernel(self._fn, 1, 1, 1, 1, 1, 1, 0, drv.CUstream(stream), args.ctypes.data, 0)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise UnsupportedError(f"cuLaunchKernel failed: {err}")
+        del ctypes

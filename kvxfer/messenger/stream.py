@@ -1,0 +1,165 @@
+"""Layer-by-layer streaming: the layer counter, forward passes and the chunk rule.
+
+The model increments one monotonic 64-bit counter once per layer (``LayerCounter.bump`` on a
+CPU model; ``bump_on(stream)`` enqueues the increment on a CUDA stream, capturable in a CUDA
+graph). Before each forward pass the scheduler calls ``Messenger.schedule(chunks)``, which
+returns a ``Pass``:
+
+* **Counter semantics.** Every scheduled pass consumes exactly ``num_layers`` increments, in
+  the order passes were scheduled. A pass's ``base`` is ``max(value at schedule time, end
+  of the previously scheduled pass)``, its ``end`` is ``base + num_layers``; layer ``l`` of
+  the pass is computed once the counter reaches ``base + l + 1``. 64 bits never wrap.
+* **Abandon.** ``Pass.abandon()`` (the model will not finish the pass): every still-armed
+  write of the pass is disarmed, the Sends in it are aborted with the fence (the decoder is
+  told exactly what was posted), and the counter is raised to the pass's ``end`` so later
+  passes keep their bases. Call it only once the model stopped bumping for that pass.
+* **The chunk rule.** A chunk ``(send, start_token, end_token)`` writes, at every layer, the
+  pages whose last token lies in ``[start_token, end_token)``; the request's last, partial
+  page goes in its last chunk (``end_token == num_tokens``, ``Send.last_chunk``). So every
+  page travels once per layer however the prompt was chunked, and a chunk boundary inside a
+  page is safe (the page goes with the chunk that completes it).
+* **Count and context.** When the last chunk is scheduled every write of the request is
+  known: the prefiller ANNOUNCEs the exact count then (the decoder's counting rule is
+  unchanged). The context (``Send.finish``, which may come before the last layer) is armed
+  at the last pass's ``end``, after that layer's writes.
+
+The watcher thread (``Engine.watcher``, native) posts the armed writes; no Python runs per
+layer on the model's side.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Optional
+
+import numpy as np
+
+from kvxfer.errors import InvalidArgumentError, UnsupportedError
+
+__all__ = ["LayerCounter", "Pass", "pages_completed"]
+
+_pass_ids = itertools.count(1)
+
+
+def pages_completed(num_tokens: int, page_size: int, start: int, end: int) -> np.ndarray:
+    """Indices of the request's pages written by chunk ``[start, end)``: those whose last
+    token (``min((p + 1) * page_size, num_tokens) - 1``) lies in the chunk."""
+    npages = -(-num_tokens // page_size)
+    last = np.minimum((np.arange(npages, dtype=np.int64) + 1) * page_size, num_tokens) - 1
+    return np.flatnonzero((last >= start) & (last < end))
+
+
+class LayerCounter:
+    """The counter a model bumps once per layer; a native watcher thread acts on it.
+
+    ``value``: the counter now. ``bump(n=1)``: add ``n`` from the CPU (wakes the watcher at
+    once). ``ptr``: the address a kernel increments (device-visible when the messenger was
+    given ``counter_device``). ``bump_on(stream)``: enqueue ``+1`` on a CUDA stream (torch
+    stream or a raw ``CUstream``), capturable in a CUDA graph. See the module docstring for
+    what a pass's base and end are."""
+
+    def __init__(self, watcher: Any, num_layers: int, device_ptr: Optional[int] = None,
+                 device: Optional[int] = None) -> None:
+        self._w = watcher
+        self.num_layers = int(num_layers)
+        self._dptr = device_ptr
+        self.device = device
+        self._next_base = 0            # end of the last scheduled pass
+        self._lock = threading.Lock()
+        self._kernel: Any = None
+
+    @property
+    def value(self) -> int:
+        return self._w.value
+
+    def bump(self, n: int = 1) -> int:
+        """Add ``n`` (a CPU model, after each layer); returns the new value."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise InvalidArgumentError(f"bump takes a positive int, got {n!r}")
+        return self._w.bump(int(n))
+
+    @property
+    def ptr(self) -> int:
+        """The counter's address for a kernel: the device pointer of the mapped host word
+        with ``counter_device``, else the host address."""
+        return self._dptr if self._dptr is not None else self._w.ptr
+
+    @property
+    def host_ptr(self) -> int:
+        return self._w.ptr
+
+    def bump_on(self, stream: Any) -> None:
+        """Enqueue ``counter += 1`` on a CUDA stream (a ``torch.cuda.Stream``, or anything
+        with ``cuda_stream``, or an int handle); capturable in a CUDA graph."""
+        if self._dptr is None:
+            raise UnsupportedError("bump_on needs a messenger made with counter_device= (a CUDA device)")
+        from kvxfer.messenger import _cudabump
+
+        handle = getattr(stream, "cuda_stream", stream)
+        if self._kernel is None:
+            self._kernel = _cudabump.Kernel(self.device)
+        self._kernel.launch(int(handle), self._dptr)
+
+    @property
+    def next_base(self) -> int:
+        """The base the next scheduled pass gets (if the counter is not already past it)."""
+        return max(self._next_base, self.value)
+
+    def _take_pass(self) -> tuple[int, int]:
+        with self._lock:
+            base = max(self._next_base, self.value)
+            self._next_base = base + self.num_layers
+            return base, base + self.num_layers
+
+    def latencies(self) -> tuple[list[int], list[int]]:
+        """CPU bump -> first post (ns) since the last call: to the native post call, to its return."""
+        return self._w.latencies()
+
+    def stats(self) -> dict:
+        """The watcher thread's counters: armed entries, fired entries, wake-ups, tid."""
+        return self._w.stats()
+
+    def __repr__(self) -> str:
+        return f"<LayerCounter {self.value} ({self.num_layers} layers per pass)>"
+
+
+class Pass:
+    """One scheduled forward pass: layer ``l`` is done when the counter reaches
+    ``base + l + 1``; ``end = base + num_layers``."""
+
+    def __init__(self, m: Any, base: int, end: int, sends: list) -> None:
+        self._m = m
+        self.id = next(_pass_ids)
+        self.base = base
+        self.end = end
+        self.sends = sends
+        self.abandoned = False
+
+    @property
+    def layers_done(self) -> int:
+        """Layers of this pass the counter says are computed."""
+        return max(0, min(self.end, self._m.layer_counter.value) - self.base)
+
+    def abandon(self) -> int:
+        """The model gave this pass up: disarm its writes not yet posted, abort its Sends
+        with the fence (the decoders fail those requests with ``PeerError``), and raise the
+        counter to ``end``. Returns how many armed writes were disarmed."""
+        return self._m._abandon_pass(self)
+
+    def __repr__(self) -> str:
+        return f"<Pass {self.id} layers at {self.base}+1..{self.end}, {len(self.sends)} send(s)>"
+
+
+class _Stream:
+    """A streaming Send's progress: source pages known so far, next token, last pass."""
+
+    __slots__ = ("src_pages", "next_token", "end", "context", "context_armed", "passes")
+
+    def __init__(self, src_pages: Optional[np.ndarray]) -> None:
+        self.src_pages = src_pages
+        self.next_token = 0
+        self.end: Optional[int] = None          # the last pass's end, once the last chunk is scheduled
+        self.context: Optional[tuple] = None    # (data,) once finish() came
+        self.context_armed = False
+        self.passes: list[int] = []

@@ -1,0 +1,529 @@
+/* watcher.c: the layer watcher. A dedicated native thread polls a 64-bit counter word that a
+ * model bumps once per layer (plain host memory on a CPU model; pinned host memory mapped
+ * into the GPU for CUDA) and, when the word reaches an armed entry's threshold, posts that
+ * entry's prepared writes through kx_write: the same walker and message rule as every other
+ * write, so kx_count_messages of the entry's triples is exactly what the target sees.
+ *
+ * Entries (kx_watch) are kept sorted by threshold (stable: equal thresholds post in arming
+ * order, so a context armed after a pass's last layer goes after it). An entry is shared by
+ * its owner and the armed list (refs); its transfer's caller reference is the entry's.
+ *
+ * The thread never busy-spins: with nothing armed it sleeps on the condition variable; with
+ * entries armed it waits on it with a short timeout (poll_ns, timer slack lowered to 1 us so
+ * a 10 us wait is one), and kx_watcher_bump (a CPU model) signals it at once. Disarming an
+ * entry that the thread is posting right now waits until that post returned, so the caller
+ * learns exactly which entries were posted (the messenger's abort fence needs that). */
+#include "internal.h"
+
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define KX_LAT_SAMPLES 8192
+
+
+struct kx_watch {
+    struct kx_watch *next;     /* the armed list */
+    int refs;                  /* owner + armed list (under the watcher's lock) */
+    int state;
+    int error;                 /* kx_write's failure, a positive errno */
+    uint64_t threshold;
+    uint64_t tag;
+    int64_t planned;
+    int64_t fired_ns;
+    kx_rail *rail;
+    kx_transfer *x;            /* set once posted; its caller reference is ours */
+    fi_addr_t peer;
+    char *src_base;
+    void *desc;
+    uint64_t dst_base, key;
+    uint64_t *triples;         /* 3 n words: src, dst, length */
+    size_t n;
+    int has_imm;
+    uint32_t imm;
+    size_t iov;
+    uint64_t max_write, pack_min;
+};
+
+struct kx_watcher {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;       /* the thread sleeps here; waiters on entries too */
+    pthread_t thread;
+    int started, stop, leaked, exited;
+    pid_t tid;
+    volatile uint64_t *word;
+    uint64_t *own_word;
+    int64_t poll_ns;
+    cpu_set_t cpus;
+    int pin;
+    kx_watch *armed;           /* sorted by threshold */
+    size_t narmed;
+    uint64_t seen;             /* last value acted on */
+    int64_t bump_ns;           /* time of the last CPU bump not yet followed by a post */
+    int64_t lat_call[KX_LAT_SAMPLES], lat_post[KX_LAT_SAMPLES];
+    size_t nlat;
+    uint64_t fired, wakeups;
+    int rt;                    /* SCHED_FIFO priority it runs at, 0 if none */
+};
+
+static void watch_release_locked(kx_watcher *w, kx_watch *e, int *free_it)
+{
+    (void)w;
+    *free_it = --e->refs == 0;
+}
+
+static void watch_destroy(kx_watch *e)
+{
+    if (e->x)
+        kx_transfer_release(e->rail, e->x);
+    free(e->triples);
+    free(e);
+}
+
+static void post_batch(kx_watcher *w, kx_watch *batch)
+{
+    int64_t bump_ns = 0;
+    pthread_mutex_lock(&w->lock);
+    bump_ns = w->bump_ns;
+    w->bump_ns = 0;
+    pthread_mutex_unlock(&w->lock);
+    int first = 1;
+    for (kx_watch *e = batch; e; e = e->next) {
+        int64_t t0 = kx_now_ns();
+        kx_transfer *x = NULL;
+        int ret = kx_write(e->rail, e->peer, e->src_base, e->desc, e->dst_base, e->key, e->triples,
+                           e->triples + e->n, e->triples + 2 * e->n, e->n, e->has_imm, e->imm, e->iov,
+                           e->max_write, e->pack_min, &x);
+        int64_t t1 = kx_now_ns();
+        pthread_mutex_lock(&w->lock);
+        if (first && bump_ns && w->nlat < KX_LAT_SAMPLES) {
+            w->lat_call[w->nlat] = t0 - bump_ns;
+            w->lat_post[w->nlat] = t1 - bump_ns;
+            w->nlat++;
+        }
+        first = 0;
+        e->fired_ns = t0;
+        if (ret) {
+            e->state = KX_WATCH_FAILED;
+            e->error = -ret;
+        } else {
+            e->x = x;
+            e->state = KX_WATCH_POSTED;
+        }
+        w->fired++;
+        pthread_mutex_unlock(&w->lock);
+    }
+}
+
+static void *watcher_main(void *arg)
+{
+    kx_watcher *w = arg;
+    w->tid = (pid_t)syscall(SYS_gettid);
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);   /* 1 us: a 10 us wait really is one */
+    pthread_mutex_lock(&w->lock);
+    while (!w->stop) {
+        if (!w->armed) {
+            pthread_cond_wait(&w->cond, &w->lock);
+            w->wakeups++;
+            continue;
+        }
+        uint64_t v = __atomic_load_n(w->word, __ATOMIC_ACQUIRE);
+        if (w->armed->threshold > v) {
+            struct timespec ts;
+            kx_deadline(&ts, w->poll_ns);
+            pthread_cond_timedwait(&w->cond, &w->lock, &ts);
+            w->wakeups++;
+            continue;
+        }
+        /* take every due entry, in order; they stay referenced by the list's reference */
+        kx_watch *head = w->armed, *tail = w->armed;
+        head->state = KX_WATCH_POSTING;
+        w->narmed--;
+        while (tail->next && tail->next->threshold <= v) {
+            tail = tail->next;
+            tail->state = KX_WATCH_POSTING;
+            w->narmed--;
+        }
+        w->armed = tail->next;
+        tail->next = NULL;
+        w->seen = v;
+        pthread_mutex_unlock(&w->lock);
+        post_batch(w, head);
+        pthread_mutex_lock(&w->lock);
+        kx_watch *dead = NULL;
+        for (kx_watch *e = head, *nx; e; e = nx) {
+            nx = e->next;
+            int f;
+            watch_release_locked(w, e, &f);
+            if (f) {
+                e->next = dead;
+                dead = e;
+            } else {
+                e->next = NULL;
+            }
+        }
+        pthread_cond_broadcast(&w->cond);
+        pthread_mutex_unlock(&w->lock);
+        for (kx_watch *e = dead, *nx; e; e = nx) {
+            nx = e->next;
+            watch_destroy(e);
+        }
+        pthread_mutex_lock(&w->lock);
+    }
+    w->exited = 1;
+    pthread_cond_broadcast(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+    return NULL;
+}
+
+int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus, int rt_priority, kx_watcher **out)
+{
+    kx_watcher *w = calloc(1, sizeof(*w));
+    if (!w)
+        return -FI_ENOMEM;
+    if (!word) {
+        if (posix_memalign((void **)&w->own_word, 64, 64)) {
+            free(w);
+            return -FI_ENOMEM;
+        }
+        memset(w->own_word, 0, 64);
+        word = w->own_word;
+    }
+    w->word = word;
+    w->poll_ns = poll_ns > 0 ? poll_ns : 10000;
+    pthread_mutex_init(&w->lock, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&w->cond, &ca);
+    pthread_condattr_destroy(&ca);
+    CPU_ZERO(&w->cpus);
+    for (int i = 0; i < ncpus; i++) {
+        if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE)
+            CPU_SET(cpus[i], &w->cpus);
+    }
+    w->pin = ncpus > 0;
+    int ret = pthread_create(&w->thread, NULL, watcher_main, w);
+    if (ret) {
+        pthread_cond_destroy(&w->cond);
+        pthread_mutex_destroy(&w->lock);
+        free(w->own_word);
+        free(w);
+        return -ret;
+    }
+    w->started = 1;
+    pthread_setname_np(w->thread, "kvxfer-watch");
+    if (w->pin)
+        pthread_setaffinity_np(w->thread, sizeof(w->cpus), &w->cpus);
+    if (rt_priority > 0) {
+        /* SCHED_FIFO: the thread sleeps between polls, so it costs no more CPU, but a bump
+         * is acted on without waiting for a busy core's time slice */
+        struct sched_param sp = {.sched_priority = rt_priority};
+        w->rt = pthread_setschedparam(w->thread, SCHED_FIFO, &sp) == 0 ? rt_priority : 0;
+    }
+    *out = w;
+    return 0;
+}
+
+uint64_t *kx_watcher_word(kx_watcher *w)
+{
+    return (uint64_t *)w->word;
+}
+
+uint64_t kx_watcher_value(const kx_watcher *w)
+{
+    return __atomic_load_n(w->word, __ATOMIC_ACQUIRE);
+}
+
+uint64_t kx_watcher_bump(kx_watcher *w, uint64_t n)
+{
+    int64_t now = kx_now_ns();
+    uint64_t v = __atomic_add_fetch(w->word, n, __ATOMIC_ACQ_REL);
+    pthread_mutex_lock(&w->lock);
+    if (w->armed && w->armed->threshold <= v && !w->bump_ns)
+        w->bump_ns = now;
+    pthread_cond_signal(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+    return v;
+}
+
+uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to)
+{
+    uint64_t v = __atomic_load_n(w->word, __ATOMIC_ACQUIRE);
+    while (v < to && !__atomic_compare_exchange_n(w->word, &v, to, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        ;
+    pthread_mutex_lock(&w->lock);
+    pthread_cond_signal(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+    return v < to ? to : v;
+}
+
+int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, char *src_base,
+                 void *desc, uint64_t dst_base, uint64_t key, const uint64_t *src_off, const uint64_t *dst_off,
+                 const uint64_t *length, size_t n, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
+                 uint64_t pack_min, kx_watch **out)
+{
+    if (iov < 1 || iov > KX_MAX_IOV || max_write == 0)
+        return -FI_EINVAL;
+    kx_watch *e = calloc(1, sizeof(*e));
+    if (!e)
+        return -FI_ENOMEM;
+    if (n) {
+        e->triples = malloc(3 * n * sizeof(uint64_t));
+        if (!e->triples) {
+            free(e);
+            return -FI_ENOMEM;
+        }
+        memcpy(e->triples, src_off, n * sizeof(uint64_t));
+        memcpy(e->triples + n, dst_off, n * sizeof(uint64_t));
+        memcpy(e->triples + 2 * n, length, n * sizeof(uint64_t));
+    }
+    e->n = n;
+    e->planned = kx_count_messages(src_off, dst_off, length, n, iov, max_write, pack_min);
+    e->threshold = threshold;
+    e->tag = tag;
+    e->rail = r;
+    e->peer = peer;
+    e->src_base = src_base;
+    e->desc = desc;
+    e->dst_base = dst_base;
+    e->key = key;
+    e->has_imm = has_imm;
+    e->imm = imm;
+    e->iov = iov;
+    e->max_write = max_write;
+    e->pack_min = pack_min;
+    e->refs = 2;
+    e->state = KX_WATCH_ARMED;
+    pthread_mutex_lock(&w->lock);
+    if (w->stop) {
+        pthread_mutex_unlock(&w->lock);
+        free(e->triples);
+        free(e);
+        return -FI_ECANCELED;
+    }
+    kx_watch **p = &w->armed;
+    while (*p && (*p)->threshold <= threshold)
+        p = &(*p)->next;
+    e->next = *p;
+    *p = e;
+    w->narmed++;
+    pthread_cond_signal(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+    *out = e;
+    return 0;
+}
+
+int64_t kx_watch_planned(const kx_watch *e)
+{
+    return e->planned;
+}
+
+void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out)
+{
+    pthread_mutex_lock(&w->lock);
+    out->state = e->state;
+    out->error = e->error;
+    out->threshold = e->threshold;
+    out->planned = e->planned;
+    out->fired_ns = e->fired_ns;
+    out->transfer = e->state == KX_WATCH_POSTED ? e->x : NULL;
+    pthread_mutex_unlock(&w->lock);
+}
+
+/* under the lock: unlink an armed entry (the list's reference goes to the caller) */
+static int unlink_locked(kx_watcher *w, kx_watch *e)
+{
+    for (kx_watch **p = &w->armed; *p; p = &(*p)->next) {
+        if (*p == e) {
+            *p = e->next;
+            e->next = NULL;
+            w->narmed--;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+int kx_watch_disarm(kx_watcher *w, kx_watch *e)
+{
+    int freed = 0, disarmed = 0;
+    pthread_mutex_lock(&w->lock);
+    while (e->state == KX_WATCH_POSTING)
+        pthread_cond_wait(&w->cond, &w->lock);
+    if (e->state == KX_WATCH_ARMED && unlink_locked(w, e)) {
+        e->state = KX_WATCH_DISARMED;
+        disarmed = 1;
+        watch_release_locked(w, e, &freed);
+        pthread_cond_broadcast(&w->cond);
+    }
+    pthread_mutex_unlock(&w->lock);
+    (void)freed;              /* the owner still holds its reference */
+    return disarmed;
+}
+
+size_t kx_watcher_disarm_tag(kx_watcher *w, uint64_t tag)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&w->lock);
+    kx_watch **p = &w->armed;
+    kx_watch *dead = NULL;
+    while (*p) {
+        kx_watch *e = *p;
+        if (e->tag == tag) {
+            *p = e->next;
+            w->narmed--;
+            e->state = KX_WATCH_DISARMED;
+            int f;
+            watch_release_locked(w, e, &f);
+            if (f) {
+                e->next = dead;
+                dead = e;
+            } else {
+                e->next = NULL;
+            }
+            n++;
+        } else {
+            p = &e->next;
+        }
+    }
+    pthread_cond_broadcast(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+    for (kx_watch *e = dead, *nx; e; e = nx) {
+        nx = e->next;
+        watch_destroy(e);
+    }
+    return n;
+}
+
+int kx_watch_wait(kx_watcher *w, kx_watch *e, int64_t slice_ns)
+{
+    struct timespec ts;
+    kx_deadline(&ts, slice_ns);
+    pthread_mutex_lock(&w->lock);
+    while ((e->state == KX_WATCH_ARMED || e->state == KX_WATCH_POSTING) && !w->exited) {
+        if (pthread_cond_timedwait(&w->cond, &w->lock, &ts) == ETIMEDOUT)
+            break;
+    }
+    int fired = e->state != KX_WATCH_ARMED && e->state != KX_WATCH_POSTING;
+    if (!fired && w->exited)
+        fired = -1;            /* the thread is gone: it never will */
+    pthread_mutex_unlock(&w->lock);
+    return fired;
+}
+
+void kx_watch_free(kx_watcher *w, kx_watch *e)
+{
+    int f1 = 0, f2 = 0;
+    pthread_mutex_lock(&w->lock);
+    while (e->state == KX_WATCH_POSTING)
+        pthread_cond_wait(&w->cond, &w->lock);
+    if (e->state == KX_WATCH_ARMED && unlink_locked(w, e)) {
+        e->state = KX_WATCH_DISARMED;
+        watch_release_locked(w, e, &f1);
+    }
+    watch_release_locked(w, e, &f2);
+    pthread_mutex_unlock(&w->lock);
+    if (f1 || f2)
+        watch_destroy(e);
+}
+
+size_t kx_watcher_latencies(kx_watcher *w, int64_t *call_ns, int64_t *post_ns, size_t max)
+{
+    pthread_mutex_lock(&w->lock);
+    size_t n = w->nlat < max ? w->nlat : max;
+    memcpy(call_ns, w->lat_call, n * sizeof(int64_t));
+    memcpy(post_ns, w->lat_post, n * sizeof(int64_t));
+    w->nlat = 0;
+    pthread_mutex_unlock(&w->lock);
+    return n;
+}
+
+void kx_watcher_get_stats(kx_watcher *w, kx_watcher_stats *out)
+{
+    pthread_mutex_lock(&w->lock);
+    out->armed = w->narmed;
+    out->fired = w->fired;
+    out->wakeups = w->wakeups;
+    out->tid = w->tid;
+    out->rt = w->rt;
+    pthread_mutex_unlock(&w->lock);
+}
+
+int kx_watcher_close(kx_watcher *w, int64_t timeout_ns)
+{
+    pthread_mutex_lock(&w->lock);
+    if (!w->started || w->exited) {
+        w->stop = 1;
+        pthread_mutex_unlock(&w->lock);
+        if (w->started && !w->leaked) {
+            pthread_join(w->thread, NULL);
+            w->started = 0;
+        }
+        return 0;
+    }
+    w->stop = 1;
+    pthread_cond_broadcast(&w->cond);
+    struct timespec ts;
+    kx_deadline(&ts, timeout_ns);
+    while (!w->exited) {
+        if (pthread_cond_timedwait(&w->cond, &w->lock, &ts) == ETIMEDOUT)
+            break;
+    }
+    int exited = w->exited;
+    pthread_mutex_unlock(&w->lock);
+    if (!exited) {
+        w->leaked = 1;       /* stuck inside a post: never free what it uses */
+        return -FI_ETIMEDOUT;
+    }
+    pthread_join(w->thread, NULL);
+    w->started = 0;
+    return 0;
+}
+
+void kx_watcher_free(kx_watcher *w)
+{
+    if (!w || w->leaked)
+        return;
+    kx_watcher_close(w, 5000000000LL);
+    if (w->leaked)
+        return;
+    /* entries still armed belong to their owners too: drop the list's references */
+    pthread_mutex_lock(&w->lock);
+    kx_watch *dead = NULL;
+    while (w->armed) {
+        kx_watch *e = w->armed;
+        w->armed = e->next;
+        e->state = KX_WATCH_DISARMED;
+        int f;
+        watch_release_locked(w, e, &f);
+        if (f) {
+            e->next = dead;
+            dead = e;
+        } else {
+            e->next = NULL;
+        }
+    }
+    pthread_mutex_unlock(&w->lock);
+    for (kx_watch *e = dead, *nx; e; e = nx) {
+        nx = e->next;
+        watch_destroy(e);
+    }
+    /* the owner frees its entries with kx_watch_free before the watcher (Cython keeps a
+     * reference from each entry to its watcher) */
+    pthread_cond_destroy(&w->cond);
+    pthread_mutex_destroy(&w->lock);
+    free(w->own_word);
+    free(w);
+}
+
+/* Incoming data is expected soon (a streamed request): the progress thread keeps polling
+ * (sched_yield between empty reads) while holds are taken, as if its own operations were
+ * outstanding, instead of sleeping in its back-off; it still backs off after 200 ms of
+ * silence. Costs a core while held; lowers the landing latency of each layer. */
+void kx_rail_hold_awake(kx_rail *r, int delta)
+{
+    __atomic_add_fetch(&r->awake, delta, __ATOMIC_SEQ_CST);
+    if (delta > 0)
+        kx_wake(r);
+}

@@ -1,0 +1,173 @@
+"""The native layer watcher (``Engine.watcher``): armed writes post when the counter reaches
+their threshold, in threshold order, with exact message counts; disarm and cancel say
+exactly what was posted; bad input posts nothing; close with entries armed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvxfer
+from kvxfer.errors import ClosedError, InvalidArgumentError, OutOfBoundsError
+
+
+def _setup(a, b, n=1 << 16):
+    src = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, np.uint8)
+    ms, md = a.register(src), b.register(dst)
+    peer = a.connect(b.address)
+    a.send(peer, b"hello")                 # shm maps a peer on its first message
+    assert b.recv(10) == b"hello"
+    return src, dst, ms, peer, a.remote(md.descriptor()), md
+
+
+def _layer(i, pages=4, page=1024):
+    """Layer i's triples: ``pages`` pages of ``page`` bytes, every other one (no coalescing)."""
+    off = np.arange(pages, dtype=np.uint64) * 2 * page + i * 2 * pages * page
+    return off, off, np.full(pages, page, np.uint64)
+
+
+def test_fires_in_order_with_exact_counts(pair):
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher()
+    entries = [w.arm(l + 1, ms, peer, rd, *_layer(l), imm=77) for l in range(4)]
+    assert all(e.state == "armed" and not e.done for e in entries)
+    counts = [e.num_writes for e in entries]
+    assert counts == [kvxfer.wire.count_writes(*_layer(l), a.iov, a.max_write, a.pack_min) for l in range(4)]
+    c = b.expect(77, sum(counts[:2]))
+    assert w.bump() == 1
+    entries[0].wait(10)
+    assert w.bump() == 2
+    c.wait(10)
+    for e in entries[:2]:
+        e.wait(10)
+        assert e.state == "posted" and e.posted == e.num_writes and e.fired_ns > 0
+    assert [e.state for e in entries[2:]] == ["armed", "armed"]
+    assert b.banked(77) == 0                 # nothing of layers 2, 3 arrived
+    for l in range(4):
+        for o, _, n in zip(*_layer(l)):
+            o, n = int(o), int(n)
+            assert np.array_equal(dst[o:o + n], src[o:o + n]) == (l < 2), l
+    end = 2 * 2 * 4 * 1024
+    assert not dst[end:].any()
+    assert w.value == 2
+    call, post = w.latencies()
+    assert len(call) == 2 and all(0 < x <= y for x, y in zip(call, post))   # one sample per bump that fired
+    w.close()
+    assert [e.state for e in entries[2:]] == ["armed", "armed"]   # never posted after close
+
+
+def test_disarm_and_cancel_tell_what_was_posted(pair):
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher()
+    e0 = w.arm(1, ms, peer, rd, *_layer(0), imm=5, tag=9)
+    e1 = w.arm(2, ms, peer, rd, *_layer(1), imm=5, tag=9)
+    e2 = w.arm(3, ms, peer, rd, *_layer(2), imm=5, tag=8)
+    w.bump()
+    e0.wait(10)
+    assert e0.disarm() is False and e0.state == "posted"
+    assert e1.disarm() is True and e1.state == "disarmed" and e1.done and e1.posted == 0
+    e1.cancel()                              # idempotent
+    assert w.disarm_tag(9) == 0 and w.disarm_tag(8) == 1 and e2.state == "disarmed"
+    w.bump(5)
+    b.expect(5, e0.num_writes).wait(10)
+    time.sleep(0.05)
+    assert b.banked(5) == 0 and not dst[2 * 4 * 1024:].any()
+
+
+def test_threshold_already_reached_posts_at_once_and_equal_thresholds_keep_order(pair):
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher()
+    w.bump(10)
+    es = [w.arm(5, ms, peer, rd, *_layer(i), imm=6) for i in range(3)]
+    for e in es:
+        e.wait(10)
+    assert [e.state for e in es] == ["posted"] * 3
+    assert es[0].fired_ns <= es[1].fired_ns <= es[2].fired_ns
+    b.expect(6, sum(e.num_writes for e in es)).wait(10)
+
+
+def test_bad_input_arms_nothing(pair):
+    a, b = pair
+    src, dst, ms, peer, rd, md = _setup(a, b)
+    w = a.watcher()
+    with pytest.raises(OutOfBoundsError):
+        w.arm(1, ms, peer, rd, [0], [len(dst) - 10], [64])
+    with pytest.raises(InvalidArgumentError):
+        w.arm(1, ms, peer, rd, [0, 1], [0], [1])
+    with pytest.raises(InvalidArgumentError):
+        w.arm(-1, ms, peer, rd, [0], [0], [1])
+    with pytest.raises(InvalidArgumentError):
+        w.arm(1, ms, peer, rd, [0], [0], [1], rail=3)
+    with pytest.raises(InvalidArgumentError):
+        a.watcher(poll_us=0)
+    assert w.stats()["armed"] == 0
+    w.close()
+    with pytest.raises(ClosedError):
+        w.arm(1, ms, peer, rd, [0], [0], [1])
+
+
+def test_blocks_when_idle_and_bump_from_another_thread(pair):
+    """Nothing armed: the thread sleeps (a handful of wake-ups in 200 ms); a bump from
+    another thread fires what is armed."""
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher()
+    time.sleep(0.2)
+    assert w.stats()["wakeups"] < 5
+    e = w.arm(1, ms, peer, rd, *_layer(0), imm=3)
+    t = threading.Thread(target=w.bump)
+    t.start()
+    t.join(5)
+    e.wait(10)
+    b.expect(3, e.num_writes).wait(10)
+
+
+def test_engine_close_stops_armed_watchers(provider):
+    a = kvxfer.Engine(provider, "127.0.0.1")
+    b = kvxfer.Engine(provider, "127.0.0.1")
+    try:
+        src, dst, ms, peer, rd, _ = _setup(a, b)
+        w = a.watcher()
+        e = w.arm(1, ms, peer, rd, *_layer(0), imm=4)
+    finally:
+        a.close()
+        b.close()
+    assert w.closed and e.state == "armed"
+    with pytest.raises(ClosedError):
+        e.wait()                              # never hangs on an entry that cannot fire
+    del e, w                                  # freeing after the engine closed is safe
+
+
+def test_hold_awake_nests(engine):
+    engine.hold_awake()
+    engine.hold_awake()
+    engine.hold_awake(False)
+    engine.hold_awake(False)
+
+
+def test_arm_groups_matches_arm(pair):
+    """Many layers of one region pair armed in one call: the same entries as one by one."""
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher()
+    parts = [_layer(l) for l in range(4)]
+    starts = np.cumsum([0] + [len(p[0]) for p in parts])
+    es = w.arm_groups([1, 2, 3, 4], ms, peer, rd, *(np.concatenate([p[i] for p in parts]) for i in range(3)),
+                      starts, imm=11, tag=2)
+    assert [e.threshold for e in es] == [1, 2, 3, 4]
+    assert [e.num_writes for e in es] == [kvxfer.wire.count_writes(*p, a.iov, a.max_write, a.pack_min) for p in parts]
+    assert [e.nbytes for e in es] == [4 * 1024] * 4
+    w.bump(2)
+    b.expect(11, es[0].num_writes + es[1].num_writes).wait(10)
+    assert w.disarm_tag(2) == 2
+    with pytest.raises(InvalidArgumentError):
+        w.arm_groups([1], ms, peer, rd, [0], [0], [1], [0, 2])
+    with pytest.raises(OutOfBoundsError):
+        w.arm_groups([1], ms, peer, rd, [0], [len(dst)], [1], [0, 1])
