@@ -1062,6 +1062,8 @@ class Messenger:
             counts = np.array([len(r[4]) for r in rows], np.int64)
             key = np.concatenate([i * nl + r[5].astype(np.int64) for i, r in enumerate(rows)])
             out.append((s_, pairs, so, do, ln, counts, key))
+        return out
+
 
     # -- streaming (layer by layer; see kvxfer/messenger/stream.py) ---------------------------
     @property
