@@ -1064,7 +1064,6 @@ class Messenger:
             out.append((s_, pairs, so, do, ln, counts, key))
         return out
 
-
     # -- streaming (layer by layer; see kvxfer/messenger/stream.py) ---------------------------
     @property
     def layer_counter(self) -> LayerCounter:
