@@ -20,8 +20,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from kvxfer import wire
+from kvxfer import _environ, wire
 from kvxfer.errors import (
+    ArgumentTypeError,
     ClosedError,
     DescriptorError,
     FabricError,
@@ -95,19 +96,39 @@ def _as_offsets(a, name: str) -> np.ndarray:
 def _nonneg(v, name: str, positive: bool = False) -> int:
     """A plain Python int from an int or numpy integer scalar (numpy scalars wrap around in
     arithmetic, which would defeat the bounds checks)."""
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise InvalidArgumentError(f"{name} must be an int, got {v!r}")
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ArgumentTypeError(f"{name} must be an int, got {v!r}")
     v = operator.index(v)
     if v < (1 if positive else 0):
         raise InvalidArgumentError(f"{name} must be {'positive' if positive else 'non-negative'}, got {v}")
     return v
 
 
+#: Longest finite wait accepted (about 31 years); beyond it the native deadline would overflow.
+_MAX_TIMEOUT = 1e9
+
+
+def _timeout(t, name: str = "timeout") -> Optional[float]:
+    """None (wait forever) or a finite, non-negative number of seconds as a float."""
+    if t is None:
+        return None
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
+        raise ArgumentTypeError(f"{name} must be a number of seconds or None, got {type(t).__name__}")
+    v = float(t) if not isinstance(t, (int, np.integer)) or abs(int(t)) < 2**63 else float("inf")
+    if v != v:
+        raise InvalidArgumentError(f"{name} must be a number of seconds, got NaN")
+    if v < 0:
+        raise InvalidArgumentError(f"{name} must be non-negative, got {t!r}")
+    if v > _MAX_TIMEOUT:
+        raise InvalidArgumentError(f"{name} {t!r} is too long; pass None to wait without a deadline")
+    return v
+
+
 def _check_imm(imm) -> Optional[int]:
     if imm is None:
         return None
-    if isinstance(imm, bool) or not isinstance(imm, (int, np.integer)):
-        raise InvalidArgumentError(f"imm must be an int in [0, 2**32), got {type(imm).__name__}")
+    if isinstance(imm, (bool, np.bool_)) or not isinstance(imm, (int, np.integer)):
+        raise ArgumentTypeError(f"imm must be an int in [0, 2**32), got {type(imm).__name__}")
     imm = int(imm)
     if not 0 <= imm < _U32:
         raise InvalidArgumentError(f"imm must be in [0, 2**32), got {imm}")
@@ -256,6 +277,7 @@ class Transfer:
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every write completed at the sender; raise its error, or TimeoutError."""
+        timeout = _timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         for x in self._xs:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -292,6 +314,7 @@ class Counter:
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until all ``count`` writes have landed; TimeoutError otherwise."""
+        timeout = _timeout(timeout)
         if not self._h.wait(timeout):
             raise TimeoutError(f"imm {self.imm}: {self._h.arrived}/{self.count} writes arrived after {timeout} s")
         if self._h.errno:
@@ -349,7 +372,7 @@ class Engine:
         self._dispatcher: Optional[threading.Thread] = None
         self._raw_keys: list[tuple[Any, int]] = []
         if provider is None:
-            provider = os.environ.get("FI_PROVIDER") or None
+            provider = _environ.user_provider()   # kvxfer's own include list is not a name
         if placement is not None:
             if nics is None and getattr(placement, "nics", None):
                 nics = list(placement.domains)
@@ -766,6 +789,7 @@ class Engine:
         """A small control message (at most 64 KiB) over FI_MSG, for protocol coordination.
         Raises TimeoutError if the provider's queue stays full for ``timeout`` seconds."""
         self._check_open()
+        timeout = _timeout(timeout)
         if not isinstance(peer, Peer) or peer.engine is not self:
             raise InvalidArgumentError("peer must come from this engine's connect()")
         if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -779,10 +803,36 @@ class Engine:
     def recv(self, timeout: Optional[float] = None) -> bytes:
         """The next control message received; TimeoutError if none within ``timeout`` s."""
         self._check_open()
-        m = self._fab.recv(timeout)
+        m = self._fab.recv(_timeout(timeout))
         if m is None:
             raise TimeoutError(f"no control message within {timeout} s")
         return m
+
+
+def _check_mapped(ptr: int, nbytes: int) -> None:
+    """A raw (ptr, nbytes) must lie in writable mappings of this process: the provider does
+    not check (tcp registers any number), and a peer's write there would crash the target."""
+    end = ptr + nbytes
+    try:
+        with open("/proc/self/maps") as f:
+            spans = []
+            for line in f:
+                rng, perms = line.split(None, 2)[:2]
+                lo, hi = (int(x, 16) for x in rng.split("-"))
+                if hi > ptr and lo < end:
+                    spans.append((lo, hi, perms))
+    except OSError:       # no procfs: nothing more can be checked here
+        return
+    at = ptr
+    for lo, hi, perms in sorted(spans):
+        if lo > at:
+            break
+        if "w" not in perms[:2]:
+            raise InvalidArgumentError(f"memory at {max(lo, ptr):#x} is not writable ({perms})")
+        at = max(at, hi)
+        if at >= end:
+            return
+    raise InvalidArgumentError(f"memory [{ptr:#x}, {end:#x}) is not mapped in this process (unmapped at {at:#x})")
 
 
 def _resolve_buffer(obj: Any):
@@ -803,10 +853,15 @@ def _resolve_buffer(obj: Any):
             except KvxferError:
                 fd = -1
         return int(obj.ptr), int(obj.nbytes), f"cuda:{ordinal}", _fabric.HMEM_CUDA, ordinal, fd, keep
-    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, (int, np.integer)) for v in obj):
+    if isinstance(obj, tuple) and len(obj) == 2:
+        if any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) for v in obj):
+            raise ArgumentTypeError(f"(ptr, nbytes) must be two ints, got ({', '.join(type(v).__name__ for v in obj)})")
         ptr, nbytes = int(obj[0]), int(obj[1])
-        if ptr <= 0:
-            raise InvalidArgumentError("a raw pointer must be non-zero")
+        if not 0 < nbytes < 2**63:
+            raise InvalidArgumentError(f"nbytes must be positive and below 2**63, got {nbytes}")
+        if not 0 < ptr < 2**64 or ptr + nbytes > 2**64:
+            raise InvalidArgumentError(f"pointer {ptr:#x} (+{nbytes} bytes) is not an address")
+        _check_mapped(ptr, nbytes)
         return ptr, nbytes, "cpu", sys_iface, 0, -1, None
     # torch tensors
     if type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr"):
@@ -847,6 +902,9 @@ def _resolve_buffer(obj: Any):
             raise InvalidArgumentError(f"cannot register {type(obj).__name__}: not a buffer, tensor or (ptr, nbytes)") from None
     if mv.readonly:
         raise InvalidArgumentError("buffer is read-only: RMA needs writable memory")
+    if "O" in mv.format or getattr(getattr(obj, "dtype", None), "hasobject", False):
+        # its bytes are PyObject pointers: a peer writing there forges objects in this process
+        raise InvalidArgumentError("buffer holds Python objects (object dtype); only plain data can be registered")
     if not mv.c_contiguous:
         raise InvalidArgumentError("buffer must be C-contiguous")
     arr = np.frombuffer(mv, dtype=np.uint8) if mv.nbytes else np.empty(0, np.uint8)
