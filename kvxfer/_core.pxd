@@ -22,6 +22,7 @@ cdef extern from "kvxfer/engine.h" nogil:
         int64_t planned
         int64_t posted
         int64_t completed
+        int posting_done
         int done
         int error
     ctypedef struct kx_counter:
@@ -78,11 +79,15 @@ cdef extern from "kvxfer/engine.h" nogil:
     int kx_wait_done(kx_engine *e, const int *done, int64_t slice_ns)
     void kx_xfer_drop(kx_engine *e, kx_xfer *x)
     void kx_xfer_cancel(kx_engine *e, kx_xfer *x)
+    int kx_peer_cancel(kx_engine *e, fi_addr_t peer)
+    int kx_peer_wait(kx_engine *e, fi_addr_t peer, int64_t slice_ns, int *posting)
+    int kx_av_remove(kx_engine *e, fi_addr_t addr)
 
     int kx_expect(kx_engine *e, uint32_t imm, uint64_t count, int want_callback, kx_counter **out)
     void kx_counter_drop(kx_engine *e, kx_counter *c)
     void kx_counter_unref(kx_engine *e, kx_counter *c)
     uint64_t kx_banked(kx_engine *e, uint32_t imm)
+    uint64_t kx_discard(kx_engine *e, uint32_t imm, kx_counter **withdrawn)
     int kx_next_done(kx_engine *e, int64_t slice_ns, kx_counter **out)
     void kx_dispatch_stop(kx_engine *e)
 

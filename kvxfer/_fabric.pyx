@@ -255,6 +255,29 @@ cdef class Fabric:
             raise _error("fi_av_insert", ret)
         return a
 
+    def av_remove(self, fi_addr_t addr):
+        cdef int ret = kx_av_remove(self._e(), addr)
+        if ret:
+            raise _error("fi_av_remove", ret)
+
+    def cancel_peer(self, fi_addr_t addr):
+        """Cancel every unfinished transfer to `addr` on this rail; returns how many."""
+        return kx_peer_cancel(self._e(), addr)
+
+    def wait_peer_idle(self, fi_addr_t addr, timeout):
+        """Wait (GIL-free slices, at most `timeout` s) until no transfer to `addr` is in
+        flight on this rail. Returns (in flight, of which still posting)."""
+        cdef kx_engine *e = self._e()
+        cdef int n = 0, posting = 0
+        cdef int64_t slice_ns
+        deadline = _time.monotonic() + timeout
+        while True:
+            slice_ns = _slice_ns(deadline)
+            with nogil:
+                n = kx_peer_wait(e, addr, slice_ns, &posting)
+            if n == 0 or _sliced_wait_done(deadline):
+                return n, posting
+
     def map_raw(self, uint64_t base, const uint8_t[::1] raw):
         cdef uint64_t key = 0
         cdef int ret = kx_map_raw(self._e(), base, <uint8_t *>&raw[0], raw.shape[0], &key)
@@ -351,6 +374,13 @@ cdef class Fabric:
 
     def banked(self, uint32_t imm):
         return kx_banked(self._e(), imm)
+
+    def discard(self, uint32_t imm):
+        """Retire `imm` (see kx_discard): returns (arrivals dropped, address of the withdrawn
+        expectation or 0)."""
+        cdef kx_counter *c = NULL
+        cdef uint64_t n = kx_discard(self._e(), imm, &c)
+        return n, <uintptr_t>c
 
     def next_done(self, timeout):
         """For the callback dispatcher: the address of the next finished counter that wants a
@@ -494,6 +524,10 @@ cdef class Xfer:
     @property
     def completed(self):
         return self.x.completed
+
+    @property
+    def posting_done(self):
+        return bool(self.x.posting_done)
 
     @property
     def done(self):

@@ -124,6 +124,13 @@ def _timeout(t, name: str = "timeout") -> Optional[float]:
     return v
 
 
+def _check_timeout(timeout) -> float:
+    """A finite, non-negative timeout (None refused): for calls that must end."""
+    if timeout is None:
+        raise ArgumentTypeError("timeout must be a number of seconds, got None")
+    return _timeout(timeout)
+
+
 def _check_imm(imm) -> Optional[int]:
     if imm is None:
         return None
@@ -138,10 +145,11 @@ def _check_imm(imm) -> Optional[int]:
 class Peer:
     """A remote engine this engine can write to: one address-vector entry per local rail.
 
-    Local rail i talks to the peer's rail ``i % remote_rails``.
+    Local rail i talks to the peer's rail ``i % remote_rails``. ``connect`` returns the same
+    live Peer for the same address, so it is shared: ``close()`` disconnects it for every user.
     """
 
-    __slots__ = ("engine", "address", "fi_addrs", "remote_rails", "owner", "__weakref__")
+    __slots__ = ("engine", "address", "fi_addrs", "remote_rails", "owner", "closed", "__weakref__")
 
     def __init__(self, engine: "Engine", address: bytes, fi_addrs: tuple, remote_rails: int) -> None:
         self.engine = engine
@@ -149,9 +157,14 @@ class Peer:
         self.fi_addrs = fi_addrs
         self.remote_rails = remote_rails
         self.owner = wire.owner_digest(address)
+        self.closed = False
+
+    def close(self, timeout: float = 1.0) -> None:
+        """``Engine.disconnect(self)``: cancel its transfers, forget its address. Idempotent."""
+        self.engine.disconnect(self, timeout)
 
     def __repr__(self) -> str:
-        return f"<Peer {self.remote_rails} rail(s) of {self.engine.provider}>"
+        return f"<Peer {self.remote_rails} rail(s) of {self.engine.provider}{' closed' if self.closed else ''}>"
 
 
 class MemoryRegion:
@@ -253,8 +266,20 @@ class Transfer:
 
     @property
     def done(self) -> bool:
-        """True once every posted write has completed at the sender (successfully or not)."""
+        """True once every posted write has completed at the sender (successfully or not).
+        After ``cancel()`` it also means posting has stopped for good: ``posted`` is final."""
         return all(x.done for x in self._xs)
+
+    @property
+    def posted(self) -> int:
+        """Writes (messages, in the ``num_writes`` sense) handed to the provider so far.
+
+        Final once ``done`` is True (after ``cancel()`` too): then at most this many writes of
+        the transfer can arrive at the target (exactly this many unless some failed), so a
+        target that has seen this many arrivals of ``imm`` may retire it (``Engine.discard``).
+        While posting is under way it may briefly count one write per rail that the provider
+        then refuses and kvxfer retries."""
+        return sum(x.posted for x in self._xs)
 
     @property
     def error(self) -> Optional[KvxferError]:
@@ -296,28 +321,41 @@ class Transfer:
 class Counter:
     """An expectation: ``count`` writes carrying ``imm``. Arrivals before it was made count."""
 
-    __slots__ = ("_h", "imm", "count", "callback", "__weakref__")
+    __slots__ = ("_handle", "imm", "count", "callback", "__weakref__")
 
-    def __init__(self, h, imm: int, count: int, callback) -> None:
-        self._h = h
+    def __init__(self, handle, imm: int, count: int, callback) -> None:
+        self._handle = handle
         self.imm = imm
         self.count = count
         self.callback = callback
 
     @property
     def done(self) -> bool:
-        return self._h.done
+        return self._handle.done
 
     @property
     def arrived(self) -> int:
-        return self._h.arrived
+        return self._handle.arrived
+
+    @property
+    def state(self) -> str:
+        """``"pending"``, ``"done"`` (all arrived), ``"discarded"`` (withdrawn by
+        ``Engine.discard``) or ``"closed"`` (the engine closed first)."""
+        h = self._handle
+        if not h.done:
+            return "pending"
+        if h.errno == _errno.EIDRM:
+            return "discarded"
+        return "closed" if h.errno else "done"
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until all ``count`` writes have landed; TimeoutError otherwise."""
         timeout = _timeout(timeout)
-        if not self._h.wait(timeout):
-            raise TimeoutError(f"imm {self.imm}: {self._h.arrived}/{self.count} writes arrived after {timeout} s")
-        if self._h.errno:
+        if not self._handle.wait(timeout):
+            raise TimeoutError(f"imm {self.imm}: {self._handle.arrived}/{self.count} writes arrived after {timeout} s")
+        if self._handle.errno == _errno.EIDRM:
+            raise ClosedError(f"imm {self.imm}: the expectation was discarded ({self.arrived}/{self.count} arrived)")
+        if self._handle.errno:
             raise ClosedError(f"imm {self.imm}: engine closed before the writes arrived")
 
     def __repr__(self) -> str:
@@ -371,6 +409,7 @@ class Engine:
         self._callbacks: dict[int, Counter] = {}
         self._dispatcher: Optional[threading.Thread] = None
         self._raw_keys: list[tuple[Any, int]] = []
+        self._peers: dict[bytes, Peer] = {}
         if provider is None:
             provider = _environ.user_provider()   # kvxfer's own include list is not a name
         if placement is not None:
@@ -565,10 +604,44 @@ class Engine:
                     raise DescriptorError("address has a malformed endpoint name for this provider")
             elif len(n) != len(local):
                 raise DescriptorError(f"address has a {len(n)}-byte endpoint name; this provider's are {len(local)} bytes")
-        fi_addrs = tuple(
-            r.av_insert(np.frombuffer(a.names[i % len(a.names)], dtype=np.uint8)) for i, r in enumerate(self._rails)
-        )
-        return Peer(self, bytes(address), fi_addrs, len(a.names))
+        address = bytes(address)
+        with self._lock:
+            peer = self._peers.get(address)
+            if peer is not None and not peer.closed:
+                return peer
+            fi_addrs = tuple(
+                r.av_insert(np.frombuffer(a.names[i % len(a.names)], dtype=np.uint8)) for i, r in enumerate(self._rails)
+            )
+            peer = Peer(self, address, fi_addrs, len(a.names))
+            self._peers[address] = peer
+        return peer
+
+    def disconnect(self, peer: Peer, timeout: float = 1.0) -> None:
+        """Remove a peer: cancel its transfers (writes already posted still complete or fail),
+        wait up to ``timeout`` s for them to end, then remove its address from every rail.
+        Later writes and sends to it raise ``PeerError``. Idempotent.
+
+        An address is removed only from a rail with nothing still posting to it (libfabric
+        reuses the slot for the next peer connected); one still posting at the deadline keeps
+        its slot, unused, until the engine closes."""
+        if not isinstance(peer, Peer) or peer.engine is not self:
+            raise InvalidArgumentError("peer must come from this engine's connect()")
+        timeout = _check_timeout(timeout)
+        with self._lock:
+            if peer.closed:
+                return
+            peer.closed = True        # from here on _endpoints and send refuse it
+            if self._peers.get(peer.address) is peer:
+                del self._peers[peer.address]
+        if self._closed:
+            return
+        for r, addr in zip(self._rails, peer.fi_addrs):
+            r.cancel_peer(addr)
+        deadline = time.monotonic() + timeout
+        for r, addr in zip(self._rails, peer.fi_addrs):
+            _, posting = r.wait_peer_idle(addr, max(0.0, deadline - time.monotonic()))
+            if posting == 0 and not r.closed:
+                r.av_remove(addr)
 
     def register(self, obj: Any, *, remote: bool = True) -> MemoryRegion:
         """Register memory for RMA: a writable buffer, a DLPack/CPU-torch tensor, a KVBuffer,
@@ -631,6 +704,8 @@ class Engine:
         src._live()
         if not isinstance(peer, Peer) or peer.engine is not self:
             raise InvalidArgumentError("peer must come from this engine's connect()")
+        if peer.closed:
+            raise PeerError(_errno.ENOTCONN, "peer was disconnected")
         if not isinstance(dst, RemoteRegion) or dst.engine is not self:
             raise InvalidArgumentError("dst must come from this engine's remote()")
         if dst.descriptor.owner != peer.owner:
@@ -766,6 +841,27 @@ class Engine:
             raise InvalidArgumentError("banked needs an imm")
         return self._fab.banked(checked)
 
+    def discard(self, imm: int) -> int:
+        """Retire ``imm``: withdraw its unfinished expectation (its ``Counter`` ends with
+        ``state == "discarded"``, ``wait`` raises ``ClosedError``, no callback runs), drop
+        its banked arrivals, and return how many arrivals were dropped (banked ones plus
+        those credited to the withdrawn expectation).
+
+        Only arrivals received before the call are retired: a write of ``imm`` arriving
+        later is banked as new and credits the next ``expect(imm, ...)``. So retire an imm
+        only once every write that can carry it has arrived, or never use it again. The
+        fence, knowing the sender's final ``Transfer.posted`` = P: ``d = discard(imm)``; if
+        ``d < P``: ``expect(imm, P - d).wait(...)``, then ``discard(imm)`` again."""
+        self._check_open()
+        checked = _check_imm(imm)
+        if checked is None:
+            raise InvalidArgumentError("discard needs an imm")
+        with self._lock:
+            dropped, addr = self._fab.discard(checked)
+            if addr:
+                self._callbacks.pop(addr, None)
+        return int(dropped)
+
     def _dispatch(self) -> None:
         fab = self._fab
         while True:
@@ -792,6 +888,8 @@ class Engine:
         timeout = _timeout(timeout)
         if not isinstance(peer, Peer) or peer.engine is not self:
             raise InvalidArgumentError("peer must come from this engine's connect()")
+        if peer.closed:
+            raise PeerError(_errno.ENOTCONN, "peer was disconnected")
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidArgumentError(f"a control message is bytes, not {type(data).__name__}")
         buf = np.frombuffer(bytes(data), dtype=np.uint8)

@@ -177,6 +177,7 @@ struct kx_engine {
 
     kx_xfer *inflight;     /* transfers with operations outstanding */
     kx_xfer *q_head, *q_tail;   /* transfers with messages still to post (progress thread posts) */
+    int cancel_pending;         /* a queued transfer was cancelled: the progress thread sweeps the queue */
 
     kx_rxbuf rx[KX_RX_BUFS];
     struct fid_mr *rx_mr;  /* the receive slab's registration (FI_MR_LOCAL providers) */

@@ -199,6 +199,40 @@ static void kx_counter_drop(kx_engine *e, kx_counter *c)
     pthread_mutex_unlock(&e->hub->lock);
 }
 
+/* Retire `imm`: its unfinished expectation (if any) is withdrawn and ends with error
+ * EIDRM (no callback runs; *withdrawn names it so the face can forget it, else NULL),
+ * its banked arrivals are dropped, and the entry is deleted. Returns the arrivals dropped:
+ * banked ones plus those credited to the withdrawn expectation.
+ *
+ * Rule (the engine's guarantee): only arrivals read from the CQ before this call are
+ * retired. An arrival of `imm` read afterwards is banked as new and credits a later
+ * expectation. So a caller retires an imm only once every write that can carry it has
+ * arrived (it knows the sender's posted count: discard, and if fewer than that were
+ * dropped, expect the rest, wait, and discard again), or never reuses the imm. */
+static uint64_t kx_discard(kx_engine *e, uint32_t imm, kx_counter **withdrawn)
+{
+    uint64_t dropped = 0;
+    *withdrawn = NULL;
+    pthread_mutex_lock(&e->hub->lock);
+    kx_centry *s = kx_ctable_find(&e->hub->table, imm);
+    if (s) {
+        dropped = s->arrived;
+        kx_counter *c = s->active;
+        if (c) {
+            s->active = NULL;
+            dropped += c->arrived;
+            c->error = EIDRM;
+            c->done = 1;
+            *withdrawn = c;
+            pthread_cond_broadcast(&e->hub->cond);
+            kx_counter_release_locked(c);   /* the table's reference; the owner holds one */
+        }
+        kx_ctable_del(&e->hub->table, s);
+    }
+    pthread_mutex_unlock(&e->hub->lock);
+    return dropped;
+}
+
 static uint64_t kx_banked(kx_engine *e, uint32_t imm)
 {
     pthread_mutex_lock(&e->hub->lock);

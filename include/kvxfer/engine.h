@@ -621,6 +621,17 @@ static int kx_av_insert(kx_engine *e, const void *addr, fi_addr_t *out)
     return n == 1 ? 0 : (n < 0 ? n : -FI_EINVAL);
 }
 
+/* forget a peer's address; the caller has made sure nothing to it is still posting
+ * (an AV_TABLE index is reused by a later insert) */
+static int kx_av_remove(kx_engine *e, fi_addr_t addr)
+{
+    if (!kx_enter(e))
+        return -FI_ECANCELED;
+    int ret = fi_av_remove(e->av, &addr, 1, 0);
+    kx_leave(e);
+    return ret;
+}
+
 /* a peer's raw key (FI_MR_RAW providers) becomes a 64-bit key usable in RMA calls */
 static int kx_map_raw(kx_engine *e, uint64_t base, uint8_t *raw, size_t rawlen, uint64_t *key)
 {

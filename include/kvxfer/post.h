@@ -181,9 +181,43 @@ static void kx_finish_posting_locked(kx_engine *e, kx_xfer *x)
 
 /* The progress thread's share of posting: drive the queue head until the provider is full.
  * Returns the number of transfers whose posting finished (activity, for the idle logic). */
+/* Finish every cancelled transfer in the queue, wherever it sits: a cancelled transfer
+ * behind a head that the provider keeps refusing (a dead peer) must still end. Only the
+ * progress thread touches queued transfers, so it may unlink them. */
+static int kx_sweep_cancelled(kx_engine *e)
+{
+    int finished = 0;
+    pthread_mutex_lock(&e->hub->lock);
+    e->cancel_pending = 0;
+    kx_xfer *prev = NULL, *x = e->q_head;
+    while (x) {
+        kx_xfer *next = x->qnext;
+        if (__atomic_load_n(&x->cancel, __ATOMIC_ACQUIRE) && !x->have_msg) {
+            if (prev)
+                prev->qnext = next;
+            else
+                e->q_head = next;
+            if (e->q_tail == x)
+                e->q_tail = prev;
+            x->qnext = NULL;
+            if (!x->error)
+                x->error = FI_ECANCELED;
+            kx_finish_posting_locked(e, x);
+            finished++;
+        } else {
+            prev = x;
+        }
+        x = next;
+    }
+    pthread_mutex_unlock(&e->hub->lock);
+    return finished;
+}
+
 static int kx_pump_queue(kx_engine *e)
 {
     int finished = 0;
+    if (__atomic_load_n(&e->cancel_pending, __ATOMIC_ACQUIRE))
+        finished += kx_sweep_cancelled(e);
     for (;;) {
         pthread_mutex_lock(&e->hub->lock);
         kx_xfer *x = e->q_head;
@@ -213,7 +247,51 @@ static int kx_pump_queue(kx_engine *e)
 static void kx_xfer_cancel(kx_engine *e, kx_xfer *x)
 {
     __atomic_store_n(&x->cancel, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&e->cancel_pending, 1, __ATOMIC_RELEASE);
     kx_wake(e);
+}
+
+/* Cancel every unfinished transfer to `peer` on this rail (queued, or being posted by
+ * another thread right now: each is linked in the in-flight list before its first post).
+ * Returns how many were cancelled. */
+static int kx_peer_cancel(kx_engine *e, fi_addr_t peer)
+{
+    int n = 0;
+    pthread_mutex_lock(&e->hub->lock);
+    for (kx_xfer *x = e->inflight; x; x = x->next) {
+        if (x->peer == peer && !x->done) {
+            __atomic_store_n(&x->cancel, 1, __ATOMIC_RELEASE);
+            n++;
+        }
+    }
+    __atomic_store_n(&e->cancel_pending, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&e->hub->lock);
+    kx_wake(e);
+    return n;
+}
+
+/* Wait up to `slice_ns` until no transfer to `peer` is in flight on this rail. Returns the
+ * transfers to it still in flight; *posting: how many of those may still post. */
+static int kx_peer_wait(kx_engine *e, fi_addr_t peer, int64_t slice_ns, int *posting)
+{
+    struct timespec ts;
+    int n, p;
+    kx_deadline(&ts, slice_ns);
+    pthread_mutex_lock(&e->hub->lock);
+    for (;;) {
+        n = p = 0;
+        for (kx_xfer *x = e->inflight; x; x = x->next) {
+            if (x->peer == peer) {
+                n++;
+                p += !x->posting_done;
+            }
+        }
+        if (n == 0 || pthread_cond_timedwait(&e->hub->cond, &e->hub->lock, &ts) == ETIMEDOUT)
+            break;
+    }
+    pthread_mutex_unlock(&e->hub->lock);
+    *posting = p;
+    return n;
 }
 
 static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *desc,
