@@ -9,6 +9,7 @@ cdef extern from "rdma/fabric.h" nogil:
     uint64_t FI_RMA_EVENT, FI_HMEM
     int FI_MAJOR_VERSION, FI_MINOR_VERSION
     int FI_EAGAIN
+    int FI_EINVAL
 
 cdef extern from "rdma/fi_domain.h" nogil:
     struct fid_mr:
@@ -24,6 +25,7 @@ cdef extern from "kvxfer/engine.h" nogil:
         int64_t completed
         int posting_done
         int done
+        int linked
         int error
     ctypedef struct kx_counter:
         uint32_t imm
@@ -66,7 +68,9 @@ cdef extern from "kvxfer/engine.h" nogil:
                        uint64_t *raw_base, const char **call)
     int kx_mr_close(fid_mr *mr)
     int kx_getname(kx_engine *e, void *buf, size_t *len)
-    int kx_av_insert(kx_engine *e, const void *addr, fi_addr_t *out)
+    int kx_av_insert(kx_engine *e, const void *addr, size_t len, fi_addr_t *out)
+    void kx_set_peer_timeout(kx_engine *e, int64_t ns)
+    int kx_peer_state(kx_engine *e, fi_addr_t peer)
     int kx_map_raw(kx_engine *e, uint64_t base, uint8_t *raw, size_t rawlen, uint64_t *key)
     int kx_unmap_key(kx_engine *e, uint64_t key)
 

@@ -166,7 +166,7 @@ cdef class Fabric:
         if kx_leaked(self.e):
             # a thread is stuck inside libfabric: touch nothing of the domain any more
             self.domain_closed = True
-        self.pending = [p for p in self.pending if not (<Xfer>p).x.done]
+        self.pending = [p for p in self.pending if not (<Xfer>p).x.done or (<Xfer>p).x.linked]
 
     def close(self):
         """Close everything; registrations still open on the domain are closed by libfabric."""
@@ -249,11 +249,23 @@ cdef class Fabric:
         return PyBytes_FromStringAndSize(buf, n)
 
     def av_insert(self, const uint8_t[::1] addr):
+        """Insert a peer's endpoint name (checked natively first); its fi_addr."""
         cdef fi_addr_t a = 0
-        cdef int ret = kx_av_insert(self._e(), &addr[0], &a)
+        if addr.shape[0] == 0:
+            raise _error("fi_av_insert", -FI_EINVAL)
+        cdef int ret = kx_av_insert(self._e(), &addr[0], addr.shape[0], &a)
         if ret:
             raise _error("fi_av_insert", ret)
         return a
+
+    def set_peer_timeout(self, double seconds):
+        """Operations outstanding to a peer with none completing for this long: it is dead
+        (its transfers fail with ETIMEDOUT, later posts at once). 0: never."""
+        kx_set_peer_timeout(self._e(), <int64_t>(seconds * 1e9))
+
+    def peer_state(self, fi_addr_t addr):
+        """0 while `addr` may be posted to, else the errno posts to it fail with."""
+        return kx_peer_state(self._e(), addr)
 
     def av_remove(self, fi_addr_t addr):
         cdef int ret = kx_av_remove(self._e(), addr)
@@ -326,7 +338,7 @@ cdef class Fabric:
         t.fab = self
         t.x = x
         t.mr = mr
-        if not x.done:
+        if not x.done or x.linked:
             self.pending.append(t)
         mr.busy -= 1
         if len(self.pending) > max(64, 2 * self.pruned):
@@ -335,7 +347,7 @@ cdef class Fabric:
 
     def prune(self):
         """Forget finished transfers (and so release their registrations' buffers)."""
-        self.pending = [p for p in self.pending if not (<Xfer>p).x.done]
+        self.pending = [p for p in self.pending if not (<Xfer>p).x.done or (<Xfer>p).x.linked]
         self.pruned = len(self.pending)
 
     def close_if_idle(self, list mrs):
@@ -357,8 +369,8 @@ cdef class Fabric:
         if mr.busy:
             return True
         for p in self.pending:
-            if (<Xfer>p).mr is mr and not (<Xfer>p).x.done:
-                return True
+            if (<Xfer>p).mr is mr and ((<Xfer>p).x.linked or not (<Xfer>p).x.done):
+                return True      # linked: failed early, but the provider may still own its ops
         return False
 
     # -- counters --------------------------------------------------------------------------

@@ -376,7 +376,9 @@ class Engine:
     one rail (endpoint, progress thread) each, over which paged writes are striped;
     ``placement``: a ``kvxfer.Placement`` from ``Topology.assign``, giving NICs and CPUs;
     ``rails``: without ``nics``, open this many endpoints on the provider's default domain
-    (on shm, two rails copy in parallel).
+    (on shm, two rails copy in parallel). ``peer_timeout``: seconds a peer may leave writes
+    or sends outstanding without completing any before it is declared dead (its transfers
+    and later posts fail with ``PeerError``; the only dead-peer signal shm has); None: never.
     """
 
     def __init__(
@@ -393,8 +395,12 @@ class Engine:
         nics: Optional[Sequence[str]] = None,
         placement: Any = None,
         rails: Optional[int] = None,
+        peer_timeout: Optional[float] = 10.0,
     ) -> None:
         _need_native()
+        pt = _timeout(peer_timeout, "peer_timeout")
+        if pt == 0:
+            raise InvalidArgumentError("peer_timeout must be positive (None: never declare a silent peer dead)")
         if progress not in ("block", "spin"):
             raise InvalidArgumentError(f"progress must be 'block' or 'spin', not {progress!r}")
         for name, v in (("iov", iov), ("max_write", max_write)):
@@ -480,7 +486,9 @@ class Engine:
         self.max_write: int = min(mm, 1 << 30) if max_write is None else max(1, min(int(max_write), mm))
         pm = int(fab.inject_size) + 1 if pack_min is None else max(0, int(pack_min))
         self.pack_min: int = min(pm, self.max_write)
+        self.peer_timeout = pt
         for r in self._rails:
+            r.set_peer_timeout(pt or 0.0)
             r.start(self.cpus)
         self._address = wire.Address(self.provider, tuple(r.getname() for r in self._rails)).encode()
 
@@ -895,7 +903,13 @@ class Engine:
         buf = np.frombuffer(bytes(data), dtype=np.uint8)
         if len(buf) > _fabric.MSG_MAX:
             raise InvalidArgumentError(f"control message of {len(buf)} bytes exceeds {_fabric.MSG_MAX}")
-        if not self._fab.send(peer.fi_addrs[0], buf, timeout):
+        try:
+            sent = self._fab.send(peer.fi_addrs[0], buf, timeout)
+        except FabricError as exc:
+            if exc.fi_errno in _PEER_ERRNOS:
+                raise PeerError(exc.fi_errno, f"control message not sent: the peer is gone ({exc.text})") from None
+            raise
+        if not sent:
             raise TimeoutError(f"control message not accepted by the provider within {timeout} s")
 
     def recv(self, timeout: Optional[float] = None) -> bytes:

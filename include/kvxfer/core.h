@@ -53,7 +53,8 @@ typedef struct kx_xfer {
     int64_t posted;        /* messages posted so far */
     int64_t completed;     /* completions read (success or error) */
     int posting_done;      /* the posting call has returned */
-    int done;
+    int done;              /* waiters may stop: all completed, or failed early (dead peer) */
+    int linked;            /* on the in-flight list: the provider may still own its contexts */
     int error;             /* first positive errno seen, 0 if none */
     int refs;              /* Python owner + in-flight */
     struct kx_xfer *prev, *next;   /* the engine's in-flight list */
@@ -115,6 +116,7 @@ typedef struct kx_msg {
 
 typedef struct kx_sendbuf {
     kx_op op;
+    fi_addr_t peer;
     struct fid_mr *mr;     /* registered only where the provider wants FI_MR_LOCAL */
     size_t len;
     char data[];
@@ -178,6 +180,14 @@ struct kx_engine {
     kx_xfer *inflight;     /* transfers with operations outstanding */
     kx_xfer *q_head, *q_tail;   /* transfers with messages still to post (progress thread posts) */
     int cancel_pending;         /* a queued transfer was cancelled: the progress thread sweeps the queue */
+
+    /* peers (liveness.h): a fixed directory of lazily allocated chunks, indexed by fi_addr */
+    struct kx_peer **pdir;
+    size_t peer_hi;            /* one past the highest fi_addr ever tracked */
+    int64_t peer_timeout_ns;   /* outstanding to a peer and silent this long: it is dead (0: never) */
+    int64_t last_scan_ns;
+    int64_t eagain_ns;         /* the progress thread's last post refused with -FI_EAGAIN */
+    struct kx_local *self_local;   /* this endpoint, as other engines of this process see it */
 
     kx_rxbuf rx[KX_RX_BUFS];
     struct fid_mr *rx_mr;  /* the receive slab's registration (FI_MR_LOCAL providers) */

@@ -130,6 +130,12 @@ static int kx_engine_open(const char *prov, const char *node, const char *domain
     KX_CHECK(fi_ep_bind(e->ep, &e->cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
     KX_CHECK(fi_ep_bind(e->ep, &e->av->fid, 0), "fi_ep_bind(av)");
     KX_CHECK(fi_enable(e->ep), "fi_enable");
+    e->peer_timeout_ns = 10000000000LL;     /* kx_set_peer_timeout changes it */
+    if (!(e->pdir = calloc(KX_PEER_CHUNKS, sizeof(*e->pdir)))) {
+        kx_engine_free(e);
+        return -FI_ENOMEM;
+    }
+    KX_CHECK(kx_local_publish(e), "kx_local_publish");
 
     /* one slab for the posted receive buffers */
     char *slab = malloc((size_t)KX_RX_BUFS * KX_MSG_MAX);
@@ -209,6 +215,7 @@ static void kx_engine_quiesce(kx_engine *e)
     if (e->quiesced)
         return;
     e->quiesced = 1;
+    kx_local_retire(e);      /* engines of this process stop posting to us first */
     __atomic_store_n(&e->stop, 1, __ATOMIC_SEQ_CST);
     int64_t until = kx_now_ns() + 5000000000LL;
     for (;;) {      /* a late kx_enter may bump busy briefly and back off: not a leak */
@@ -267,6 +274,7 @@ static void kx_engine_teardown(kx_engine *e)
         return;
     }
     if (e->ep) { fi_close(&e->ep->fid); e->ep = NULL; }
+    kx_peers_free(e);
     if (e->rx_mr) { fi_close(&e->rx_mr->fid); e->rx_mr = NULL; }
     if (e->av) { fi_close(&e->av->fid); e->av = NULL; }
     if (e->cq) { fi_close(&e->cq->fid); e->cq = NULL; }
@@ -471,6 +479,7 @@ static int kx_send(kx_engine *e, fi_addr_t peer, const char *data, size_t len)
     memset(&s->op, 0, sizeof(s->op));
     s->op.kind = KX_OP_SEND;
     s->op.owner = s;
+    s->peer = peer;
     s->mr = NULL;
     s->len = len;
     memcpy(s->data, data, len);
@@ -500,8 +509,15 @@ static int kx_send(kx_engine *e, fi_addr_t peer, const char *data, size_t len)
     ssize_t ret;
     /* queue full: let the progress thread drain it, for 50 ms at most; the caller retries */
     int64_t until = kx_now_ns() + 50000000LL;
+    kx_peer_count(e, peer, 1);
     for (;;) {
+        int gone = kx_peer_enter(e, peer);     /* never to a closed, exited or stalled peer */
+        if (gone) {
+            ret = -gone;
+            break;
+        }
         ret = fi_send(e->ep, s->data, len, desc, peer, &s->op.fi);
+        kx_peer_leave(e, peer);
         if (ret != -FI_EAGAIN || e->stop || kx_now_ns() > until)
             break;
         kx_wake(e);
@@ -510,6 +526,7 @@ static int kx_send(kx_engine *e, fi_addr_t peer, const char *data, size_t len)
     }
     if (ret) {
         __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
+        kx_peer_uncount(e, peer);
         if (s->mr)
             fi_close(&s->mr->fid);
         free(s);
@@ -615,10 +632,32 @@ static int kx_getname(kx_engine *e, void *buf, size_t *len)
     return fi_getname(&e->ep->fid, buf, len);
 }
 
-static int kx_av_insert(kx_engine *e, const void *addr, fi_addr_t *out)
+/* insert a peer's endpoint name, checked first (liveness.h: kx_addr_check), and track it */
+static int kx_av_insert(kx_engine *e, const void *addr, size_t len, fi_addr_t *out)
 {
+    int ret = kx_addr_check(e, addr, len);
+    if (ret)
+        return ret;
+    if (!kx_enter(e))
+        return -FI_ECANCELED;
     int n = fi_av_insert(e->av, addr, 1, out, 0, NULL);
-    return n == 1 ? 0 : (n < 0 ? n : -FI_EINVAL);
+    ret = n == 1 ? 0 : (n < 0 ? n : -FI_EINVAL);
+    if (!ret)
+        ret = kx_peer_add(e, *out, addr, len);
+    kx_leave(e);
+    return ret;
+}
+
+/* how long a peer may leave operations outstanding without completing any (0: forever) */
+static void kx_set_peer_timeout(kx_engine *e, int64_t ns)
+{
+    e->peer_timeout_ns = ns;
+}
+
+/* 0, or the errno posts to `peer` fail with now (closed, exited or stalled) */
+static int kx_peer_state(kx_engine *e, fi_addr_t peer)
+{
+    return kx_peer_gone(e, peer);
 }
 
 /* forget a peer's address; the caller has made sure nothing to it is still posting
@@ -628,6 +667,8 @@ static int kx_av_remove(kx_engine *e, fi_addr_t addr)
     if (!kx_enter(e))
         return -FI_ECANCELED;
     int ret = fi_av_remove(e->av, &addr, 1, 0);
+    if (!ret)
+        kx_peer_forget(e, addr);
     kx_leave(e);
     return ret;
 }

@@ -150,10 +150,21 @@ static int kx_pump(kx_engine *e, kx_xfer *x, int64_t budget)
             .msg_iov = iov, .desc = desc, .iov_count = (size_t)np, .addr = x->peer,
             .rma_iov = rma, .rma_iov_count = (size_t)np, .context = &op->fi, .data = x->imm,
         };
+        /* never post to a peer known closed, exited or stalled (liveness.h says why) */
+        int gone = kx_peer_enter(e, x->peer);
+        if (gone) {
+            pthread_mutex_lock(&e->hub->lock);
+            if (!x->error)
+                x->error = gone;
+            pthread_mutex_unlock(&e->hub->lock);
+            return 1;
+        }
         /* count it first: the completion may be read by another thread before we return */
         __atomic_add_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
         __atomic_add_fetch(&x->posted, 1, __ATOMIC_RELEASE);
+        kx_peer_count(e, x->peer, 1);
         ssize_t ret = fi_writemsg(e->ep, &msg, x->flags);
+        kx_peer_leave(e, x->peer);
         if (ret == 0) {
             x->have_msg = 0;
             for (int k = 0; k < np; k++)
@@ -163,8 +174,11 @@ static int kx_pump(kx_engine *e, kx_xfer *x, int64_t budget)
         }
         __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
         __atomic_sub_fetch(&x->posted, 1, __ATOMIC_RELEASE);
-        if (ret == -FI_EAGAIN)
+        kx_peer_uncount(e, x->peer);
+        if (ret == -FI_EAGAIN) {
+            e->eagain_ns = kx_now_ns();
             return 0;
+        }
         pthread_mutex_lock(&e->hub->lock);
         if (!x->error)
             x->error = (int)-ret;

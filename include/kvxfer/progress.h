@@ -15,6 +15,7 @@
 
 #include "kvxfer/core.h"
 #include "kvxfer/counters.h"
+#include "kvxfer/liveness.h"
 
 #define KX_SPIN_WINDOW_NS   200000LL     /* keep polling 200 us after activity */
 #define KX_STALL_NS         200000000LL  /* outstanding but silent this long: back off */
@@ -49,6 +50,7 @@ static void kx_leave(kx_engine *e)
 
 static void kx_xfer_link_locked(kx_engine *e, kx_xfer *x)
 {
+    x->linked = 1;
     x->prev = NULL;
     x->next = e->inflight;
     if (e->inflight)
@@ -69,11 +71,25 @@ static void kx_xfer_unlink_locked(kx_engine *e, kx_xfer *x)
 
 static void kx_xfer_check_done_locked(kx_engine *e, kx_xfer *x)
 {
-    if (!x->done && x->posting_done && x->completed >= x->posted) {
+    if (x->linked && x->posting_done && x->completed >= x->posted) {
         x->done = 1;
+        x->linked = 0;
         pthread_cond_broadcast(&e->hub->cond);
         kx_xfer_unlink_locked(e, x);
         kx_xfer_release_locked(x);  /* the in-flight reference */
+    }
+}
+
+/* Fail a transfer now (its peer is dead): post nothing more, wake its waiters. It stays
+ * linked until its posted operations complete or the endpoint closes. */
+static void kx_xfer_fail_locked(kx_engine *e, kx_xfer *x, int err)
+{
+    if (!x->error)
+        x->error = err;
+    __atomic_store_n(&x->cancel, 1, __ATOMIC_RELEASE);
+    if (!x->done) {
+        x->done = 1;
+        pthread_cond_broadcast(&e->hub->cond);
     }
 }
 
@@ -100,15 +116,21 @@ static void kx_complete_locked(kx_engine *e, void *context, uint64_t flags, uint
     case KX_OP_WRITE: {
         kx_xfer *x = (kx_xfer *)op->owner;
         __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
+        kx_peer_count(e, x->peer, -1);
         x->completed++;
         if (err && !x->error)
             x->error = err;
+        if (err && kx_is_peer_errno(err))
+            kx_peer_kill_locked(e, x->peer, err);
         kx_xfer_check_done_locked(e, x);
         break;
     }
     case KX_OP_SEND: {
         kx_sendbuf *s = (kx_sendbuf *)op->owner;
         __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
+        kx_peer_count(e, s->peer, -1);
+        if (err && kx_is_peer_errno(err))
+            kx_peer_kill_locked(e, s->peer, err);
         if (err)
             e->stat_rx_err++;
         if (s->mr)
@@ -234,8 +256,12 @@ static void *kx_progress_main(void *arg)
             continue;
         }
         int n = kx_poll(e);
-        if (e->q_head)
+        /* after a refused post, retry only once something completed or 100 us passed: a
+         * peer that stopped answering is then probed (kx_peer_enter) before, not during, the
+         * provider's own locking */
+        if (e->q_head && (n > 0 || kx_now_ns() - e->eagain_ns > 100000))
             n += kx_pump_queue(e);
+        n += kx_peers_scan(e);
         if (n != 0 || e->spin) {
             backoff = 1000;
             continue;
