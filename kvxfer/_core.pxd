@@ -37,6 +37,7 @@ cdef extern from "kvxfer/engine.h" nogil:
         size_t len
         char *data
     ctypedef struct kx_engine:
+        int parked
         uint64_t mr_mode
         uint64_t caps
         size_t iov_limit
@@ -57,7 +58,9 @@ cdef extern from "kvxfer/engine.h" nogil:
     int kx_thread_tid(kx_engine *e)
     int kx_leaked(kx_engine *e)
     int kx_engine_start(kx_engine *e, const int *cpus, int ncpus)
-    void kx_engine_drain(kx_engine *e, int64_t timeout_ns)
+    void kx_engine_park(kx_engine *e)
+    int kx_engine_took_traffic(kx_engine *e)
+    int kx_engine_drain(kx_engine *e, int64_t timeout_ns, int64_t quiet_ns)
     void kx_engine_quiesce(kx_engine *e)
     void kx_engine_teardown(kx_engine *e)
     void kx_engine_close_domain(kx_engine *e)

@@ -141,12 +141,16 @@ cdef class Fabric:
             raise _error("pthread_create", ret)
         self.started = True
 
-    def drain(self, double timeout=1.0):
-        """Cancel queued writes and wait up to `timeout` s for posted ones to complete."""
+    def drain(self, double timeout=1.0, double quiet=0.02):
+        """Cancel queued writes and wait up to `timeout` s for posted ones to complete and
+        incoming traffic to stop for `quiet` s. Returns whether it did."""
         cdef int64_t ns = <int64_t>(timeout * 1e9)
+        cdef int64_t qns = <int64_t>(quiet * 1e9)
+        cdef int ok = 1
         if self.e != NULL and not self.closed:
             with nogil:
-                kx_engine_drain(self.e, ns)
+                ok = kx_engine_drain(self.e, ns, qns)
+        return bool(ok)
 
     def quiesce(self):
         """First half of close: refuse new native calls, wait for those inside, join the
@@ -154,6 +158,16 @@ cdef class Fabric:
         if self.e != NULL and not self.closed:
             with nogil:
                 kx_engine_quiesce(self.e)
+
+    def park(self):
+        """Leave the endpoint open, unprogressed, for good at close (see kx_engine_park)."""
+        if self.e != NULL and not self.closed:
+            kx_engine_park(self.e)
+
+    @property
+    def took_traffic(self):
+        """Peers wrote or sent to this endpoint (it has accepted connections)."""
+        return bool(kx_engine_took_traffic(self._e()))
 
     def close_endpoint(self):
         """Stop the progress thread and close the endpoint, AV and CQ; pending work fails
@@ -163,7 +177,7 @@ cdef class Fabric:
         self.closed = True
         with nogil:
             kx_engine_teardown(self.e)
-        if kx_leaked(self.e):
+        if kx_leaked(self.e) or self.e.parked:
             # a thread is stuck inside libfabric: touch nothing of the domain any more
             self.domain_closed = True
         self.pending = [p for p in self.pending if not (<Xfer>p).x.done or (<Xfer>p).x.linked]
@@ -501,6 +515,11 @@ cdef class MR:
     def close(self):
         self.close_fid()
         self.keep = None
+
+    def revoke(self):
+        """Close the registration but keep its memory alive (`keep`): a peer's later write
+        to it is refused while the provider may still be copying an earlier one in."""
+        self.close_fid()
 
     @property
     def closed(self):

@@ -410,6 +410,7 @@ class Engine:
                                      or pack_min < 0):
             raise InvalidArgumentError(f"pack_min must be a non-negative int, got {pack_min!r}")
         self._closed = True
+        self._parked = False      # close() left an endpoint open (kx_engine_park)
         self._lock = threading.Lock()
         self._regions: "weakref.WeakSet[MemoryRegion]" = weakref.WeakSet()
         self._callbacks: dict[int, Counter] = {}
@@ -501,8 +502,18 @@ class Engine:
             self._closed = True
         fab = self._fab
         fab.dispatch_stop()
-        for r in self._rails:           # let posted writes finish (bounded), queued ones go
-            r.drain(1.0)
+        rxm = "ofi_rxm" in self.provider
+        # posted writes finish, queued ones go, incoming traffic stops (all bounded)
+        quiet = [r.drain(0.5, 0.2 if rxm else 0.02) for r in self._rails]
+        # libfabric 1.17's rxm crashes inside fi_close of an endpoint that peers wrote to until
+        # shortly before (include/kvxfer/engine.h, kx_engine_park). Such an endpoint (no 200 ms
+        # of quiet) is left open and unprogressed instead, reclaimed at process exit (tens of
+        # MiB and a dozen fds each). KVXFER_PARK_RXM=0 closes it anyway.
+        if rxm and os.environ.get("KVXFER_PARK_RXM", "1") != "0":
+            for r, q in zip(self._rails, quiet):
+                if not q and r.took_traffic:
+                    r.park()
+                    self._parked = True
         for r in self._rails:           # nobody posts from here on
             r.quiesce()
         for r in self._rails:           # endpoints go before the registrations they used

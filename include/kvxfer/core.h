@@ -166,6 +166,7 @@ struct kx_engine {
     int posting;           /* threads inside a direct posting burst: the progress thread yields */
     int busy;              /* threads inside any native call on the endpoint: teardown waits */
     int leaked;            /* the progress thread could not be joined: never free what it uses */
+    int parked;            /* the endpoint is left open, unprogressed, never closed (see kx_engine_park) */
     int64_t outstanding;   /* tx operations posted and not completed (atomic) */
     int64_t last_activity_ns;
     cpu_set_t cpus;
@@ -193,6 +194,7 @@ struct kx_engine {
     struct fid_mr *rx_mr;  /* the receive slab's registration (FI_MR_LOCAL providers) */
     void *rx_desc;
 
+    int took_msgs;         /* a control message arrived (someone connected to us) */
     uint64_t stat_rx_err;  /* error completions not tied to a transfer */
     uint64_t stat_writes;  /* messages posted */
 };

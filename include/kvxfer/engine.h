@@ -186,10 +186,12 @@ static int kx_engine_start(kx_engine *e, const int *cpus, int ncpus)
  * `timeout_ns` to complete, with the progress thread still running. A peer then never sees
  * an endpoint vanish under commands it is processing (shm crashed in libfabric 1.17 when a
  * peer closed with writes in flight). A dead peer only costs the deadline. */
-static void kx_engine_drain(kx_engine *e, int64_t timeout_ns)
+/* returns 1 once quiet (nothing of ours pending, no incoming traffic for quiet_ns), 0 if
+ * the deadline came first */
+static int kx_engine_drain(kx_engine *e, int64_t timeout_ns, int64_t quiet_ns)
 {
     if (e->quiesced || !e->thread_started)
-        return;
+        return 1;
     pthread_mutex_lock(&e->hub->lock);
     for (kx_xfer *x = e->q_head; x; x = x->qnext)
         __atomic_store_n(&x->cancel, 1, __ATOMIC_RELEASE);
@@ -199,12 +201,29 @@ static void kx_engine_drain(kx_engine *e, int64_t timeout_ns)
     while (kx_now_ns() < until) {
         /* done when nothing of ours is pending and incoming traffic has been quiet for 20 ms
          * (rxm in 1.17 crashed closing an endpoint that still had a peer's data in flight) */
-        if (__atomic_load_n(&e->outstanding, __ATOMIC_SEQ_CST) == 0 && e->q_head == NULL &&
-            kx_now_ns() - e->last_activity_ns > 20000000LL)
-            break;
+        if (kx_outstanding_live(e) <= 0 && e->q_head == NULL &&
+            kx_now_ns() - e->last_activity_ns > quiet_ns)
+            return 1;
         struct timespec ts = {0, 200000};
         nanosleep(&ts, NULL);
     }
+    return 0;
+}
+
+/* Leave the endpoint open when the engine closes: its fids are never closed, nothing progresses
+ * it again (both providers progress manually, so no data is placed any more), its memory and
+ * sockets stay until the process exits. The one defence kvxfer has against libfabric 1.17's
+ * rxm crashing inside fi_close of an endpoint that peers were writing to: rxm_close_conn
+ * flushes the message CQ and handles an entry with a NULL op_context (a partly received RMA
+ * write cancelled by tcp's endpoint close) as a receive, SIGSEGV in rxm_handle_comp. */
+static void kx_engine_park(kx_engine *e)
+{
+    e->parked = 1;
+}
+
+static int kx_engine_took_traffic(kx_engine *e)
+{
+    return e->hub->stat_imm > 0 || e->took_msgs;
 }
 
 /* First half of closing: no thread uses the endpoint afterwards. Sets stop, waits (5 s at
@@ -250,9 +269,12 @@ static void kx_engine_teardown(kx_engine *e)
         return;
     kx_engine_quiesce(e);
     e->torn_down = 1;
-    if (e->leaked) {
-        /* a thread may still be inside libfabric: close nothing, free nothing, but let no
-         * waiter hang: pending transfers and counters fail now */
+    if (e->leaked || e->parked) {
+        /* leaked: a thread may still be inside libfabric; parked: the endpoint stays open.
+         * Close nothing of libfabric's, but let no waiter hang: pending transfers and
+         * counters fail now */
+        if (e->parked)
+            kx_peers_free(e);
         pthread_mutex_lock(&e->hub->lock);
         for (kx_xfer *x = e->inflight; x; x = x->next) {
             if (!x->error)
@@ -329,7 +351,7 @@ static void kx_engine_teardown(kx_engine *e)
 static void kx_engine_close_domain(kx_engine *e)
 {
     kx_engine_teardown(e);
-    if (e->leaked)
+    if (e->leaked || e->parked)
         return;
     if (e->domain) { fi_close(&e->domain->fid); e->domain = NULL; }
     if (e->fabric) { fi_close(&e->fabric->fid); e->fabric = NULL; }
@@ -339,7 +361,7 @@ static void kx_engine_close_domain(kx_engine *e)
 static void kx_engine_free(kx_engine *e)
 {
     kx_engine_close_domain(e);
-    if (e->leaked)
+    if (e->leaked || e->parked)
         return;
     kx_hub *h = e->hub;
     pthread_mutex_lock(&h->lock);
@@ -518,6 +540,8 @@ static int kx_send(kx_engine *e, fi_addr_t peer, const char *data, size_t len)
         }
         ret = fi_send(e->ep, s->data, len, desc, peer, &s->op.fi);
         kx_peer_leave(e, peer);
+        if (ret == 0)
+            kx_peer_accepted(e, peer);
         if (ret != -FI_EAGAIN || e->stop || kx_now_ns() > until)
             break;
         kx_wake(e);
@@ -526,7 +550,7 @@ static int kx_send(kx_engine *e, fi_addr_t peer, const char *data, size_t len)
     }
     if (ret) {
         __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
-        kx_peer_uncount(e, peer);
+        kx_peer_uncount(e, peer, ret == -FI_EAGAIN);
         if (s->mr)
             fi_close(&s->mr->fid);
         free(s);

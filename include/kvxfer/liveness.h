@@ -62,6 +62,7 @@ typedef struct kx_peer {
     kx_local *local;
     int64_t out;          /* operations outstanding to it */
     int64_t last_ns;
+    int64_t refused_ns;   /* since when every post to it was refused (-FI_EAGAIN), 0: not */
 } kx_peer;
 
 static pthread_mutex_t kx_locals_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -224,6 +225,7 @@ static int kx_peer_add(kx_engine *e, fi_addr_t fa, const void *name, size_t len)
     p->pidfd = fd;
     p->local = local;
     p->out = 0;
+    p->refused_ns = 0;
     p->last_ns = kx_now_ns();
     __atomic_store_n(&p->used, 1, __ATOMIC_RELEASE);
     if ((size_t)fa + 1 > e->peer_hi)
@@ -340,12 +342,26 @@ static void kx_peer_count(kx_engine *e, fi_addr_t fa, int delta)
         __atomic_store_n(&p->out, 0, __ATOMIC_RELEASE);
 }
 
-/* undo the count of a post the provider refused (the stall clock keeps running) */
-static void kx_peer_uncount(kx_engine *e, fi_addr_t fa)
+/* undo the count of a post the provider refused (the stall clock keeps running); `again`:
+ * it was -FI_EAGAIN, which starts the refusal clock (rxm answers a peer it cannot connect
+ * to with -FI_EAGAIN for ever) */
+static void kx_peer_uncount(kx_engine *e, fi_addr_t fa, int again)
 {
     kx_peer *p = kx_peer_get(e, fa);
-    if (p && __atomic_sub_fetch(&p->out, 1, __ATOMIC_ACQ_REL) < 0)
+    if (!p)
+        return;
+    if (__atomic_sub_fetch(&p->out, 1, __ATOMIC_ACQ_REL) < 0)
         __atomic_store_n(&p->out, 0, __ATOMIC_RELEASE);
+    if (again && __atomic_load_n(&p->refused_ns, __ATOMIC_ACQUIRE) == 0)
+        __atomic_store_n(&p->refused_ns, kx_now_ns(), __ATOMIC_RELEASE);
+}
+
+/* a post to `fa` was accepted: the refusal clock stops */
+static void kx_peer_accepted(kx_engine *e, fi_addr_t fa)
+{
+    kx_peer *p = kx_peer_get(e, fa);
+    if (p && __atomic_load_n(&p->refused_ns, __ATOMIC_RELAXED))
+        __atomic_store_n(&p->refused_ns, 0, __ATOMIC_RELEASE);
 }
 
 static int kx_is_peer_errno(int err)
@@ -386,6 +402,9 @@ static int kx_peers_scan(kx_engine *e)
         else if (__atomic_load_n(&p->out, __ATOMIC_ACQUIRE) > 0 && e->peer_timeout_ns > 0 &&
                  now - __atomic_load_n(&p->last_ns, __ATOMIC_ACQUIRE) > e->peer_timeout_ns)
             d = ETIMEDOUT;
+        else if (e->peer_timeout_ns > 0 && __atomic_load_n(&p->refused_ns, __ATOMIC_ACQUIRE) &&
+                 now - __atomic_load_n(&p->refused_ns, __ATOMIC_ACQUIRE) > e->peer_timeout_ns)
+            d = ETIMEDOUT;
         if (d) {
             kx_peer_kill_locked(e, (fi_addr_t)i, d);
             killed++;
@@ -393,6 +412,27 @@ static int kx_peers_scan(kx_engine *e)
     }
     pthread_mutex_unlock(&e->hub->lock);
     return killed;
+}
+
+/* operations outstanding to peers not known dead (what a drain may still wait for) */
+static int64_t kx_outstanding_live(kx_engine *e)
+{
+    int64_t n = __atomic_load_n(&e->outstanding, __ATOMIC_SEQ_CST);
+    if (n <= 0)
+        return 0;
+    pthread_mutex_lock(&e->hub->lock);
+    for (size_t i = 0; e->pdir && i < e->peer_hi; i++) {
+        kx_peer *c = e->pdir[i / KX_PEER_CHUNK];
+        if (!c) {
+            i += KX_PEER_CHUNK - 1 - i % KX_PEER_CHUNK;
+            continue;
+        }
+        kx_peer *p = &c[i % KX_PEER_CHUNK];
+        if (p->used && p->dead)
+            n -= __atomic_load_n(&p->out, __ATOMIC_ACQUIRE);
+    }
+    pthread_mutex_unlock(&e->hub->lock);
+    return n;
 }
 
 /* teardown: drop every peer entry (after the endpoint is closed) */

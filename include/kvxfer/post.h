@@ -166,6 +166,7 @@ static int kx_pump(kx_engine *e, kx_xfer *x, int64_t budget)
         ssize_t ret = fi_writemsg(e->ep, &msg, x->flags);
         kx_peer_leave(e, x->peer);
         if (ret == 0) {
+            kx_peer_accepted(e, x->peer);
             x->have_msg = 0;
             for (int k = 0; k < np; k++)
                 budget -= (int64_t)x->pl[k];
@@ -174,7 +175,7 @@ static int kx_pump(kx_engine *e, kx_xfer *x, int64_t budget)
         }
         __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
         __atomic_sub_fetch(&x->posted, 1, __ATOMIC_RELEASE);
-        kx_peer_uncount(e, x->peer);
+        kx_peer_uncount(e, x->peer, ret == -FI_EAGAIN);
         if (ret == -FI_EAGAIN) {
             e->eagain_ns = kx_now_ns();
             return 0;

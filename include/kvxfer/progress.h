@@ -140,6 +140,7 @@ static void kx_complete_locked(kx_engine *e, void *context, uint64_t flags, uint
     }
     case KX_OP_RECV: {
         kx_rxbuf *b = (kx_rxbuf *)op->owner;
+        e->took_msgs = 1;
         if (!err) {
             kx_msg *m = malloc(sizeof(kx_msg) + len);
             if (m) {

@@ -109,8 +109,9 @@ def serve(provider: str) -> None:
             delay = float(cmd[1]) if len(cmd) > 1 else 0.0
             time.sleep(delay)
             dt = _timed_close(eng) if eng is not None else 0.0
+            parked = int(bool(eng is not None and eng._parked))
             eng = None
-            out.write(f"closed {dt:.6f} {_threads()}\n")
+            out.write(f"closed {dt:.6f} {_threads()} {parked}\n")
         elif cmd[0] == "exit":
             if eng is not None:
                 eng.close()
@@ -124,7 +125,11 @@ class Server:
     """A `serve` child. Its death by a signal, or a crash line on its stderr, is a crash."""
 
     def __init__(self, provider):
-        self.p = subprocess.Popen([sys.executable, os.path.join(HERE, "_races.py"), "serve", provider],
+        gdb = os.environ.get("KVXFER_STRESS_GDB")     # a file: the target runs under gdb, backtraces go there
+        pre = ["gdb", "-q", "-batch", "-ex", f"set logging file {gdb}", "-ex", "set logging overwrite off",
+               "-ex", "set logging redirect on", "-ex", "set logging enabled on", "-ex", "handle SIGPIPE nostop noprint",
+               "-ex", "run", "-ex", "thread apply all bt 12", "-ex", "info registers", "-ex", "x/8i $pc-16", "--args"] if gdb else []
+        self.p = subprocess.Popen(pre + [sys.executable, os.path.join(HERE, "_races.py"), "serve", provider],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, start_new_session=True)
 
@@ -136,13 +141,16 @@ class Server:
     def answer(self, timeout=10.0):
         import select
 
-        r, _, _ = select.select([self.p.stdout], [], [], timeout)
-        if not r:
-            raise TimeoutError("target did not answer")
-        line = self.p.stdout.readline()
-        if not line:
-            raise EOFError("target died")
-        return line.split()
+        deadline = time.monotonic() + timeout
+        while True:      # lines other than answers (a debugger's) are skipped
+            r, _, _ = select.select([self.p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not r:
+                raise TimeoutError("target did not answer")
+            line = self.p.stdout.readline()
+            if not line:
+                raise EOFError("target died")
+            if line.split() and line.split()[0] in ("ready", "closed", "bye"):
+                return line.split()
 
     def open(self):
         _, addr, desc = self.ask("open")
@@ -231,6 +239,7 @@ def iteration(race, provider, state, rng):
             time.sleep(rng.uniform(0, 0.02))
             fl.pump()
             rec["close_s"] = [_timed_close(b)]
+            rec["parked"] = b._parked
             t0 = time.monotonic()
             rec["error"] = fl.settle(PEER_DEADLINE * 3)
             rec["peer_s"] = time.monotonic() - t0
@@ -280,25 +289,45 @@ def iteration(race, provider, state, rng):
             rec["error"] = fl.settle(PEER_DEADLINE * 3)
             rec["peer_s"] = time.monotonic() - t0
             if race == "close_target_cross":
-                _, dt, _ = srv.answer(10)
-                rec["close_s"] = [float(dt)]
+                try:
+                    ans = srv.answer(10)
+                    rec["close_s"] = [float(ans[1])]
+                    rec["parked"] = ans[3] == "1"
+                except EOFError:
+                    srv.p.wait(10)
+                    rec["crash"] = srv.crashed() or f"target died (exit {srv.p.returncode})"
+                    state.pop("server", None)
             rec.setdefault("close_s", []).append(_timed_close(a))
         elif race == "close_initiator_cross":
             fl = Flood(a, ms, peer, rr)
             fl.pump()
             time.sleep(rng.uniform(0, 0.02))
             rec["close_s"] = [_timed_close(a)]
-            _, dt, _ = srv.ask("close")
-            rec["close_s"].append(float(dt))
+            try:
+                ans = srv.ask("close")
+                rec["close_s"].append(float(ans[1]))
+                rec["parked"] = ans[3] == "1"
+            except EOFError:
+                srv.p.wait(10)
+                rec["crash"] = srv.crashed() or f"target died (exit {srv.p.returncode})"
+                state.pop("server", None)
         else:  # post_closed_cross
-            _, dt, _ = srv.ask("close")
-            rec["close_s"] = [float(dt)]
+            ans = srv.ask("close")
+            rec["close_s"] = [float(ans[1])]
+            rec["parked"] = ans[3] == "1"
             rec["error"], rec["peer_s"] = _post_all(a, ms, peer, rr)
             rec["close_s"].append(_timed_close(a))
         if race != "sigkill":
             why = srv.crashed()
             if why:
                 rec["crash"] = why
+                state.pop("server", None)
+            elif rec.get("parked"):      # a parked endpoint holds tens of MiB: start afresh
+                try:
+                    srv.ask("exit", 5)
+                except (TimeoutError, EOFError, OSError):
+                    pass
+                srv.kill()
                 state.pop("server", None)
     time.sleep(0.01)   # let exiting threads leave /proc
     rec["threads_left"] = max(0, _threads() - base)
