@@ -73,6 +73,7 @@ cdef extern from "kvxfer/engine.h" nogil:
     int kx_getname(kx_engine *e, void *buf, size_t *len)
     int kx_av_insert(kx_engine *e, const void *addr, size_t len, fi_addr_t *out)
     void kx_set_peer_timeout(kx_engine *e, int64_t ns)
+    void kx_set_delivery_complete(kx_engine *e, int on)
     int kx_peer_state(kx_engine *e, fi_addr_t peer)
     int kx_map_raw(kx_engine *e, uint64_t base, uint8_t *raw, size_t rawlen, uint64_t *key)
     int kx_unmap_key(kx_engine *e, uint64_t key)

@@ -277,6 +277,10 @@ cdef class Fabric:
         (its transfers fail with ETIMEDOUT, later posts at once). 0: never."""
         kx_set_peer_timeout(self._e(), <int64_t>(seconds * 1e9))
 
+    def set_delivery_complete(self, bint on):
+        """Writes complete only once placed at the target (FI_DELIVERY_COMPLETE)."""
+        kx_set_delivery_complete(self._e(), on)
+
     def peer_state(self, fi_addr_t addr):
         """0 while `addr` may be posted to, else the errno posts to it fail with."""
         return kx_peer_state(self._e(), addr)

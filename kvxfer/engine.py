@@ -379,6 +379,9 @@ class Engine:
     (on shm, two rails copy in parallel). ``peer_timeout``: seconds a peer may leave writes
     or sends outstanding without completing any before it is declared dead (its transfers
     and later posts fail with ``PeerError``; the only dead-peer signal shm has); None: never.
+    ``delivery_complete``: a write completes only once the target placed it, so a write the
+    target refuses fails at the sender (default: on for rxm providers, where tcp otherwise
+    reports a refused write as done).
     """
 
     def __init__(
@@ -396,6 +399,7 @@ class Engine:
         placement: Any = None,
         rails: Optional[int] = None,
         peer_timeout: Optional[float] = 10.0,
+        delivery_complete: Optional[bool] = None,
     ) -> None:
         _need_native()
         pt = _timeout(peer_timeout, "peer_timeout")
@@ -488,8 +492,12 @@ class Engine:
         pm = int(fab.inject_size) + 1 if pack_min is None else max(0, int(pack_min))
         self.pack_min: int = min(pm, self.max_write)
         self.peer_timeout = pt
+        if delivery_complete is None:      # tcp;ofi_rxm: otherwise a refused write "succeeds"
+            delivery_complete = "ofi_rxm" in self.provider
+        self.delivery_complete = bool(delivery_complete)
         for r in self._rails:
             r.set_peer_timeout(pt or 0.0)
+            r.set_delivery_complete(self.delivery_complete)
             r.start(self.cpus)
         self._address = wire.Address(self.provider, tuple(r.getname() for r in self._rails)).encode()
 

@@ -55,6 +55,8 @@ typedef struct kx_xfer {
     int posting_done;      /* the posting call has returned */
     int done;              /* waiters may stop: all completed, or failed early (dead peer) */
     int linked;            /* on the in-flight list: the provider may still own its contexts */
+    int64_t last_ns;       /* its last post or completion: the per-transfer stall clock */
+    int64_t written_off;   /* operations given up on (stalled): their late completions are not the peer's */
     int error;             /* first positive errno seen, 0 if none */
     int refs;              /* Python owner + in-flight */
     struct kx_xfer *prev, *next;   /* the engine's in-flight list */
@@ -186,6 +188,7 @@ struct kx_engine {
     struct kx_peer **pdir;
     size_t peer_hi;            /* one past the highest fi_addr ever tracked */
     int64_t peer_timeout_ns;   /* outstanding to a peer and silent this long: it is dead (0: never) */
+    int delivery_complete;     /* writes complete only once placed at the target (refusals surface) */
     int64_t last_scan_ns;
     int64_t eagain_ns;         /* the progress thread's last post refused with -FI_EAGAIN */
     struct kx_local *self_local;   /* this endpoint, as other engines of this process see it */

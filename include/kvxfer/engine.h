@@ -672,6 +672,14 @@ static int kx_av_insert(kx_engine *e, const void *addr, size_t len, fi_addr_t *o
     return ret;
 }
 
+/* writes complete once the target placed them (FI_DELIVERY_COMPLETE): a write the target
+ * refuses then fails at the sender instead of completing (tcp: the target drops the
+ * connection, the write ends with ECANCELED); costs a round trip per write's completion */
+static void kx_set_delivery_complete(kx_engine *e, int on)
+{
+    e->delivery_complete = on;
+}
+
 /* how long a peer may leave operations outstanding without completing any (0: forever) */
 static void kx_set_peer_timeout(kx_engine *e, int64_t ns)
 {

@@ -385,6 +385,19 @@ static int kx_peers_scan(kx_engine *e)
     e->last_scan_ns = now;
     int killed = 0;
     pthread_mutex_lock(&e->hub->lock);
+    /* a transfer whose own operations stay outstanding with none completing (a write the
+     * target refused without answering: shm's CMA path) fails alone; its operations are
+     * written off the peer's count, so a peer that answers everything else lives on */
+    for (kx_xfer *x = e->inflight; e->peer_timeout_ns > 0 && x; x = x->next) {
+        int64_t open = __atomic_load_n(&x->posted, __ATOMIC_ACQUIRE) - x->completed - x->written_off;
+        if (!x->done && open > 0 && now - __atomic_load_n(&x->last_ns, __ATOMIC_ACQUIRE) > e->peer_timeout_ns) {
+            kx_xfer_fail_locked(e, x, ETIMEDOUT);
+            x->written_off += open;
+            for (int64_t k = 0; k < open; k++)
+                kx_peer_uncount(e, x->peer, 0);
+            killed++;
+        }
+    }
     for (size_t i = 0; e->pdir && i < e->peer_hi; i++) {
         kx_peer *c = e->pdir[i / KX_PEER_CHUNK];
         if (!c) {

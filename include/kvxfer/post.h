@@ -161,6 +161,8 @@ static int kx_pump(kx_engine *e, kx_xfer *x, int64_t budget)
         }
         /* count it first: the completion may be read by another thread before we return */
         __atomic_add_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
+        if (__atomic_load_n(&x->posted, __ATOMIC_ACQUIRE) == __atomic_load_n(&x->completed, __ATOMIC_ACQUIRE))
+            __atomic_store_n(&x->last_ns, kx_now_ns(), __ATOMIC_RELEASE);   /* its clock starts */
         __atomic_add_fetch(&x->posted, 1, __ATOMIC_RELEASE);
         kx_peer_count(e, x->peer, 1);
         ssize_t ret = fi_writemsg(e->ep, &msg, x->flags);
@@ -354,7 +356,7 @@ static kx_xfer *kx_write(kx_engine *e, fi_addr_t peer, char *src_base, void *des
     x->desc = desc;
     x->dst_base = dst_base;
     x->key = key;
-    x->flags = FI_COMPLETION | (has_imm ? FI_REMOTE_CQ_DATA : 0);
+    x->flags = FI_COMPLETION | (has_imm ? FI_REMOTE_CQ_DATA : 0) | (e->delivery_complete ? FI_DELIVERY_COMPLETE : 0);
     x->imm = imm;
 
     pthread_mutex_lock(&e->hub->lock);

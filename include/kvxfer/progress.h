@@ -116,7 +116,11 @@ static void kx_complete_locked(kx_engine *e, void *context, uint64_t flags, uint
     case KX_OP_WRITE: {
         kx_xfer *x = (kx_xfer *)op->owner;
         __atomic_sub_fetch(&e->outstanding, 1, __ATOMIC_RELAXED);
-        kx_peer_count(e, x->peer, -1);
+        if (x->written_off > 0)
+            x->written_off--;            /* already taken off the peer's count */
+        else
+            kx_peer_count(e, x->peer, -1);
+        __atomic_store_n(&x->last_ns, kx_now_ns(), __ATOMIC_RELEASE);
         x->completed++;
         if (err && !x->error)
             x->error = err;

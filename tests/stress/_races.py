@@ -230,7 +230,7 @@ def _post_all(a, ms, peer, rr):
 
 def iteration(race, provider, state, rng):
     rec = {"race": race}
-    base = state.setdefault("threads", _threads())
+    base = _threads()
     if race.endswith("_same"):
         a, b, ms, peer, rr, keep = _pair_same(provider)
         if race == "close_target_same":
