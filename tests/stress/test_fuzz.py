@@ -14,6 +14,7 @@ from conftest import STRESS
 from kvxfer import errors, wire
 
 N = 20_000 if STRESS else 150
+pytestmark = pytest.mark.timeout(0 if STRESS else 120)   # pytest-timeout would cut Hypothesis short
 fuzz = settings(max_examples=N, deadline=None, derandomize=not STRESS, database=None,
                 suppress_health_check=list(HealthCheck))
 
