@@ -249,9 +249,15 @@ def iteration(race, provider, state, rng):
             fl.pump()
             time.sleep(rng.uniform(0, 0.02))
             rec["close_s"] = [_timed_close(a)]
-            # the target lives on: it still answers a fresh engine
-            c, cs, cp, crr, ckeep = _initiator(provider, b.address, b.register(keep[1]).descriptor())
-            rec["close_s"] += [_timed_close(c), _timed_close(b)]
+            # the target lives on: it still takes writes from a fresh engine
+            from kvxfer import errors
+
+            c = None
+            try:
+                c, cs, cp, crr, ckeep = _initiator(provider, b.address, b.register(keep[1]).descriptor())
+            except errors.KvxferError as exc:
+                rec["target_broken"] = type(exc).__name__
+            rec["close_s"] += ([_timed_close(c)] if c is not None else []) + [_timed_close(b)]
         else:  # post_closed_same
             rec["close_s"] = [_timed_close(b)]
             rec["error"], rec["peer_s"] = _post_all(a, ms, peer, rr)

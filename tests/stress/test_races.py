@@ -22,6 +22,7 @@ EXPECT_PEER_ERROR = {"close_target_same", "close_target_cross", "post_closed_sam
 KNOWN = {
     ("close_target_cross", "tcp;ofi_rxm"): "rxm crashes in fi_close after a quiet close under load",
     ("sigkill", "shm"): "a peer killed holding its shm lock in the last microseconds before a post",
+    ("close_initiator_same", "tcp;ofi_rxm"): "after a peer closed mid-flood, rxm delivers nothing from new peers",
 }
 
 
@@ -30,7 +31,7 @@ KNOWN = {
 def test_race(race, provider):
     fig = harness.run(race, provider, ITERS)
     print(json.dumps(fig))
-    bad = {k: fig[k] for k in ("crashes", "hangs", "leaked_threads", "slow_closes") if fig[k]}
+    bad = {k: fig[k] for k in ("crashes", "hangs", "leaked_threads", "slow_closes", "target_broken") if fig[k]}
     if race in EXPECT_PEER_ERROR:
         wrong = {k: v for k, v in fig["errors_seen"].items() if k not in ("PeerError", "None")}
         if wrong:
