@@ -1,22 +1,33 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Native handles over libfabric: one class per native object, every call checked.
+"""Native handles over the native engine (include/kvxfer/kvxfer.h): one class per object.
 
-This module is deliberately thin. Validation, keep-alive and the public names live in
-kvxfer.engine; here each class owns exactly one native handle and a reference to its
-parent, native calls run without the GIL, and only failure paths take it to raise.
+This module is deliberately thin. Validation, keep-alive of Python objects and the public
+names live in kvxfer.engine; here each class owns exactly one native handle and a
+reference to its parent: ``Rail`` (``kx_rail``), ``RegionHandle`` (a ``fid_mr``),
+``TransferHandle`` (``kx_transfer``), ``CounterHandle`` (``kx_counter``).
+
+One way to call native code: every call that returns a status goes through ``check()``,
+which turns a negative errno into an exception in one place (``error_from``); the failure
+path alone takes the GIL. The GIL: every native call that takes the engine's lock, enters
+libfabric or may block runs without it. Calls that only read a snapshot of native fields
+(``kx_*_get_state``, ``kx_rail_get_info``/``get_stats``, the versions) hold it: they are
+a few atomic loads. Waits block in GIL-free slices of at most 50 ms and check for signals
+between slices, so Ctrl-C is answered.
 """
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
-from libc.stdlib cimport free
+from libc.string cimport strcpy
 from kvxfer._core cimport *
 
+import errno as _errno
+import os as _os
 import time as _time
 
 cimport cython
 
-from kvxfer.errors import ClosedError, FabricError, UnsupportedError
+from kvxfer.errors import ClosedError, FabricError, InvalidArgumentError, PeerError
 
 cdef int64_t SLICE_NS = 50_000_000   # waits block in 50 ms slices so Ctrl-C is answered
 
@@ -35,21 +46,51 @@ MAX_IOV = KX_MAX_IOV
 HAVE_DMABUF = bool(kx_have_dmabuf())
 
 
-def _ver(uint32_t v):
+def _version(uint32_t v):
     return (v >> 16, v & 0xFFFF)
 
 
-RUNTIME_VERSION = _ver(kx_runtime_version())
-BUILD_VERSION = _ver(kx_build_version())
+RUNTIME_VERSION = _version(kx_runtime_version())
+BUILD_VERSION = _version(kx_build_version())
+
+#: errnos that mean the peer is gone or unreachable (a transfer's error becomes PeerError)
+PEER_ERRNOS = frozenset({
+    _errno.ECONNREFUSED, _errno.ECONNRESET, _errno.ECONNABORTED, _errno.EPIPE, _errno.ENOTCONN,
+    _errno.EHOSTUNREACH, _errno.EHOSTDOWN, _errno.ENETUNREACH, _errno.ETIMEDOUT, _errno.EIO,
+})
 
 
-cdef object _error(str call, int ret):
-    cdef int err = -ret if ret < 0 else ret
-    return FabricError(call, err, fi_strerror(err).decode("utf-8", "replace"))
+def error_from(str call, int err):
+    """The exception for native call `call` failing with errno `err` (either sign): the one
+    place where errno values become kvxfer exception classes."""
+    err = -err if err < 0 else err
+    text = fi_strerror(err).decode("utf-8", "replace")
+    if call == "fi_writemsg":                    # a transfer's completion error
+        if err == _errno.ECANCELED:
+            return PeerError(err, "transfer failed: the peer connection was lost or the engine closed "
+                                  "(operation canceled)")
+        if err in PEER_ERRNOS:
+            return PeerError(err, f"transfer failed: {_os.strerror(err)}")
+    elif call == "fi_send" and err in PEER_ERRNOS:   # the peer is known dead (liveness.c)
+        return PeerError(err, f"control message not sent: the peer is gone ({_os.strerror(err)})")
+    elif call == "kx_expect" and err == _errno.EBUSY:
+        return InvalidArgumentError("this imm already has an unfinished expectation")
+    elif err == _errno.ECANCELED:
+        return ClosedError(f"{call}: the engine is closing")
+    return FabricError(call, err, text)
 
 
-cdef inline bint _sliced_wait_done(deadline) except -1:
-    """Between slices: answer signals, and tell whether the deadline has passed."""
+cdef int check(int ret, const char *call) except -1 nogil:
+    """Every native status passes here: 0 (or a count) goes on; a negative errno raises
+    ``error_from(call, ret)``, taking the GIL only on that path."""
+    if ret >= 0:
+        return ret
+    with gil:
+        raise error_from(call.decode(), ret)
+
+
+cdef inline bint _deadline_passed(deadline) except -1:
+    """Between wait slices: answer signals, and tell whether the deadline has passed."""
     PyErr_CheckSignals()
     return deadline is not None and _time.monotonic() >= deadline
 
@@ -61,126 +102,167 @@ cdef inline int64_t _slice_ns(deadline):
     return min(SLICE_NS, max(0, <int64_t>((deadline - _time.monotonic()) * 1e9)))
 
 
-cdef bint _wait_done(kx_engine *e, const int *done, timeout) except -1:
-    """Block on a native `done` flag in GIL-free slices until it is set or `timeout` passes."""
-    cdef int d = 0
+cdef enum WaitKind:
+    WAIT_TRANSFER
+    WAIT_COUNTER
+
+
+cdef bint _wait(kx_rail *r, WaitKind kind, void *obj, timeout) except -1:
+    """Block in GIL-free slices until a transfer or counter is done, or `timeout` passes."""
+    cdef int done = 0
     cdef int64_t slice_ns
     deadline = None if timeout is None else _time.monotonic() + timeout
     while True:
         slice_ns = _slice_ns(deadline)
         with nogil:
-            d = kx_wait_done(e, done, slice_ns)
-        if d:
+            if kind == WAIT_TRANSFER:
+                done = kx_transfer_wait(r, <kx_transfer *>obj, slice_ns)
+            else:
+                done = kx_counter_wait(r, <kx_counter *>obj, slice_ns)
+        if done:
             return True
-        if _sliced_wait_done(deadline):
+        if _deadline_passed(deadline):
             return False
 
 
-cdef class Fabric:
-    """One libfabric endpoint with its fabric, domain, CQ, AV and progress thread."""
+cdef class Rail:
+    """One rail: a libfabric RDM endpoint with its fabric, domain, CQ, AV and progress thread.
+    The rails of one engine share a hub (the counter table, queues and lock): pass the first
+    rail as `join` to open the others."""
 
-    cdef kx_engine *e
+    cdef kx_rail *r
     cdef readonly bint closed           # the endpoint is closed
     cdef readonly bint domain_closed    # ... and the domain (registrations are gone)
     cdef readonly bint started
     cdef readonly object join
-    cdef list pending      # Xfers not yet done: each keeps its source MR (and buffer) alive
+    cdef list pending       # TransferHandles not yet done: each keeps its source region (and buffer) alive
     cdef Py_ssize_t pruned  # len(pending) after the last prune (amortises pruning)
+    cdef readonly str provider, fabric_name, domain_name
+    cdef readonly uint64_t mr_mode, caps
+    cdef readonly size_t iov_limit, max_msg_size, inject_size, cq_data_size
+    cdef readonly bint has_wait, need_ctx
+    cdef readonly bint addr_is_str     # endpoint names are NUL-terminated strings (FI_ADDR_STR)
 
-    def __cinit__(self, provider, node, bint hmem=False, bint spin=False, domain=None, Fabric join=None):
+    def __cinit__(self, provider, node, bint hmem=False, bint spin=False, domain=None, Rail join=None):
         cdef char errcall[64]
         cdef bytes p = provider.encode() if provider else None
         cdef bytes n = node.encode() if node else None
         cdef bytes d = domain.encode() if domain else None
-        cdef const char *pp = NULL
-        cdef const char *np = NULL
-        cdef const char *dp = NULL
-        cdef kx_engine *j = NULL
-        if p is not None:
-            pp = p
-        if n is not None:
-            np = n
-        if d is not None:
-            dp = d
-        if join is not None:
-            j = join._e()
-            self.join = join      # the hub is shared: keep the first rail alive as long as this one
+        cdef const char *prov = NULL
+        cdef const char *bind = NULL
+        cdef const char *dom = NULL
+        cdef kx_rail *first = NULL
+        cdef kx_rail_info info
         cdef int ret
-        errcall[0] = 0
-        self.e = NULL
+        if p is not None:
+            prov = p
+        if n is not None:
+            bind = n
+        if d is not None:
+            dom = d
+        if join is not None:
+            first = join._rail()
+            self.join = join      # the hub is shared: keep the first rail alive as long as this one
+        self.r = NULL
         self.closed = True
         self.pending = []
+        strcpy(errcall, "kx_rail_open")        # the open names the failing call instead
         with nogil:
-            ret = kx_engine_open(pp, np, dp, hmem, spin, j, &self.e, errcall, sizeof(errcall))
-        if ret:
-            raise _error(errcall.decode() or "kx_engine_open", ret)
+            ret = kx_rail_open(prov, bind, dom, hmem, spin, first, &self.r, errcall, sizeof(errcall))
+            check(ret, errcall)
         self.closed = False
+        kx_rail_get_info(self.r, &info)
+        self.provider = info.provider.decode()
+        self.fabric_name = info.fabric.decode()
+        self.domain_name = info.domain.decode()
+        self.mr_mode = info.mr_mode
+        self.caps = info.caps
+        self.iov_limit = info.iov_limit
+        self.max_msg_size = info.max_msg_size
+        self.inject_size = info.inject_size
+        self.cq_data_size = info.cq_data_size
+        self.has_wait = info.has_wait
+        self.need_ctx = info.need_ctx
+        self.addr_is_str = info.addr_is_str
 
     def __dealloc__(self):
-        if self.e != NULL:
+        if self.r != NULL:
             with nogil:
-                kx_engine_free(self.e)
-            self.e = NULL
+                kx_rail_free(self.r)
+            self.r = NULL
 
-    cdef inline kx_engine *_e(self) except NULL:
+    cdef inline kx_rail *_rail(self) except NULL:
         if self.closed:
             raise ClosedError("engine is closed")
-        return self.e
+        return self.r
 
     def start(self, cpus=()):
+        """Start the progress thread, pinned to `cpus` when given."""
         cdef int buf[1024]
-        cdef int n = 0, ret
-        cdef kx_engine *e = self._e()
+        cdef int n = 0
+        cdef kx_rail *r = self._rail()
         for c in cpus:
             if n >= 1024:
                 break
             buf[n] = int(c)
             n += 1
-        ret = kx_engine_start(e, buf, n)
-        if ret:
-            raise _error("pthread_create", ret)
+        with nogil:
+            check(kx_rail_start(r, buf, n), "pthread_create")
         self.started = True
 
+    # -- closing, in this order (see kvxfer.h) ----------------------------------------------
     def drain(self, double timeout=1.0, double quiet=0.02):
         """Cancel queued writes and wait up to `timeout` s for posted ones to complete and
         incoming traffic to stop for `quiet` s. Returns whether it did."""
         cdef int64_t ns = <int64_t>(timeout * 1e9)
         cdef int64_t qns = <int64_t>(quiet * 1e9)
         cdef int ok = 1
-        if self.e != NULL and not self.closed:
+        if self.r != NULL and not self.closed:
             with nogil:
-                ok = kx_engine_drain(self.e, ns, qns)
+                ok = kx_rail_drain(self.r, ns, qns)
         return bool(ok)
 
-    def quiesce(self):
-        """First half of close: refuse new native calls, wait for those inside, join the
-        progress thread. Registrations can then be closed safely, before ``close``."""
-        if self.e != NULL and not self.closed:
-            with nogil:
-                kx_engine_quiesce(self.e)
-
     def park(self):
-        """Leave the endpoint open, unprogressed, for good at close (see kx_engine_park)."""
-        if self.e != NULL and not self.closed:
-            kx_engine_park(self.e)
+        """Leave the endpoint open, unprogressed, for good at close (src/rail.c, kx_rail_park)."""
+        if self.r != NULL and not self.closed:
+            kx_rail_park(self.r)
 
     @property
     def took_traffic(self):
-        """Peers wrote or sent to this endpoint (it has accepted connections)."""
-        return bool(kx_engine_took_traffic(self._e()))
+        """Peers wrote or sent to this endpoint."""
+        return bool(kx_rail_took_traffic(self._rail()))
+
+    def set_peer_timeout(self, double seconds):
+        """Operations outstanding to a peer with none completing (or every post refused) for
+        this long: it is dead, its transfers and later posts fail. 0: never."""
+        kx_set_peer_timeout(self._rail(), <int64_t>(seconds * 1e9))
+
+    def set_delivery_complete(self, bint on):
+        """Writes complete only once placed at the target (FI_DELIVERY_COMPLETE)."""
+        kx_set_delivery_complete(self._rail(), on)
+
+    def peer_state(self, fi_addr_t addr):
+        """0 while `addr` may be posted to, else the errno posts to it fail with."""
+        return kx_peer_state(self._rail(), addr)
+
+    def quiesce(self):
+        """Refuse new native calls, wait for those inside, join the progress thread."""
+        if self.r != NULL and not self.closed:
+            with nogil:
+                kx_rail_quiesce(self.r)
 
     def close_endpoint(self):
-        """Stop the progress thread and close the endpoint, AV and CQ; pending work fails
-        with ECANCELED. The domain stays open so registrations can still be closed."""
+        """Quiesce, then close the endpoint, AV and CQ; pending work fails with ECANCELED.
+        The domain stays open so registrations can still be closed."""
         if self.closed:
             return
         self.closed = True
         with nogil:
-            kx_engine_teardown(self.e)
-        if kx_leaked(self.e) or self.e.parked:
+            kx_rail_close_endpoint(self.r)
+        if kx_rail_leaked(self.r) or kx_rail_parked(self.r):
             # a thread is stuck inside libfabric: touch nothing of the domain any more
             self.domain_closed = True
-        self.pending = [p for p in self.pending if not (<Xfer>p).x.done or (<Xfer>p).x.linked]
+        self.prune()
 
     def close(self):
         """Close everything; registrations still open on the domain are closed by libfabric."""
@@ -188,228 +270,179 @@ cdef class Fabric:
         if not self.domain_closed:
             self.domain_closed = True
             with nogil:
-                kx_engine_close_domain(self.e)
+                kx_rail_close_domain(self.r)
 
-    # -- properties the face validates against ------------------------------------------
-    @property
-    def provider(self):
-        return kx_prov_name(self._e()).decode()
-
-    @property
-    def addr_is_str(self):
-        """Endpoint names are NUL-terminated strings (FI_ADDR_STR), not fixed-size structs."""
-        return bool(kx_addr_is_str(self._e()))
-
-    @property
-    def fabric_name(self):
-        return kx_fabric_name(self._e()).decode()
-
-    @property
-    def domain_name(self):
-        return kx_domain_name(self._e()).decode()
-
-    @property
-    def mr_mode(self):
-        return self._e().mr_mode
-
-    @property
-    def caps(self):
-        return self._e().caps
-
-    @property
-    def iov_limit(self):
-        return self._e().iov_limit
-
-    @property
-    def max_msg_size(self):
-        return self._e().max_msg_size
-
-    @property
-    def inject_size(self):
-        return self._e().inject_size
-
-    @property
-    def cq_data_size(self):
-        return self._e().cq_data_size
-
-    @property
-    def has_wait(self):
-        return bool(self._e().has_wait)
-
-    @property
-    def need_ctx(self):
-        return bool(self._e().need_ctx)
-
+    # -- facts -----------------------------------------------------------------------------
     @property
     def thread_id(self):
         """The progress thread's kernel thread id (0 until it has started running)."""
-        return kx_thread_tid(self._e())
+        return kx_rail_thread_id(self._rail())
 
     def stats(self):
-        cdef kx_engine *e = self._e()
-        return {
-            "writes_posted": e.stat_writes,
-            "errors": e.stat_rx_err,
-            "outstanding": e.outstanding,
-        }
+        cdef kx_rail_stats s
+        kx_rail_get_stats(self._rail(), &s)
+        return {"writes_posted": s.writes_posted, "errors": s.errors, "outstanding": s.outstanding}
 
     # -- addresses -------------------------------------------------------------------------
     def getname(self):
         cdef char buf[256]
         cdef size_t n = sizeof(buf)
-        cdef int ret = kx_getname(self._e(), buf, &n)
-        if ret:
-            raise _error("fi_getname", ret)
+        cdef kx_rail *r = self._rail()
+        with nogil:
+            check(kx_getname(r, buf, &n), "fi_getname")
         return PyBytes_FromStringAndSize(buf, n)
 
     def av_insert(self, const uint8_t[::1] addr):
         """Insert a peer's endpoint name (checked natively first); its fi_addr."""
         cdef fi_addr_t a = 0
-        if addr.shape[0] == 0:
-            raise _error("fi_av_insert", -FI_EINVAL)
-        cdef int ret = kx_av_insert(self._e(), &addr[0], addr.shape[0], &a)
-        if ret:
-            raise _error("fi_av_insert", ret)
+        cdef kx_rail *r = self._rail()
+        cdef size_t n = addr.shape[0]
+        if n == 0:
+            check(-22, "fi_av_insert")
+        with nogil:
+            check(kx_av_insert(r, &addr[0], n, &a), "fi_av_insert")
         return a
 
-    def set_peer_timeout(self, double seconds):
-        """Operations outstanding to a peer with none completing for this long: it is dead
-        (its transfers fail with ETIMEDOUT, later posts at once). 0: never."""
-        kx_set_peer_timeout(self._e(), <int64_t>(seconds * 1e9))
-
-    def set_delivery_complete(self, bint on):
-        """Writes complete only once placed at the target (FI_DELIVERY_COMPLETE)."""
-        kx_set_delivery_complete(self._e(), on)
-
-    def peer_state(self, fi_addr_t addr):
-        """0 while `addr` may be posted to, else the errno posts to it fail with."""
-        return kx_peer_state(self._e(), addr)
-
     def av_remove(self, fi_addr_t addr):
-        cdef int ret = kx_av_remove(self._e(), addr)
-        if ret:
-            raise _error("fi_av_remove", ret)
+        cdef kx_rail *r = self._rail()
+        with nogil:
+            check(kx_av_remove(r, addr), "fi_av_remove")
 
+    def map_raw(self, uint64_t base, const uint8_t[::1] raw):
+        cdef uint64_t key = 0
+        cdef kx_rail *r = self._rail()
+        with nogil:
+            check(kx_map_raw(r, base, <uint8_t *>&raw[0], raw.shape[0], &key), "fi_mr_map_raw")
+        return key
+
+    def unmap_key(self, uint64_t key):
+        """Unmap a peer's raw key (closing: between close_endpoint and close_domain)."""
+        if not self.domain_closed:
+            with nogil:
+                check(kx_unmap_key(self.r, key), "fi_mr_unmap_key")
+
+    # -- peers -----------------------------------------------------------------------------
     def cancel_peer(self, fi_addr_t addr):
         """Cancel every unfinished transfer to `addr` on this rail; returns how many."""
-        return kx_peer_cancel(self._e(), addr)
+        cdef kx_rail *r = self._rail()
+        cdef int n
+        with nogil:
+            n = kx_peer_cancel(r, addr)
+        return n
 
     def wait_peer_idle(self, fi_addr_t addr, timeout):
-        """Wait (GIL-free slices, at most `timeout` s) until no transfer to `addr` is in
-        flight on this rail. Returns (in flight, of which still posting)."""
-        cdef kx_engine *e = self._e()
+        """Wait (at most `timeout` s) until no transfer to `addr` is in flight on this rail.
+        Returns (transfers still in flight, of which still posting)."""
+        cdef kx_rail *r = self._rail()
         cdef int n = 0, posting = 0
         cdef int64_t slice_ns
         deadline = _time.monotonic() + timeout
         while True:
             slice_ns = _slice_ns(deadline)
             with nogil:
-                n = kx_peer_wait(e, addr, slice_ns, &posting)
-            if n == 0 or _sliced_wait_done(deadline):
+                n = kx_peer_wait(r, addr, slice_ns, &posting)
+            if n == 0 or _deadline_passed(deadline):
                 return n, posting
-
-    def map_raw(self, uint64_t base, const uint8_t[::1] raw):
-        cdef uint64_t key = 0
-        cdef int ret = kx_map_raw(self._e(), base, <uint8_t *>&raw[0], raw.shape[0], &key)
-        if ret:
-            raise _error("fi_mr_map_raw", ret)
-        return key
-
-    def unmap_key(self, uint64_t key):
-        if not self.domain_closed:
-            kx_unmap_key(self.e, key)
 
     # -- registration ----------------------------------------------------------------------
     def mr_reg(self, uintptr_t ptr, size_t nbytes, int iface=FI_HMEM_SYSTEM, int device=0, int dmabuf_fd=-1,
                bint remote=True):
-        return MR(self, ptr, nbytes, iface, device, dmabuf_fd, remote)
+        return RegionHandle(self, ptr, nbytes, iface, device, dmabuf_fd, remote)
 
     # -- writes ----------------------------------------------------------------------------
-    def write(self, fi_addr_t peer, uintptr_t src_base, MR mr, uint64_t dst_base, uint64_t key,
+    def write(self, fi_addr_t peer, uintptr_t src_base, RegionHandle region, uint64_t dst_base, uint64_t key,
               const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
               imm, size_t iov, uint64_t max_write, uint64_t pack_min):
-        """Post every message of the triples (see include/kvxfer/post.h) with the GIL released."""
-        cdef kx_engine *e = self._e()
+        """Post every message of the triples (the message rule: src/post.c) without the GIL."""
+        cdef kx_rail *r = self._rail()
         cdef size_t n = length.shape[0]
         cdef int has_imm = imm is not None
-        cdef uint32_t immv = imm if has_imm else 0
-        cdef kx_xfer *x
+        cdef uint32_t imm_value = imm if has_imm else 0
+        cdef kx_transfer *x = NULL
         cdef const uint64_t *so = NULL
         cdef const uint64_t *do_ = NULL
         cdef const uint64_t *ln = NULL
+        cdef int ret
         if n:
             so = &src_off[0]
             do_ = &dst_off[0]
             ln = &length[0]
-        if mr.fab is not self or mr.mr == NULL:
+        if region.rail is not self or region.mr == NULL:
             raise ClosedError("source registration is closed or belongs to another rail")
-        mr.busy += 1          # MR.close refuses while a post is under way
+        region.busy += 1          # RegionHandle.close refuses while a post is under way
         with nogil:
-            x = kx_write(e, peer, <char *>src_base, mr.desc, dst_base, key, so, do_, ln, n,
-                         has_imm, immv, iov, max_write, pack_min)
-        if x == NULL:
-            mr.busy -= 1
-            raise MemoryError()
+            ret = kx_write(r, peer, <char *>src_base, region.desc, dst_base, key, so, do_, ln, n,
+                           has_imm, imm_value, iov, max_write, pack_min, &x)
+        if ret:
+            region.busy -= 1
+            check(ret, "kx_write")
         # recorded before any Python code can run (a signal handler raising right after the
         # native call must not free what the progress thread still reads)
-        cdef Xfer t = Xfer.__new__(Xfer)
-        t.fab = self
+        cdef TransferHandle t = TransferHandle.__new__(TransferHandle)
+        t.rail = self
         t.x = x
-        t.mr = mr
-        if not x.done or x.linked:
+        t.region = region
+        if not t.done or t.linked:
             self.pending.append(t)
-        mr.busy -= 1
+        region.busy -= 1
         if len(self.pending) > max(64, 2 * self.pruned):
             self.prune()
         return t
 
     def prune(self):
         """Forget finished transfers (and so release their registrations' buffers)."""
-        self.pending = [p for p in self.pending if not (<Xfer>p).x.done or (<Xfer>p).x.linked]
+        self.pending = [t for t in self.pending if not (<TransferHandle>t).done or (<TransferHandle>t).linked]
         self.pruned = len(self.pending)
 
-    def close_if_idle(self, list mrs):
+    def close_if_idle(self, list regions):
         """Close these registrations (one per rail) unless a transfer from any of them is
         being posted or in flight; all checks and closes without Python code in between, so
         no other thread can start a post from them meanwhile. Returns whether it closed."""
-        cdef MR m
-        for m in mrs:
-            if m.fab.busy_with(m):
+        cdef RegionHandle m
+        for m in regions:
+            if m.rail.busy_with(m):
                 return False
-        for m in mrs:            # the fids first: releasing buffers may run Python code
+        for m in regions:            # the fids first: releasing buffers may run Python code
             m.close_fid()
-        for m in mrs:
+        for m in regions:
             m.keep = None
         return True
 
-    def busy_with(self, MR mr):
-        """Whether a transfer from `mr` is being posted or still in flight on this rail."""
-        if mr.busy:
+    def busy_with(self, RegionHandle region):
+        """Whether a transfer from `region` is being posted or still in flight on this rail."""
+        if region.busy:
             return True
-        for p in self.pending:
-            if (<Xfer>p).mr is mr and ((<Xfer>p).x.linked or not (<Xfer>p).x.done):
+        for t in self.pending:
+            if (<TransferHandle>t).region is region and (not (<TransferHandle>t).done or (<TransferHandle>t).linked):
                 return True      # linked: failed early, but the provider may still own its ops
         return False
 
     # -- counters --------------------------------------------------------------------------
     def expect(self, uint32_t imm, uint64_t count, bint callback=False):
         cdef kx_counter *c = NULL
-        cdef int ret = kx_expect(self._e(), imm, count, callback, &c)
-        if ret:
-            raise _error("kx_expect", ret)
+        cdef kx_rail *r = self._rail()
+        with nogil:
+            check(kx_expect(r, imm, count, callback, &c), "kx_expect")
         cdef CounterHandle h = CounterHandle.__new__(CounterHandle)
-        h.fab = self
+        h.rail = self
         h.c = c
         return h
 
     def banked(self, uint32_t imm):
-        return kx_banked(self._e(), imm)
+        cdef kx_rail *r = self._rail()
+        cdef uint64_t n
+        with nogil:
+            n = kx_banked(r, imm)
+        return n
 
     def discard(self, uint32_t imm):
-        """Retire `imm` (see kx_discard): returns (arrivals dropped, address of the withdrawn
+        """Retire `imm` (src/counters.c): returns (arrivals dropped, address of the withdrawn
         expectation or 0)."""
         cdef kx_counter *c = NULL
-        cdef uint64_t n = kx_discard(self._e(), imm, &c)
+        cdef kx_rail *r = self._rail()
+        cdef uint64_t n
+        with nogil:
+            n = kx_discard(r, imm, &c)
         return n, <uintptr_t>c
 
     def next_done(self, timeout):
@@ -418,25 +451,26 @@ cdef class Fabric:
         cdef kx_counter *c = NULL
         cdef int ret
         cdef int64_t slice_ns = <int64_t>(timeout * 1e9)
-        if self.e == NULL:
+        if self.r == NULL:
             return -1
         with nogil:
-            ret = kx_next_done(self.e, slice_ns, &c)
+            ret = kx_next_done(self.r, slice_ns, &c)
+            if ret == 1:
+                kx_counter_release(self.r, c)   # the owner still holds its reference
         if ret == 1:
-            addr = <uintptr_t>c
-            kx_counter_unref(self.e, c)   # the Python owner still holds its reference
-            return addr
+            return <uintptr_t>c
         return -1 if ret < 0 else None
 
     def dispatch_stop(self):
-        if self.e != NULL:
-            kx_dispatch_stop(self.e)
+        if self.r != NULL:
+            with nogil:
+                kx_dispatch_stop(self.r)
 
     # -- control messages ------------------------------------------------------------------
     def send(self, fi_addr_t peer, const uint8_t[::1] data, timeout=None):
         """Post one message; while the provider's queue stays full, retry in 50 ms native
         slices until `timeout` (seconds, None: forever), answering signals in between."""
-        cdef kx_engine *e = self._e()
+        cdef kx_rail *r = self._rail()
         cdef size_t n = data.shape[0]
         cdef const char *p = <const char *>"\0"
         if n:
@@ -445,41 +479,41 @@ cdef class Fabric:
         deadline = None if timeout is None else _time.monotonic() + timeout
         while True:
             with nogil:
-                ret = kx_send(e, peer, p, n)
+                ret = kx_send(r, peer, p, n)
             if ret != -FI_EAGAIN:
                 break
-            if _sliced_wait_done(deadline):
+            if _deadline_passed(deadline):
                 return False
-            e = self._e()
-        if ret:
-            raise _error("fi_send", ret)
+            r = self._rail()
+        check(ret, "fi_send")
         return True
 
     def recv(self, timeout):
         """The next control message, or None when `timeout` (seconds, None: forever) passes."""
-        cdef kx_engine *e = self._e()
+        cdef kx_rail *r = self._rail()
         cdef kx_msg *m = NULL
         cdef int64_t slice_ns
         deadline = None if timeout is None else _time.monotonic() + timeout
         while True:
             slice_ns = _slice_ns(deadline)
             with nogil:
-                kx_recv_wait(e, slice_ns, &m)
+                kx_recv_wait(r, slice_ns, &m)
             if m != NULL:
-                out = PyBytes_FromStringAndSize(m.data, m.len)
-                free(m)
-                return out
+                try:
+                    return PyBytes_FromStringAndSize(kx_msg_data(m), kx_msg_len(m))
+                finally:
+                    kx_msg_free(m)
             if self.closed:
                 raise ClosedError("engine is closed")
-            if _sliced_wait_done(deadline):
+            if _deadline_passed(deadline):
                 return None
 
 
-@cython.no_gc_clear  # __dealloc__ needs its Fabric (GC clears Fabric.pending first, so it outlives them)
-cdef class MR:
-    """One registered memory region (fid_mr) on a Fabric."""
+@cython.no_gc_clear  # __dealloc__ needs its Rail (GC clears Rail.pending first, so it outlives them)
+cdef class RegionHandle:
+    """One registered memory region (fid_mr) on a Rail."""
 
-    cdef readonly Fabric fab
+    cdef readonly Rail rail
     cdef fid_mr *mr
     cdef void *desc
     cdef readonly uint64_t key
@@ -490,108 +524,125 @@ cdef class MR:
     cdef public int busy       # posts under way from this region
     cdef public object keep    # the memory's owner, alive as long as the registration
 
-    def __cinit__(self, Fabric fab, uintptr_t ptr, size_t nbytes, int iface, int device, int dmabuf_fd, bint remote):
+    def __cinit__(self, Rail rail, uintptr_t ptr, size_t nbytes, int iface, int device, int dmabuf_fd,
+                  bint remote):
         cdef uint8_t raw[64]
         cdef size_t rawlen = 0
         cdef uint64_t raw_base = 0
         cdef const char *call = "fi_mr_regattr"
-        cdef kx_engine *e = fab._e()
+        cdef kx_rail *r = rail._rail()
         cdef int ret
-        self.fab = fab
+        self.rail = rail
         self.mr = NULL
         with nogil:
-            ret = kx_mr_reg_user(e, <void *>ptr, nbytes, iface, device, dmabuf_fd, remote,
-                                 &self.mr, &self.key, &self.desc, raw, &rawlen, &raw_base, &call)
-        if ret:
-            raise _error(call.decode(), ret)
+            ret = kx_mr_reg(r, <void *>ptr, nbytes, iface, device, dmabuf_fd, remote,
+                            &self.mr, &self.key, &self.desc, raw, &rawlen, &raw_base, &call)
+            check(ret, call)
         self.raw_key = PyBytes_FromStringAndSize(<char *>raw, rawlen)
         self.raw_base = raw_base
         self.ptr = ptr
         self.nbytes = nbytes
 
     cdef close_fid(self):
-        if self.mr != NULL:
-            if not self.fab.domain_closed:
-                kx_mr_close(self.mr)
-            self.mr = NULL
-            self.desc = NULL
+        cdef fid_mr *mr = self.mr
+        self.mr = NULL
+        self.desc = NULL
+        if mr != NULL and not self.rail.domain_closed:
+            with nogil:
+                check(kx_mr_close(mr), "fi_close(mr)")
 
     def close(self):
-        self.close_fid()
-        self.keep = None
-
-    def revoke(self):
-        """Close the registration but keep its memory alive (`keep`): a peer's later write
-        to it is refused while the provider may still be copying an earlier one in."""
-        self.close_fid()
+        try:
+            self.close_fid()
+        finally:
+            self.keep = None
 
     @property
     def closed(self):
         return self.mr == NULL
 
     def __dealloc__(self):
-        if self.mr != NULL and self.fab is not None and not self.fab.domain_closed:
+        # a destructor cannot raise: a failing fi_close here has nobody to tell
+        if self.mr != NULL and self.rail is not None and not self.rail.domain_closed:
             kx_mr_close(self.mr)
         self.mr = NULL
 
 
-@cython.no_gc_clear  # __dealloc__ needs its Fabric (GC clears Fabric.pending first, so it outlives them)
-cdef class Xfer:
-    """The native side of a Transfer: counts of planned, posted and completed messages."""
+@cython.no_gc_clear  # __dealloc__ needs its Rail (GC clears Rail.pending first, so it outlives them)
+cdef class TransferHandle:
+    """The native side of a Transfer on one rail: planned, posted and completed messages."""
 
-    cdef readonly Fabric fab
-    cdef kx_xfer *x
-    cdef readonly MR mr        # the source registration, alive while the transfer is
+    cdef readonly Rail rail
+    cdef kx_transfer *x
+    cdef readonly RegionHandle region   # the source registration, alive while the transfer is
 
     def __dealloc__(self):
         if self.x != NULL:
-            kx_xfer_drop(self.fab.e, self.x)
+            with nogil:
+                kx_transfer_release(self.rail.r, self.x)
             self.x = NULL
+
+    cdef kx_transfer_state _state(self):
+        cdef kx_transfer_state s
+        kx_transfer_get_state(self.x, &s)
+        return s
 
     @property
     def planned(self):
-        return self.x.planned
+        return self._state().planned
 
     @property
     def posted(self):
-        return self.x.posted
+        return self._state().posted
 
     @property
     def completed(self):
-        return self.x.completed
+        return self._state().completed
 
     @property
     def posting_done(self):
-        return bool(self.x.posting_done)
+        return bool(self._state().posting_done)
 
     @property
     def done(self):
-        return bool(self.x.done)
+        return bool(self._state().done)
+
+    @property
+    def linked(self):
+        """Still on the rail's in-flight list: the provider may still own its contexts."""
+        return bool(self._state().linked)
 
     @property
     def errno(self):
-        return self.x.error
+        return self._state().error
 
     def cancel(self):
         """Post nothing more of this transfer; what was posted still completes."""
-        kx_xfer_cancel(self.fab.e, self.x)
+        with nogil:
+            kx_transfer_cancel(self.rail.r, self.x)
 
     def wait(self, timeout=None):
         """True once every posted message completed; False if `timeout` seconds pass first."""
-        return _wait_done(self.fab.e, &self.x.done, timeout)
+        return _wait(self.rail.r, WAIT_TRANSFER, self.x, timeout)
 
 
-@cython.no_gc_clear  # __dealloc__ needs its Fabric (GC clears Fabric.pending first, so it outlives them)
+@cython.no_gc_clear  # __dealloc__ needs its Rail (GC clears Rail.pending first, so it outlives them)
 cdef class CounterHandle:
     """The native side of a Counter: an expectation of `count` arrivals of one imm."""
 
-    cdef readonly Fabric fab
+    cdef readonly Rail rail
     cdef kx_counter *c
 
     def __dealloc__(self):
         if self.c != NULL:
-            kx_counter_drop(self.fab.e, self.c)
+            with nogil:
+                kx_counter_drop(self.rail.r, self.c)
             self.c = NULL
+
+    cdef kx_counter_state _state(self):
+        cdef kx_counter_state s
+        kx_counter_get_state(self.c, &s)
+        return s
 
     @property
     def address(self):
@@ -599,27 +650,27 @@ cdef class CounterHandle:
 
     @property
     def imm(self):
-        return self.c.imm
+        return self._state().imm
 
     @property
     def count(self):
-        return self.c.count
+        return self._state().count
 
     @property
     def arrived(self):
-        return self.c.arrived
+        return self._state().arrived
 
     @property
     def done(self):
-        return bool(self.c.done)
+        return bool(self._state().done)
 
     @property
     def errno(self):
-        return self.c.error
+        return self._state().error
 
     def wait(self, timeout=None):
         """True once all arrivals were credited; False if `timeout` seconds pass first."""
-        return _wait_done(self.fab.e, &self.c.done, timeout)
+        return _wait(self.rail.r, WAIT_COUNTER, self.c, timeout)
 
 
 def count_messages(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
@@ -628,4 +679,4 @@ def count_messages(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, con
     cdef size_t n = length.shape[0]
     if n == 0:
         return 0
-    return kx_walk(&src_off[0], &dst_off[0], &length[0], n, iov, max_write, pack_min)
+    return kx_count_messages(&src_off[0], &dst_off[0], &length[0], n, iov, max_write, pack_min)

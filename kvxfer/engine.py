@@ -46,11 +46,6 @@ __all__ = ["Engine", "Peer", "MemoryRegion", "RemoteRegion", "Transfer", "Counte
 #: Tried in this order when no provider is named: RDMA hardware first, then sockets.
 PREFERENCE = ("efa", "verbs;ofi_rxm", "psm3", "cxi", "tcp;ofi_rxm", "shm")
 
-_PEER_ERRNOS = {
-    _errno.ECONNREFUSED, _errno.ECONNRESET, _errno.ECONNABORTED, _errno.EPIPE, _errno.ENOTCONN,
-    _errno.EHOSTUNREACH, _errno.EHOSTDOWN, _errno.ENETUNREACH, _errno.ETIMEDOUT, _errno.EIO,
-}
-
 _U32 = 2**32
 
 
@@ -65,7 +60,7 @@ def providers() -> list[str]:
     found = []
     for p in PREFERENCE:
         try:
-            f = _fabric.Fabric(p, None)
+            f = _fabric.Rail(p, None)
         except FabricError:
             continue
         f.close()
@@ -142,6 +137,93 @@ def _check_imm(imm) -> Optional[int]:
     return imm
 
 
+def _check_options(progress, iov, max_write, pack_min, rails) -> None:
+    """Engine options that need no provider: refused before anything is opened."""
+    if progress not in ("block", "spin"):
+        raise InvalidArgumentError(f"progress must be 'block' or 'spin', not {progress!r}")
+    for name, v in (("iov", iov), ("max_write", max_write)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+            raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
+    if pack_min is not None and (isinstance(pack_min, bool) or not isinstance(pack_min, (int, np.integer))
+                                 or pack_min < 0):
+        raise InvalidArgumentError(f"pack_min must be a non-negative int, got {pack_min!r}")
+    if rails is not None and (isinstance(rails, bool) or int(rails) < 1):
+        raise InvalidArgumentError(f"rails must be a positive int, got {rails!r}")
+
+
+def _check_cpus(cpus) -> tuple:
+    """The progress threads' CPUs (from the caller or a placement): ones this process may use."""
+    if cpus is None:
+        return ()
+    cpus = tuple(cpus)
+    allowed = os.sched_getaffinity(0)
+    bad = [c for c in cpus if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c not in allowed]
+    if bad:
+        raise InvalidArgumentError(f"cpus {bad} are not CPUs this process may run on {sorted(allowed)}")
+    return tuple(int(c) for c in cpus)
+
+
+def _check_nics(nics) -> Optional[list[str]]:
+    if nics is None:
+        return None
+    nics = [str(n) for n in nics]
+    if not nics:
+        raise InvalidArgumentError("nics must name at least one NIC (libfabric domain)")
+    return nics
+
+
+def _open_rails(provider: Optional[str], node: Optional[str], hmem: bool, spin: bool,
+                nics: Optional[list[str]], rails: Optional[int]) -> list:
+    """Open the rails on the named provider, else on the first of PREFERENCE that opens:
+    one per NIC in ``nics``, else ``rails`` on the default domain; the first rail's hub is
+    shared by the others. Raises the provider's error, or UnsupportedError."""
+    domains: list[Optional[str]] = list(nics) if nics else [None]
+    errors: list[str] = []
+    first_error: Optional[FabricError] = None
+    for p in [provider] if provider else list(PREFERENCE):
+        # shm names its endpoint after `node`: two processes naming 127.0.0.1 would
+        # collide (EBUSY), so shm always takes its own, per-process default name
+        bind = None if p.split(";")[0] == "shm" else node
+        try:
+            first = _fabric.Rail(p, bind, hmem, spin, domains[0])
+        except FabricError as exc:
+            first_error = first_error or exc
+            errors.append(f"{p}: {exc}")
+            continue
+        opened = [first]
+        if nics is None and rails is not None and int(rails) > 1:
+            domains = [first.domain_name] * int(rails)
+        try:
+            for d in domains[1:]:
+                opened.append(_fabric.Rail(p, bind, hmem, spin, d, first))
+        except BaseException:
+            for r in reversed(opened):
+                r.close()
+            raise
+        return opened
+    if provider and hmem:
+        try:
+            _fabric.Rail(provider, None if provider.split(";")[0] == "shm" else node).close()
+        except FabricError:
+            pass
+        else:
+            raise UnsupportedError(f"provider {provider!r} offers no FI_HMEM (device memory); "
+                                   "use shm, efa or verbs;ofi_rxm for GPU buffers")
+    if provider and first_error is not None:
+        raise first_error
+    raise UnsupportedError("no libfabric provider with RMA is available: " + "; ".join(errors))
+
+
+def _message_limits(rail, iov, max_write, pack_min) -> tuple[int, int, int]:
+    """(iov, max_write, pack_min) of the message rule: the caller's, capped by the provider's."""
+    limit = int(rail.iov_limit)
+    iov = limit if iov is None else max(1, min(int(iov), limit))
+    mm = int(rail.max_msg_size)
+    max_write = min(mm, 1 << 30) if max_write is None else max(1, min(int(max_write), mm))
+    pm = int(rail.inject_size) + 1 if pack_min is None else max(0, int(pack_min))
+    return iov, max_write, min(pm, max_write)
+
+
 class Peer:
     """A remote engine this engine can write to: one address-vector entry per local rail.
 
@@ -170,11 +252,11 @@ class Peer:
 class MemoryRegion:
     """Local memory registered with the engine. Keeps its buffer alive until closed."""
 
-    def __init__(self, engine: "Engine", mrs: list, obj: Any, ptr: int, nbytes: int, device: str,
+    def __init__(self, engine: "Engine", handles: list, obj: Any, ptr: int, nbytes: int, device: str,
                  remote: bool = True) -> None:
         self.engine = engine
         self.remote = remote
-        self._mrs = mrs          # one registration per rail (NIC)
+        self._handles = handles      # one RegionHandle (registration) per rail
         self._obj = obj
         self.ptr = ptr
         self.nbytes = nbytes
@@ -182,15 +264,15 @@ class MemoryRegion:
 
     def descriptor(self) -> bytes:
         """Compact, versioned bytes a peer passes to ``Engine.remote`` to write here."""
-        mrs = self._live()
+        handles = self._live()
         if not self.remote:
             raise InvalidArgumentError("region was registered with remote=False: it has no descriptor")
-        virt = bool(self.engine._fab.mr_mode & _fabric.MR_VIRT_ADDR)
-        raw = bool(mrs[0].raw_key)
-        keys = tuple(mr.raw_key if raw else int(mr.key).to_bytes(8, "little") for mr in mrs)
+        virt = bool(self.engine._rails[0].mr_mode & _fabric.MR_VIRT_ADDR)
+        raw = bool(handles[0].raw_key)
+        keys = tuple(h.raw_key if raw else int(h.key).to_bytes(8, "little") for h in handles)
         base = self.ptr if virt else 0
-        if raw and mrs[0].raw_base:          # what fi_mr_map_raw at the peer expects
-            base = int(mrs[0].raw_base)
+        if raw and handles[0].raw_base:      # what fi_mr_map_raw at the peer expects
+            base = int(handles[0].raw_base)
         return wire.Descriptor(
             owner=wire.owner_digest(self.engine.address),
             provider=self.engine.provider,
@@ -205,25 +287,31 @@ class MemoryRegion:
     def _live(self) -> list:
         if self.closed:
             raise ClosedError("memory region is closed")
-        return self._mrs
+        return self._handles
 
     @property
     def closed(self) -> bool:
-        return not self._mrs or self._mrs[0].closed
+        return not self._handles or self._handles[0].closed
 
     def close(self) -> None:
         """Deregister (on every rail). Refused while a transfer from this region is still
         posting or in flight: wait for it (or cancel it) first."""
-        if self._mrs and not self.engine.closed:
-            if not self.engine._fab.close_if_idle(self._mrs):
+        if self._handles and not self.engine.closed:
+            if not self.engine._rails[0].close_if_idle(self._handles):
                 raise InvalidArgumentError("memory region has transfers in flight; wait for them before closing it")
         self._close()
 
     def _close(self) -> None:
-        for mr in self._mrs:
-            mr.close()
-        self._mrs = []
-        self._obj = None
+        """Deregister on every rail, even if one fails; then raise the first failure."""
+        handles, self._handles, self._obj = self._handles, [], None
+        first: Optional[BaseException] = None
+        for h in handles:
+            try:
+                h.close()
+            except FabricError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def __enter__(self) -> "MemoryRegion":
         return self
@@ -256,11 +344,11 @@ class RemoteRegion:
 class Transfer:
     """A batch of posted writes. ``num_writes`` is the number of immediates the target sees."""
 
-    __slots__ = ("_xs", "num_writes", "nbytes", "imm", "__weakref__")
+    __slots__ = ("_handles", "num_writes", "nbytes", "imm", "__weakref__")
 
-    def __init__(self, xs: list, nbytes: int, imm: Optional[int]) -> None:
-        self._xs = xs             # one native transfer per rail used; they keep what they read
-        self.num_writes: int = sum(x.planned for x in xs)
+    def __init__(self, handles: list, nbytes: int, imm: Optional[int]) -> None:
+        self._handles = handles        # one TransferHandle per rail used; they keep what they read
+        self.num_writes: int = sum(h.planned for h in handles)
         self.nbytes = nbytes
         self.imm = imm
 
@@ -268,7 +356,7 @@ class Transfer:
     def done(self) -> bool:
         """True once every posted write has completed at the sender (successfully or not).
         After ``cancel()`` it also means posting has stopped for good: ``posted`` is final."""
-        return all(x.done for x in self._xs)
+        return all(x.done for x in self._handles)
 
     @property
     def posted(self) -> int:
@@ -279,35 +367,28 @@ class Transfer:
         target that has seen this many arrivals of ``imm`` may retire it (``Engine.discard``).
         While posting is under way it may briefly count one write per rail that the provider
         then refuses and kvxfer retries."""
-        return sum(x.posted for x in self._xs)
+        return sum(x.posted for x in self._handles)
 
     @property
     def error(self) -> Optional[KvxferError]:
         """The failure, once known; None while pending or on success."""
-        err = next((x.errno for x in self._xs if x.errno), 0)
-        if not err:
-            return None
-        text = os.strerror(err)
-        if err == _errno.ECANCELED:
-            return PeerError(err, "transfer failed: the peer connection was lost or the engine closed (operation canceled)")
-        if err in _PEER_ERRNOS:
-            return PeerError(err, f"transfer failed: {text}")
-        return FabricError("fi_writemsg", err, text)
+        err = next((x.errno for x in self._handles if x.errno), 0)
+        return _fabric.error_from("fi_writemsg", err) if err else None
 
     def cancel(self) -> None:
         """Post nothing more of this transfer (for a peer that stopped answering): writes
         already posted still complete or fail; ``wait`` then raises ``PeerError``."""
-        for x in self._xs:
+        for x in self._handles:
             x.cancel()
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every write completed at the sender; raise its error, or TimeoutError."""
         timeout = _timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        for x in self._xs:
+        for x in self._handles:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not x.wait(left):
-                done = sum(x.completed for x in self._xs)
+                done = sum(x.completed for x in self._handles)
                 raise TimeoutError(f"transfer not complete after {timeout} s ({done}/{self.num_writes} writes done)")
         err = self.error
         if err is not None:
@@ -377,11 +458,11 @@ class Engine:
     ``placement``: a ``kvxfer.Placement`` from ``Topology.assign``, giving NICs and CPUs;
     ``rails``: without ``nics``, open this many endpoints on the provider's default domain
     (on shm, two rails copy in parallel). ``peer_timeout``: seconds a peer may leave writes
-    or sends outstanding without completing any before it is declared dead (its transfers
-    and later posts fail with ``PeerError``; the only dead-peer signal shm has); None: never.
-    ``delivery_complete``: a write completes only once the target placed it, so a write the
-    target refuses fails at the sender (default: on for rxm providers, where tcp otherwise
-    reports a refused write as done).
+    or sends outstanding without completing any (or refuse every post) before it is declared
+    dead (its transfers and later posts fail with ``PeerError``; the only dead-peer signal shm
+    has); None: never. ``delivery_complete``: a write completes only once the target placed it,
+    so a write the target refuses fails at the sender (default: on for rxm providers, where tcp
+    otherwise reports a refused write as done).
     """
 
     def __init__(
@@ -405,22 +486,16 @@ class Engine:
         pt = _timeout(peer_timeout, "peer_timeout")
         if pt == 0:
             raise InvalidArgumentError("peer_timeout must be positive (None: never declare a silent peer dead)")
-        if progress not in ("block", "spin"):
-            raise InvalidArgumentError(f"progress must be 'block' or 'spin', not {progress!r}")
-        for name, v in (("iov", iov), ("max_write", max_write)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
-                raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
-        if pack_min is not None and (isinstance(pack_min, bool) or not isinstance(pack_min, (int, np.integer))
-                                     or pack_min < 0):
-            raise InvalidArgumentError(f"pack_min must be a non-negative int, got {pack_min!r}")
-        self._closed = True
-        self._parked = False      # close() left an endpoint open (kx_engine_park)
+        self._closed = True          # until the rails are open and started
+        self._parked = False         # close() left an endpoint open (kx_rail_park)
         self._lock = threading.Lock()
         self._regions: "weakref.WeakSet[MemoryRegion]" = weakref.WeakSet()
         self._callbacks: dict[int, Counter] = {}
         self._dispatcher: Optional[threading.Thread] = None
         self._raw_keys: list[tuple[Any, int]] = []
         self._peers: dict[bytes, Peer] = {}
+        self._rails: list = []
+        _check_options(progress, iov, max_write, pack_min, rails)
         if provider is None:
             provider = _environ.user_provider()   # kvxfer's own include list is not a name
         if placement is not None:
@@ -428,95 +503,53 @@ class Engine:
                 nics = list(placement.domains)
             if cpus is None:
                 cpus = tuple(placement.cpus)
-        if rails is not None and (isinstance(rails, bool) or int(rails) < 1):
-            raise InvalidArgumentError(f"rails must be a positive int, got {rails!r}")
-        if cpus is not None:     # from the caller or the placement
-            cpus = tuple(cpus)
-            allowed = os.sched_getaffinity(0)
-            bad = [c for c in cpus if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c not in allowed]
-            if bad:
-                raise InvalidArgumentError(f"cpus {bad} are not CPUs this process may run on {sorted(allowed)}")
-        if nics is not None:
-            nics = [str(n) for n in nics]
-            if not nics:
-                raise InvalidArgumentError("nics must name at least one NIC (libfabric domain)")
-        domains: list[Optional[str]] = list(nics) if nics else [None]
-        candidates = [provider] if provider else list(PREFERENCE)
-        errors: list[str] = []
-        first_error: Optional[FabricError] = None
-        fab0: Optional[Any] = None
-        self._rails: list = []
-        for p in candidates:
-            # shm names its endpoint after `node`: two processes naming 127.0.0.1 would
-            # collide (EBUSY), so shm always takes its own, per-process default name
-            bind = None if p.split(";")[0] == "shm" else node
-            try:
-                fab0 = _fabric.Fabric(p, bind, hmem, progress == "spin", domains[0])
-            except FabricError as exc:
-                first_error = first_error or exc
-                errors.append(f"{p}: {exc}")
-                continue
-            self._rails = [fab0]
-            if nics is None and rails is not None and int(rails) > 1:
-                domains = [fab0.domain_name] * int(rails)
-            try:
-                for d in domains[1:]:
-                    self._rails.append(_fabric.Fabric(p, bind, hmem, progress == "spin", d, fab0))
-            except BaseException:
-                for r in reversed(self._rails):
-                    r.close()
-                raise
-            break
-        if fab0 is None:
-            if provider and hmem:
-                try:
-                    _fabric.Fabric(provider, None if provider.split(";")[0] == "shm" else node).close()
-                except FabricError:
-                    pass
-                else:
-                    raise UnsupportedError(f"provider {provider!r} offers no FI_HMEM (device memory); "
-                                           "use shm, efa or verbs;ofi_rxm for GPU buffers")
-            if provider and first_error is not None:
-                raise first_error
-            raise UnsupportedError("no libfabric provider with RMA is available: " + "; ".join(errors))
-        self._fab: Any = fab0
-        self._closed = False
-        fab = self._fab
-        self.provider: str = fab.provider
+        cpus = _check_cpus(cpus)
+        nics = _check_nics(nics)
+        self._rails = _open_rails(provider, node, hmem, progress == "spin", nics, rails)
+        first = self._rails[0]
+        self.provider: str = first.provider
         self.progress = progress
-        self.cpus = tuple(int(c) for c in cpus) if cpus is not None else ()
-        limit = int(fab.iov_limit)
-        self.iov: int = limit if iov is None else max(1, min(int(iov), limit))
-        mm = int(fab.max_msg_size)
-        self.max_write: int = min(mm, 1 << 30) if max_write is None else max(1, min(int(max_write), mm))
-        pm = int(fab.inject_size) + 1 if pack_min is None else max(0, int(pack_min))
-        self.pack_min: int = min(pm, self.max_write)
+        self.cpus = cpus
+        self.iov, self.max_write, self.pack_min = _message_limits(first, iov, max_write, pack_min)
         self.peer_timeout = pt
         if delivery_complete is None:      # tcp;ofi_rxm: otherwise a refused write "succeeds"
             delivery_complete = "ofi_rxm" in self.provider
         self.delivery_complete = bool(delivery_complete)
-        for r in self._rails:
-            r.set_peer_timeout(pt or 0.0)
-            r.set_delivery_complete(self.delivery_complete)
-            r.start(self.cpus)
-        self._address = wire.Address(self.provider, tuple(r.getname() for r in self._rails)).encode()
+        try:
+            for r in self._rails:
+                r.set_peer_timeout(pt or 0.0)
+                r.set_delivery_complete(self.delivery_complete)
+                r.start(self.cpus)
+            self._address = wire.Address(self.provider, tuple(r.getname() for r in self._rails)).encode()
+        except BaseException:
+            for r in reversed(self._rails):
+                r.close()
+            raise
+        self._closed = False
 
     # -- life cycle ----------------------------------------------------------------------
     def close(self) -> None:
-        """Close regions, then the endpoint; pending transfers fail, the progress thread stops."""
+        """Close the engine; idempotent. In this order: stop the callback dispatcher; drain
+        each rail (queued writes are cancelled, posted ones get 0.5 s to complete, rxm waits for
+        200 ms of incoming quiet and parks a rail that got none); quiesce each
+        rail (no caller inside native code, progress thread joined); close each rail's
+        endpoint, AV and CQ (pending transfers and counters fail); deregister the regions;
+        unmap peers' raw keys; close each rail's domain and fabric, last rail first; join the
+        dispatcher."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        fab = self._fab
-        fab.dispatch_stop()
+        if not self._rails:
+            return
+        self._rails[0].dispatch_stop()
         rxm = "ofi_rxm" in self.provider
         # posted writes finish, queued ones go, incoming traffic stops (all bounded)
         quiet = [r.drain(0.5, 0.2 if rxm else 0.02) for r in self._rails]
         # libfabric 1.17's rxm crashes inside fi_close of an endpoint that peers wrote to until
-        # shortly before (include/kvxfer/engine.h, kx_engine_park). Such an endpoint (no 200 ms
-        # of quiet) is left open and unprogressed instead, reclaimed at process exit (tens of
-        # MiB and a dozen fds each). KVXFER_PARK_RXM=0 closes it anyway.
+        # shortly before (docs/reliability.md). Such an endpoint (no 200 ms of quiet) is left
+        # open and unprogressed instead, reclaimed at process exit (tens of MiB and a dozen
+        # fds each). KVXFER_PARK_RXM=0 closes it anyway.
         if rxm and os.environ.get("KVXFER_PARK_RXM", "1") != "0":
             for r, q in zip(self._rails, quiet):
                 if not q and r.took_traffic:
@@ -526,10 +559,16 @@ class Engine:
             r.quiesce()
         for r in self._rails:           # endpoints go before the registrations they used
             r.close_endpoint()
-        for r in list(self._regions):
-            r._close()
+        for r in list(self._regions):       # a failure is reported, never stops the close
+            try:
+                r._close()
+            except FabricError as exc:
+                warnings.warn(f"closing {r!r}: {exc}", ResourceWarning, stacklevel=2)
         for rail, k in self._raw_keys:
-            rail.unmap_key(k)
+            try:
+                rail.unmap_key(k)
+            except FabricError as exc:
+                warnings.warn(f"unmapping a peer's raw key: {exc}", ResourceWarning, stacklevel=2)
         for r in reversed(self._rails):
             r.close()
         d = self._dispatcher
@@ -571,7 +610,7 @@ class Engine:
     @property
     def info(self) -> dict:
         """Provider facts kvxfer obeys: mr_mode, iovecs, sizes, remote counters, HMEM."""
-        f = self._fab
+        f = self._rails[0]
         return {
             "provider": self.provider,
             "fabric": f.fabric_name,
@@ -626,7 +665,7 @@ class Engine:
         for n in a.names:
             # libfabric reads as many bytes as its address format implies: a name of another
             # size (or an unterminated string name) would be read out of bounds
-            if self._fab.addr_is_str:
+            if self._rails[0].addr_is_str:
                 if not n.endswith(b"\0") or b"\0" in n[:-1] or len(n) > 256:
                     raise DescriptorError("address has a malformed endpoint name for this provider")
             elif len(n) != len(local):
@@ -678,7 +717,7 @@ class Engine:
         ptr, nbytes, device, iface, ordinal, dmabuf, keep = _resolve_buffer(obj)
         if nbytes <= 0:
             raise InvalidArgumentError("cannot register an empty buffer")
-        if iface != _fabric.HMEM_SYSTEM and not (self._fab.caps & _fabric.CAP_HMEM):
+        if iface != _fabric.HMEM_SYSTEM and not (self._rails[0].caps & _fabric.CAP_HMEM):
             raise UnsupportedError(
                 f"provider {self.provider!r} engine has no FI_HMEM: device memory ({device}) needs "
                 "Engine(..., hmem=True) on a provider that offers it (shm, efa, verbs)"
@@ -709,7 +748,7 @@ class Engine:
         d = wire.Descriptor.decode(descriptor)
         if d.provider != self.provider:
             raise DescriptorError(f"descriptor is for provider {d.provider!r}, this engine runs {self.provider!r}")
-        virt = bool(self._fab.mr_mode & _fabric.MR_VIRT_ADDR)
+        virt = bool(self._rails[0].mr_mode & _fabric.MR_VIRT_ADDR)
         if d.virt_addr != virt:
             raise DescriptorError("descriptor's addressing mode does not match this provider's mr_mode")
         keys = []
@@ -744,19 +783,19 @@ class Engine:
 
     def _post(self, src, peer, dst, so, do, ln, imm) -> Transfer:
         imm = _check_imm(imm)
-        if imm is not None and self._fab.cq_data_size < 4:
+        if imm is not None and self._rails[0].cq_data_size < 4:
             raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")
-        mrs = src._live()
-        xs = []
+        handles = src._live()
+        per_rail = []
         bounds = wire.stripe_bounds(len(ln), len(self._rails))
         for i, r in enumerate(self._rails):
             a, b = bounds[i], bounds[i + 1]
             if b > a or (i == 0 and len(ln) == 0):
-                xs.append(r.write(peer.fi_addrs[i], src.ptr, mrs[i], dst.base, dst.keys[i], so[a:b], do[a:b], ln[a:b],
+                per_rail.append(r.write(peer.fi_addrs[i], src.ptr, handles[i], dst.base, dst.keys[i], so[a:b], do[a:b], ln[a:b],
                                   imm, self.iov, self.max_write, self.pack_min))
         # what stays alive for the progress thread is owned natively: the triples are copied,
         # and each rail keeps its pending transfers' source registration (with the buffer)
-        return Transfer(xs, int(ln.sum()) if len(ln) else 0, imm)
+        return Transfer(per_rail, int(ln.sum()) if len(ln) else 0, imm)
 
     def write(self, src: MemoryRegion, src_offset: int, peer: Peer, dst: RemoteRegion, dst_offset: int,
               nbytes: int, imm: Optional[int] = None) -> Transfer:
@@ -847,14 +886,12 @@ class Engine:
         # completes at once from banked arrivals
         with self._lock:
             try:
-                h = self._fab.expect(imm, int(count), callback is not None)
-            except FabricError as exc:
-                if exc.fi_errno == _errno.EBUSY:
-                    raise InvalidArgumentError(f"imm {imm} already has an unfinished expectation") from None
-                raise
-            c = Counter(h, imm, int(count), callback)
+                handle = self._rails[0].expect(imm, int(count), callback is not None)
+            except InvalidArgumentError:
+                raise InvalidArgumentError(f"imm {imm} already has an unfinished expectation") from None
+            c = Counter(handle, imm, int(count), callback)
             if callback is not None:
-                self._callbacks[h.address] = c
+                self._callbacks[handle.address] = c
                 if self._dispatcher is None:
                     self._dispatcher = threading.Thread(target=self._dispatch, name="kvxfer-dispatch", daemon=True)
                     self._dispatcher.start()
@@ -866,7 +903,7 @@ class Engine:
         checked = _check_imm(imm)
         if checked is None:
             raise InvalidArgumentError("banked needs an imm")
-        return self._fab.banked(checked)
+        return self._rails[0].banked(checked)
 
     def discard(self, imm: int) -> int:
         """Retire ``imm``: withdraw its unfinished expectation (its ``Counter`` ends with
@@ -884,15 +921,15 @@ class Engine:
         if checked is None:
             raise InvalidArgumentError("discard needs an imm")
         with self._lock:
-            dropped, addr = self._fab.discard(checked)
+            dropped, addr = self._rails[0].discard(checked)
             if addr:
                 self._callbacks.pop(addr, None)
         return int(dropped)
 
     def _dispatch(self) -> None:
-        fab = self._fab
+        first = self._rails[0]
         while True:
-            addr = fab.next_done(0.2)
+            addr = first.next_done(0.2)
             if addr == -1:
                 return
             if addr is None:
@@ -922,19 +959,13 @@ class Engine:
         buf = np.frombuffer(bytes(data), dtype=np.uint8)
         if len(buf) > _fabric.MSG_MAX:
             raise InvalidArgumentError(f"control message of {len(buf)} bytes exceeds {_fabric.MSG_MAX}")
-        try:
-            sent = self._fab.send(peer.fi_addrs[0], buf, timeout)
-        except FabricError as exc:
-            if exc.fi_errno in _PEER_ERRNOS:
-                raise PeerError(exc.fi_errno, f"control message not sent: the peer is gone ({exc.text})") from None
-            raise
-        if not sent:
+        if not self._rails[0].send(peer.fi_addrs[0], buf, timeout):
             raise TimeoutError(f"control message not accepted by the provider within {timeout} s")
 
     def recv(self, timeout: Optional[float] = None) -> bytes:
         """The next control message received; TimeoutError if none within ``timeout`` s."""
         self._check_open()
-        m = self._fab.recv(_timeout(timeout))
+        m = self._rails[0].recv(_timeout(timeout))
         if m is None:
             raise TimeoutError(f"no control message within {timeout} s")
         return m

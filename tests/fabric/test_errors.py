@@ -211,3 +211,20 @@ def test_device_memory_on_hmem_engine_without_cuda_fails_cleanly():
 def test_hmem_on_provider_without_it_is_unsupported():
     with pytest.raises(errors.UnsupportedError):
         kvxfer.Engine("tcp;ofi_rxm", "127.0.0.1", hmem=True)
+
+
+def test_errno_to_exception_in_one_place():
+    """_fabric.error_from is the one errno -> exception mapping every native status goes through."""
+    import errno
+
+    from kvxfer import _fabric
+
+    e = _fabric.error_from("fi_writemsg", -errno.ECANCELED)
+    assert isinstance(e, errors.PeerError) and e.errno == errno.ECANCELED
+    assert isinstance(_fabric.error_from("fi_writemsg", errno.ECONNRESET), errors.PeerError)
+    e = _fabric.error_from("fi_writemsg", errno.EACCES)
+    assert isinstance(e, errors.FabricError) and e.call == "fi_writemsg" and e.fi_errno == errno.EACCES
+    assert isinstance(_fabric.error_from("kx_expect", errno.EBUSY), errors.InvalidArgumentError)
+    assert isinstance(_fabric.error_from("fi_send", errno.ECANCELED), errors.ClosedError)
+    e = _fabric.error_from("fi_av_insert", -errno.EINVAL)
+    assert isinstance(e, errors.FabricError) and e.fi_errno == errno.EINVAL and e.text

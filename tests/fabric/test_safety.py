@@ -68,6 +68,9 @@ def test_region_with_transfer_in_flight_refuses_to_close(pair):
     t.wait(30)
     ms.close()
     assert ms.closed
+    # a sender's completion is not proof of placement: let every write land before the
+    # target's buffer may go (an ASan build caught the provider writing into it after)
+    b.expect(2, t.num_writes).wait(30)
 
 
 def test_caller_arrays_are_copied(pair):
@@ -162,6 +165,10 @@ def test_cancel_stops_posting(pair):
         pass          # cancelled before everything was posted
     assert t.done
     assert a.stats()["writes_posted"] <= t.num_writes
+    # the fence: what was posted can still land; wait for exactly that, then retire the imm
+    if t.posted:
+        b.expect(3, t.posted).wait(30)
+    assert b.discard(3) == 0
 
 
 @pytest.mark.parametrize("bad", [

@@ -201,10 +201,14 @@ def _pair_same(provider):
 
 def _initiator(provider, addr, desc):
     a = _engine(provider)
-    src = np.ones(NBYTES, np.uint8)
-    ms = a.register(src)
-    peer, rr = a.connect(addr), a.remote(desc)
-    a.write(ms, 0, peer, rr, 0, 8, imm=1).wait(10)
+    try:
+        src = np.ones(NBYTES, np.uint8)
+        ms = a.register(src)
+        peer, rr = a.connect(addr), a.remote(desc)
+        a.write(ms, 0, peer, rr, 0, 8, imm=1).wait(10)
+    except BaseException:
+        a.close()
+        raise
     return a, ms, peer, rr, src
 
 

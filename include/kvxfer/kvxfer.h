@@ -1,0 +1,193 @@
+/* kvxfer.h: the native engine's public API, the one header kvxfer/_core.pxd mirrors.
+ *
+ * The native engine is the only code that calls libfabric. Its objects:
+ *   kx_rail      one RDM endpoint with its fabric, domain, CQ, AV and progress thread (one
+ *                per NIC); the rails of one engine share a hub (lock, condition variable,
+ *                imm counter table, callback queue, control-message queue)
+ *   kx_transfer  the messages of one write call on one rail: planned, posted, completed
+ *   kx_counter   an expectation of `count` arrivals of one imm (immediate data value)
+ *   kx_msg       a received control message
+ * A region is a libfabric `struct fid_mr`; a peer is an `fi_addr_t` in a rail's AV.
+ *
+ * Conventions: functions returning int return 0 or a negative libfabric errno (-FI_E*);
+ * `call`/`errcall` outputs name the libfabric call that failed. No function takes or makes
+ * a Python object; all may be called without the GIL. Functions marked "blocks" wait at
+ * most their slice or deadline. Implementation: the C files in src/, private declarations in
+ * src/internal.h. */
+#ifndef KVXFER_KVXFER_H
+#define KVXFER_KVXFER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvxfer/compat.h"
+
+#define KX_MAX_IOV 16          /* upper bound on iovecs per message kvxfer ever builds */
+#define KX_MSG_MAX 65536       /* largest control message */
+
+typedef struct kx_rail kx_rail;
+typedef struct kx_transfer kx_transfer;
+typedef struct kx_counter kx_counter;
+typedef struct kx_msg kx_msg;
+
+/* What a rail's provider allows; kvxfer obeys it (strings live as long as the rail). */
+typedef struct kx_rail_info {
+    const char *provider;
+    const char *fabric;
+    const char *domain;
+    uint64_t mr_mode;
+    uint64_t caps;
+    size_t iov_limit;      /* min(iov_limit, rma_iov_limit, KX_MAX_IOV) */
+    size_t max_msg_size;
+    size_t inject_size;
+    size_t cq_data_size;
+    int need_ctx;          /* the provider asked for FI_CONTEXT / FI_CONTEXT2 */
+    int has_wait;          /* the CQ has a wait object (the progress thread sleeps in it) */
+    int addr_is_str;       /* endpoint names are NUL-terminated strings (FI_ADDR_STR) */
+} kx_rail_info;
+
+typedef struct kx_rail_stats {
+    uint64_t writes_posted;
+    uint64_t errors;       /* error completions not tied to a transfer */
+    int64_t outstanding;   /* operations posted and not completed */
+} kx_rail_stats;
+
+typedef struct kx_transfer_state {
+    int64_t planned;       /* messages the walk contains (= immediates the target sees) */
+    int64_t posted;        /* messages handed to the provider so far */
+    int64_t completed;     /* completions read (success or error) */
+    int posting_done;      /* nothing more will be posted */
+    int done;              /* posting done and every posted message completed */
+    int error;             /* first positive errno, 0 if none */
+    int linked;            /* still on the in-flight list (the provider may own its contexts) */
+} kx_transfer_state;
+
+typedef struct kx_counter_state {
+    uint32_t imm;
+    uint64_t count;
+    uint64_t arrived;      /* arrivals credited */
+    int done;
+    int error;             /* 0; EIDRM: discarded; FI_ECANCELED: the engine closed first */
+} kx_counter_state;
+
+/* ---- rails: life cycle (src/rail.c) ------------------------------------------------ */
+
+/* Open a rail on provider `prov` (NULL: libfabric's first choice), bound to `node` when
+ * given, on the domain (NIC) `domain` when given. `join`: another rail of the same engine,
+ * whose hub this one shares (NULL: a new hub). */
+int kx_rail_open(const char *prov, const char *node, const char *domain, int hmem, int spin,
+                 kx_rail *join, kx_rail **out, char *errcall, size_t errcall_len);
+/* Start the progress thread, pinned to `cpus` when ncpus > 0. */
+int kx_rail_start(kx_rail *r, const int *cpus, int ncpus);
+/* Closing, in this order (each idempotent):
+ *   drain           cancel queued writes; let posted ones complete (blocks, timeout_ns)
+ *   quiesce         refuse new calls, wait for callers inside, join the progress thread
+ *   close_endpoint  close ep, receive MR, AV, CQ; fail pending transfers and (last rail
+ *                   of the hub) counters with FI_ECANCELED
+ *   (the caller closes its registrations here: a domain with registrations will not close)
+ *   close_domain    close domain and fabric
+ *   free            free the struct (late releases of transfers/counters stay safe until then)
+ * A progress thread that cannot be joined is leaked with everything it may touch. */
+/* 1 once quiet: nothing of ours pending to live peers, no incoming traffic for quiet_ns */
+int kx_rail_drain(kx_rail *r, int64_t timeout_ns, int64_t quiet_ns);
+void kx_rail_park(kx_rail *r);          /* never close the endpoint (see rail.c) */
+int kx_rail_parked(const kx_rail *r);
+int kx_rail_took_traffic(const kx_rail *r);
+void kx_rail_quiesce(kx_rail *r);
+void kx_rail_close_endpoint(kx_rail *r);
+void kx_rail_close_domain(kx_rail *r);
+void kx_rail_free(kx_rail *r);
+int kx_rail_leaked(const kx_rail *r);
+
+void kx_rail_get_info(const kx_rail *r, kx_rail_info *out);
+void kx_rail_get_stats(const kx_rail *r, kx_rail_stats *out);
+int kx_rail_thread_id(const kx_rail *r);   /* the progress thread's kernel tid, 0 before it runs */
+
+/* ---- peers and addresses (src/rail.c) ---------------------------------------------- */
+
+int kx_getname(kx_rail *r, void *buf, size_t *len);
+int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out);
+/* liveness (src/liveness.c): how long a peer may leave operations outstanding with none
+ * completing before it is dead (0: never); FI_DELIVERY_COMPLETE on writes; 0 while `peer`
+ * may be posted to, else the errno posts to it fail with */
+void kx_set_peer_timeout(kx_rail *r, int64_t ns);
+void kx_set_delivery_complete(kx_rail *r, int on);
+int kx_peer_state(kx_rail *r, fi_addr_t peer);
+/* The caller makes sure nothing is still posting to `addr` (AV_TABLE reuses the slot). */
+int kx_av_remove(kx_rail *r, fi_addr_t addr);
+
+/* ---- regions (src/mr.c) ------------------------------------------------------------ */
+
+/* Register [buf, buf+len) for RMA (`remote`: peers may write it). Keys are random 64-bit
+ * values where the provider does not choose them. raw/rawlen/raw_base: the raw key
+ * (FI_MR_RAW providers; rawlen 0 otherwise), raw must hold 64 bytes. */
+int kx_mr_reg(kx_rail *r, void *buf, size_t len, int iface, int device, int dmabuf_fd, int remote,
+              struct fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
+              uint64_t *raw_base, const char **call);
+int kx_mr_close(struct fid_mr *mr);
+/* A peer's raw key becomes a 64-bit key usable in RMA calls; unmapped at close. */
+int kx_map_raw(kx_rail *r, uint64_t base, uint8_t *raw, size_t rawlen, uint64_t *key);
+int kx_unmap_key(kx_rail *r, uint64_t key);
+
+/* ---- writes (src/post.c, src/transfer.c) ------------------------------------------- */
+
+/* The message rule: how many messages (one fi_writemsg, one remote CQ entry each) the
+ * triples become (see src/post.c). */
+int64_t kx_count_messages(const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length,
+                          size_t n, size_t iov, uint64_t max_write, uint64_t pack_min);
+/* Post the triples' messages to `peer` (copies the triples; posts up to a budget itself,
+ * queues the rest for the progress thread; never waits for the wire). *out holds two
+ * references: the caller's (kx_transfer_release) and the in-flight one. */
+int kx_write(kx_rail *r, fi_addr_t peer, char *src_base, void *desc, uint64_t dst_base, uint64_t key,
+             const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
+             int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min,
+             kx_transfer **out);
+void kx_transfer_get_state(const kx_transfer *x, kx_transfer_state *out);
+/* Blocks up to slice_ns; 1 once the transfer is done, else 0. */
+int kx_transfer_wait(kx_rail *r, kx_transfer *x, int64_t slice_ns);
+/* Post nothing more of x; what was posted still completes. */
+void kx_transfer_cancel(kx_rail *r, kx_transfer *x);
+void kx_transfer_release(kx_rail *r, kx_transfer *x);
+/* Cancel every unfinished transfer to `peer` on this rail; returns how many. */
+int kx_peer_cancel(kx_rail *r, fi_addr_t peer);
+/* Blocks up to slice_ns until no transfer to `peer` is in flight on this rail; returns how
+ * many still are, *posting how many of those may still post. */
+int kx_peer_wait(kx_rail *r, fi_addr_t peer, int64_t slice_ns, int *posting);
+
+/* ---- counters (src/counters.c; the table is the hub's, shared by its rails) -------- */
+
+/* Expect `count` arrivals of imm; banked arrivals are credited first. -FI_EBUSY when imm
+ * already has an unfinished expectation. *out holds the caller's reference. */
+int kx_expect(kx_rail *r, uint32_t imm, uint64_t count, int want_callback, kx_counter **out);
+void kx_counter_get_state(const kx_counter *c, kx_counter_state *out);
+int kx_counter_wait(kx_rail *r, kx_counter *c, int64_t slice_ns);   /* blocks; 1 once done */
+/* The owner drops its counter: an unfinished expectation is withdrawn, its arrivals banked again. */
+void kx_counter_drop(kx_rail *r, kx_counter *c);
+/* Drop one reference without withdrawing (the dispatcher's, from kx_next_done). */
+void kx_counter_release(kx_rail *r, kx_counter *c);
+uint64_t kx_banked(kx_rail *r, uint32_t imm);
+/* Retire imm (see src/counters.c for the rule); returns the arrivals dropped. */
+uint64_t kx_discard(kx_rail *r, uint32_t imm, kx_counter **withdrawn);
+/* For the dispatcher: blocks up to slice_ns; 1 with the next finished counter that wants a
+ * callback (a reference to release), 0 on timeout, -1 once the engine is closing. */
+int kx_next_done(kx_rail *r, int64_t slice_ns, kx_counter **out);
+void kx_dispatch_stop(kx_rail *r);
+
+/* ---- control messages (src/msg.c) -------------------------------------------------- */
+
+/* Post one message of at most KX_MSG_MAX bytes; -FI_EAGAIN when the queue stayed full for
+ * 50 ms (the caller retries). */
+int kx_send(kx_rail *r, fi_addr_t peer, const char *data, size_t len);
+/* Blocks up to slice_ns; 1 with the next received message (kx_msg_free it), else 0. */
+int kx_recv_wait(kx_rail *r, int64_t slice_ns, kx_msg **out);
+size_t kx_msg_len(const kx_msg *m);
+const char *kx_msg_data(const kx_msg *m);
+void kx_msg_free(kx_msg *m);
+
+/* ---- libfabric versions (src/rail.c) ----------------------------------------------- */
+
+uint32_t kx_runtime_version(void);
+uint32_t kx_build_version(void);
+int kx_have_dmabuf(void);
+
+#endif

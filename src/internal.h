@@ -1,0 +1,298 @@
+/* internal.h: the native engine's private structs and the declarations its translation
+ * units share. Not installed, not mirrored in Cython: the public API is kvxfer/kvxfer.h.
+ *
+ * Ownership: a rail owns fabric/domain/av/cq/ep, its progress thread, its posted receive
+ * buffers, its in-flight list and its posting queue. The rails of one engine share a hub
+ * (kx_hub, "the hub": the engine's shared state) holding the lock, the condition variable
+ * every waiter sleeps on, the imm counter table, the callback queue and the control-message
+ * queue. A kx_transfer is shared by its owner (Python) and its in-flight operations
+ * (refcount); a kx_counter likewise by its owner and the table entry that will complete it.
+ *
+ * Threads: posting threads (Python callers, GIL released) post until the provider says
+ * -FI_EAGAIN and queue the rest; the progress thread alone reads the CQ and posts what is
+ * queued. Neither ever touches a Python object. Shared bookkeeping is under the hub's lock;
+ * state changes that a waiter cares about broadcast the hub's condition variable. */
+#ifndef KVXFER_INTERNAL_H
+#define KVXFER_INTERNAL_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <time.h>
+
+#include "kvxfer/kvxfer.h"
+
+#define KX_RX_BUFS 32          /* posted receive buffers for control messages */
+#define KX_CQ_BATCH 64         /* CQ entries read at once */
+
+enum { KX_OP_WRITE = 1, KX_OP_SEND = 2, KX_OP_RECV = 3 };
+
+/* Every context handed to libfabric starts with this header; the fi_context2 scratch space
+ * comes first because providers in FI_CONTEXT(2) mode own it until the completion is read. */
+typedef struct kx_op {
+    struct fi_context2 fi;
+    int kind;
+    void *owner;           /* kx_transfer*, kx_sendbuf* or kx_rxbuf* */
+} kx_op;
+
+struct kx_transfer {
+    kx_op shared_op;       /* used for every write when the provider needs no per-op context */
+    kx_op *ops;            /* per-op contexts when it does */
+    int64_t planned;       /* messages the walk contains */
+    int64_t posted;        /* messages posted so far (atomic) */
+    int64_t completed;     /* completions read (success or error) */
+    int posting_done;      /* nothing more will be posted */
+    int done;              /* waiters may stop: all completed, or failed early (dead peer) */
+    int linked;            /* on the in-flight list: the provider may still own its contexts */
+    int64_t last_ns;       /* its last post or completion: the per-transfer stall clock */
+    int64_t written_off;   /* operations given up on (stalled): their late completions are not the peer's */
+    int error;             /* first positive errno seen, 0 if none */
+    int refs;              /* owner + in-flight */
+    struct kx_transfer *prev, *next;   /* the rail's in-flight list */
+    struct kx_transfer *qnext;         /* the rail's posting queue */
+
+    /* posting state: a resumable walk (kx_walk) over a private copy of the caller's triples */
+    const uint64_t *src_off, *dst_off, *length;
+    uint64_t *owned;               /* that copy (3 n words), freed with the transfer */
+    size_t n, next_triple;
+    uint64_t seg_src, seg_dst, seg_len;   /* the rest of the segment being cut into pieces */
+    size_t iov;
+    uint64_t max_write, pack_min;
+    fi_addr_t peer;
+    char *src_base;
+    void *desc;
+    uint64_t dst_base, key, flags;
+    uint32_t imm;
+    int have_msg;                  /* a built message is waiting for queue space */
+    int cancel;                    /* set by kx_transfer_cancel: post nothing more */
+    int npieces;                   /* the built message: its pieces */
+    uint64_t piece_src[KX_MAX_IOV], piece_dst[KX_MAX_IOV], piece_len[KX_MAX_IOV];
+};
+
+struct kx_counter {
+    uint32_t imm;
+    uint64_t count;
+    uint64_t arrived;      /* arrivals credited to this expectation */
+    int done;
+    int error;
+    int want_callback;
+    int refs;              /* owner + table entry / callback queue */
+    struct kx_counter *next_done;
+};
+
+/* one imm's entry in the counter table */
+typedef struct kx_centry {
+    uint32_t imm;
+    int used;
+    uint64_t banked;       /* arrivals not yet consumed by an expectation */
+    kx_counter *active;    /* the expectation waiting on this imm, if any */
+} kx_centry;
+
+/* open addressing, linear probing, backward-shift deletion */
+typedef struct kx_ctable {
+    kx_centry *slots;
+    size_t cap;            /* power of two */
+    size_t len;
+} kx_ctable;
+
+struct kx_msg {
+    struct kx_msg *next;
+    size_t len;
+    char data[];
+};
+
+typedef struct kx_rxbuf {
+    kx_op op;
+    char *data;
+    int repost;            /* its message was taken; post it again */
+} kx_rxbuf;
+
+typedef struct kx_sendbuf {
+    kx_op op;
+    fi_addr_t peer;
+    struct fid_mr *mr;     /* registered only where the provider wants FI_MR_LOCAL */
+    size_t len;
+    char data[];
+} kx_sendbuf;
+
+typedef struct kx_hub {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int refs;              /* rails holding it */
+    int open;              /* rails whose endpoint is not yet closed */
+    kx_ctable table;
+    kx_counter *done_head, *done_tail;   /* counters with callbacks, for the dispatcher */
+    int dispatch_stop;
+    kx_msg *msg_head, *msg_tail;
+    size_t nmsgs;
+    uint64_t stat_imm;     /* immediates received */
+    uint64_t stat_lost;    /* arrivals that could not be banked (out of memory) */
+} kx_hub;
+
+struct kx_rail {
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_av *av;
+    struct fid_cq *cq;
+    struct fid_ep *ep;
+
+    uint64_t mr_mode;
+    uint64_t caps;
+    size_t iov_limit;
+    size_t max_msg_size;
+    size_t inject_size;
+    size_t cq_data_size;
+    int need_ctx;
+    int has_wait;
+    uint64_t next_key;     /* fallback key sequence when getrandom fails */
+
+    kx_hub *hub;
+
+    /* progress */
+    pthread_t thread;
+    int thread_started;
+    volatile int stop;
+    int spin;              /* busy-poll instead of blocking */
+    int posting;           /* threads inside a direct posting burst: the progress thread yields */
+    int busy;              /* threads inside any native call on the endpoint: teardown waits */
+    int leaked;            /* the progress thread could not be joined: never free what it uses */
+    int64_t outstanding;   /* tx operations posted and not completed (atomic) */
+    int64_t last_activity_ns;
+    cpu_set_t cpus;
+    int pin;
+    int sleeping;          /* the progress thread is blocked; posts must wake it */
+    int endpoint_closed;
+    int quiesced;
+    pid_t tid;             /* the progress thread's kernel id, for tests of pinning */
+
+    kx_transfer *inflight;        /* transfers not yet done */
+    kx_transfer *q_head, *q_tail; /* transfers with messages still to post (progress thread posts) */
+    int cancel_pending;           /* a queued transfer was cancelled: sweep the queue */
+
+    /* peers (liveness.c): a fixed directory of lazily allocated chunks, indexed by fi_addr */
+    struct kx_peer **pdir;
+    size_t peer_hi;            /* one past the highest fi_addr ever tracked */
+    int64_t peer_timeout_ns;   /* outstanding to a peer and silent this long: it is dead (0: never) */
+    int delivery_complete;     /* writes complete only once placed at the target (refusals surface) */
+    int64_t last_scan_ns;
+    int64_t eagain_ns;         /* the progress thread's last post refused with -FI_EAGAIN */
+    struct kx_local *self_local;   /* this endpoint, as other rails of this process see it */
+    int parked;                /* the endpoint is left open, unprogressed, never closed (kx_rail_park) */
+    int took_msgs;             /* a control message arrived (someone connected to us) */
+
+    kx_rxbuf rx[KX_RX_BUFS];
+    struct fid_mr *rx_mr;  /* the receive slab's registration (FI_MR_LOCAL providers) */
+    void *rx_desc;
+
+    uint64_t stat_rx_err;  /* error completions not tied to a transfer */
+    uint64_t stat_writes;  /* messages posted */
+};
+
+static inline int64_t kx_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline void kx_deadline(struct timespec *ts, int64_t ns)
+{
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    ts->tv_sec += ns / 1000000000LL;
+    ts->tv_nsec += ns % 1000000000LL;
+    if (ts->tv_nsec >= 1000000000L) { ts->tv_sec++; ts->tv_nsec -= 1000000000L; }
+}
+
+/* wait on the hub's condition until *flag is set or the slice passes; returns *flag */
+int kx_hub_wait_flag(kx_hub *h, const int *flag, int64_t slice_ns);
+
+/* ---- counters.c: the hub and its imm table (everything *_locked runs under hub->lock) -- */
+kx_hub *kx_hub_new(void);
+void kx_hub_unref(kx_hub *h);                   /* frees it with the last rail */
+kx_centry *kx_ctable_find(kx_ctable *t, uint32_t imm);
+kx_centry *kx_ctable_get(kx_ctable *t, uint32_t imm);    /* NULL: out of memory */
+void kx_ctable_del(kx_ctable *t, kx_centry *c);
+int kx_hub_arrival_locked(kx_hub *h, uint32_t imm);     /* -FI_ENOMEM: not banked */
+int kx_hub_expect(kx_hub *h, uint32_t imm, uint64_t count, int want_callback, kx_counter **out);
+void kx_hub_counter_drop(kx_hub *h, kx_counter *c);
+void kx_counter_release_locked(kx_counter *c);
+uint64_t kx_hub_banked(kx_hub *h, uint32_t imm);
+uint64_t kx_hub_discard(kx_hub *h, uint32_t imm, kx_counter **withdrawn);
+void kx_hub_fail_counters_locked(kx_hub *h, int err, int release);
+void kx_hub_clear_queues_locked(kx_hub *h);
+
+/* ---- progress.c ------------------------------------------------------------------- */
+int kx_enter(kx_rail *r);     /* 0: the rail is closing, do not touch the endpoint */
+void kx_leave(kx_rail *r);
+void kx_wake(kx_rail *r);
+int kx_post_recv(kx_rail *r, kx_rxbuf *b);
+void *kx_progress_main(void *arg);
+
+/* ---- transfer.c: life cycle (*_locked under hub->lock) ------------------------------ */
+void kx_transfer_release_locked(kx_transfer *x);
+void kx_transfer_link_locked(kx_rail *r, kx_transfer *x);
+void kx_transfer_check_done_locked(kx_rail *r, kx_transfer *x);
+void kx_transfer_finish_posting_locked(kx_rail *r, kx_transfer *x);
+
+/* ---- post.c ----------------------------------------------------------------------- */
+void kx_walk_init(kx_transfer *x, const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length,
+                  size_t n, size_t iov, uint64_t max_write, uint64_t pack_min);
+int kx_walk_next(kx_transfer *x);    /* build the next message into x->piece_*; 0 at the end */
+int kx_pump_queue(kx_rail *r);
+
+/* ---- liveness.c: peers (see its header comment) ----------------------------------- */
+#define KX_PEER_SCAN_NS 10000000LL   /* the progress thread looks at its peers every 10 ms */
+#define KX_PEER_CHUNK   256          /* peer entries are allocated 256 at a time ... */
+#define KX_PEER_CHUNKS  4096         /* ... under a fixed directory: 1 Mi peers per rail */
+typedef struct kx_local {
+    struct kx_local *next;
+    int refs;             /* the owning rail + every peer entry naming it (under kx_locals_lock) */
+    int closed;           /* atomic: the owner is tearing down */
+    int busy;             /* atomic: posts to it under way */
+    size_t len;
+    uint8_t name[256];
+} kx_local;
+
+typedef struct kx_peer {
+    int used;
+    int dead;             /* errno, 0 while alive */
+    int pidfd;            /* -1: none */
+    kx_local *local;
+    int64_t out;          /* operations outstanding to it */
+    int64_t last_ns;
+    int64_t refused_ns;   /* since when every post to it was refused (-FI_EAGAIN), 0: not */
+} kx_peer;
+
+int kx_local_publish(kx_rail *r);
+void kx_local_retire(kx_rail *r);
+int kx_addr_check(kx_rail *r, const void *addr, size_t len);
+int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len);
+void kx_peer_forget(kx_rail *r, fi_addr_t fa);
+void kx_peer_kill_locked(kx_rail *r, fi_addr_t fa, int err);
+int kx_peer_gone(kx_rail *r, fi_addr_t fa);
+int kx_peer_enter(kx_rail *r, fi_addr_t fa);
+void kx_peer_leave(kx_rail *r, fi_addr_t fa);
+void kx_peer_count(kx_rail *r, fi_addr_t fa, int delta);
+void kx_peer_uncount(kx_rail *r, fi_addr_t fa, int again);
+void kx_peer_accepted(kx_rail *r, fi_addr_t fa);
+int kx_is_peer_errno(int err);
+int kx_peers_scan(kx_rail *r);
+int64_t kx_outstanding_live(kx_rail *r);
+void kx_peers_free(kx_rail *r);
+void kx_transfer_fail_locked(kx_rail *r, kx_transfer *x, int err);
+
+/* ---- mr.c ------------------------------------------------------------------------- */
+/* registration by a caller already inside a kx_enter bracket (or opening the rail) */
+int kx_mr_register(kx_rail *r, void *buf, size_t len, int iface, int device, int dmabuf_fd, int remote,
+                   struct fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
+                   uint64_t *raw_base, const char **call);
+
+#endif

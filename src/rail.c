@@ -1,0 +1,415 @@
+/* rail.c: a rail's life cycle (open, start, the closing steps), its facts and its AV. */
+#include "internal.h"
+
+#include <stdio.h>
+
+static void kx_rail_init_rx(kx_rail *r, char *slab)
+{
+    for (int i = 0; i < KX_RX_BUFS; i++) {
+        r->rx[i].op.kind = KX_OP_RECV;
+        r->rx[i].op.owner = &r->rx[i];
+        r->rx[i].data = slab + (size_t)i * KX_MSG_MAX;
+    }
+}
+
+static struct fi_info *kx_hints(const char *prov, const char *domain, int hmem)
+{
+    struct fi_info *hints = fi_allocinfo();
+    if (!hints)
+        return NULL;
+    hints->caps = FI_MSG | FI_RMA | (hmem ? FI_HMEM : 0);
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY |
+                                  FI_MR_ENDPOINT | FI_MR_RAW | (hmem ? FI_MR_HMEM : 0);
+    hints->domain_attr->threading = FI_THREAD_SAFE;
+    if (prov)
+        hints->fabric_attr->prov_name = strdup(prov);
+    if (domain)
+        hints->domain_attr->name = strdup(domain);
+    return hints;
+}
+
+static void kx_rail_take_limits(kx_rail *r)
+{
+    struct fi_info *fi = r->info;
+    r->mr_mode = fi->domain_attr->mr_mode;
+    r->caps = fi->caps;
+    r->need_ctx = (fi->mode & (FI_CONTEXT | FI_CONTEXT2)) != 0;
+    size_t iovl = fi->tx_attr->iov_limit, rl = fi->tx_attr->rma_iov_limit;
+    r->iov_limit = iovl < rl ? iovl : rl;
+    if (r->iov_limit > KX_MAX_IOV)
+        r->iov_limit = KX_MAX_IOV;
+    if (r->iov_limit < 1)
+        r->iov_limit = 1;
+    r->max_msg_size = fi->ep_attr->max_msg_size;
+    r->inject_size = fi->tx_attr->inject_size;
+    r->cq_data_size = fi->domain_attr->cq_data_size;
+}
+
+/* fabric, domain, CQ, AV, endpoint; on failure *call names the libfabric call */
+static int kx_rail_open_fids(kx_rail *r, int spin, const char **call)
+{
+    struct fi_info *fi = r->info;
+    int ret;
+    if ((ret = fi_fabric(fi->fabric_attr, &r->fabric, NULL))) {
+        *call = "fi_fabric";
+        return ret;
+    }
+    if ((ret = fi_domain(r->fabric, fi, &r->domain, NULL))) {
+        *call = "fi_domain";
+        return ret;
+    }
+    struct fi_cq_attr cqa;
+    memset(&cqa, 0, sizeof(cqa));
+    cqa.format = FI_CQ_FORMAT_DATA;
+    cqa.size = fi->tx_attr->size + fi->rx_attr->size;
+    cqa.wait_obj = spin ? FI_WAIT_NONE : FI_WAIT_FD;   /* a real sleep; WAIT_UNSPEC may pick a yield loop (shm) */
+    ret = fi_cq_open(r->domain, &cqa, &r->cq, NULL);
+    if (ret && cqa.wait_obj != FI_WAIT_NONE) {
+        cqa.wait_obj = FI_WAIT_NONE;
+        ret = fi_cq_open(r->domain, &cqa, &r->cq, NULL);
+    }
+    if (ret) {
+        *call = "fi_cq_open";
+        return ret;
+    }
+    r->has_wait = cqa.wait_obj != FI_WAIT_NONE;
+    struct fi_av_attr ava;
+    memset(&ava, 0, sizeof(ava));
+    ava.type = FI_AV_TABLE;
+    if ((ret = fi_av_open(r->domain, &ava, &r->av, NULL))) {
+        *call = "fi_av_open";
+        return ret;
+    }
+    if ((ret = fi_endpoint(r->domain, fi, &r->ep, NULL))) {
+        *call = "fi_endpoint";
+        return ret;
+    }
+    if ((ret = fi_ep_bind(r->ep, &r->cq->fid, FI_TRANSMIT | FI_RECV))) {
+        *call = "fi_ep_bind(cq)";
+        return ret;
+    }
+    if ((ret = fi_ep_bind(r->ep, &r->av->fid, 0))) {
+        *call = "fi_ep_bind(av)";
+        return ret;
+    }
+    if ((ret = fi_enable(r->ep))) {
+        *call = "fi_enable";
+        return ret;
+    }
+    return 0;
+}
+
+/* one slab for the posted receive buffers, registered where the provider wants FI_MR_LOCAL */
+static int kx_rail_post_receives(kx_rail *r, const char **call)
+{
+    char *slab = malloc((size_t)KX_RX_BUFS * KX_MSG_MAX);
+    if (!slab) {
+        *call = "malloc";
+        return -FI_ENOMEM;
+    }
+    kx_rail_init_rx(r, slab);
+    int ret;
+    if (r->mr_mode & FI_MR_LOCAL) {
+        uint64_t key, base;
+        uint8_t raw[64];
+        size_t rawlen;
+        ret = kx_mr_register(r, slab, (size_t)KX_RX_BUFS * KX_MSG_MAX, FI_HMEM_SYSTEM, 0, -1, 0, &r->rx_mr, &key,
+                             &r->rx_desc, raw, &rawlen, &base, call);
+        if (ret)
+            return ret;
+    }
+    for (int i = 0; i < KX_RX_BUFS; i++) {
+        if ((ret = kx_post_recv(r, &r->rx[i]))) {
+            *call = "fi_recv";
+            return ret;
+        }
+    }
+    return 0;
+}
+
+int kx_rail_open(const char *prov, const char *node, const char *domain, int hmem, int spin,
+                 kx_rail *join, kx_rail **out, char *errcall, size_t errcall_len)
+{
+    kx_rail *r = calloc(1, sizeof(*r));
+    if (!r)
+        return -FI_ENOMEM;
+    if (join) {
+        r->hub = join->hub;
+        pthread_mutex_lock(&r->hub->lock);
+        r->hub->refs++;
+        pthread_mutex_unlock(&r->hub->lock);
+    } else if (!(r->hub = kx_hub_new())) {
+        free(r);
+        return -FI_ENOMEM;
+    }
+    pthread_mutex_lock(&r->hub->lock);
+    r->hub->open++;
+    pthread_mutex_unlock(&r->hub->lock);
+    r->spin = spin;
+    r->next_key = 1;
+    r->last_activity_ns = kx_now_ns();
+
+    const char *call = "fi_allocinfo";
+    int ret = -FI_ENOMEM;
+    struct fi_info *hints = kx_hints(prov, domain, hmem);
+    if (hints) {
+        call = "fi_getinfo";
+        ret = fi_getinfo(KX_FI_API_VERSION, node, NULL, node ? FI_SOURCE : 0, hints, &r->info);
+        fi_freeinfo(hints);
+    }
+    if (!ret) {
+        kx_rail_take_limits(r);
+        ret = kx_rail_open_fids(r, spin, &call);
+    }
+    if (!ret) {
+        r->peer_timeout_ns = 10000000000LL;     /* kx_set_peer_timeout changes it */
+        r->pdir = calloc(KX_PEER_CHUNKS, sizeof(*r->pdir));
+        call = "kx_local_publish";
+        ret = r->pdir ? kx_local_publish(r) : -FI_ENOMEM;
+    }
+    if (!ret)
+        ret = kx_rail_post_receives(r, &call);
+    if (ret) {
+        snprintf(errcall, errcall_len, "%s", call);
+        kx_rail_free(r);
+        return ret;
+    }
+    *out = r;
+    return 0;
+}
+
+int kx_rail_start(kx_rail *r, const int *cpus, int ncpus)
+{
+    CPU_ZERO(&r->cpus);
+    for (int i = 0; i < ncpus; i++)
+        CPU_SET(cpus[i], &r->cpus);
+    r->pin = ncpus > 0;
+    int ret = pthread_create(&r->thread, NULL, kx_progress_main, r);
+    if (ret)
+        return -ret;
+    pthread_setname_np(r->thread, "kvxfer-progress");
+    r->thread_started = 1;
+    return 0;
+}
+
+/* Cancel what is still queued and give the operations already posted up to `timeout_ns` to
+ * complete, with the progress thread still running. A peer then never sees an endpoint
+ * vanish under commands it is processing (shm crashed in libfabric 1.17 when a peer closed
+ * with writes in flight). A dead peer only costs the deadline. */
+int kx_rail_drain(kx_rail *r, int64_t timeout_ns, int64_t quiet_ns)
+{
+    if (r->quiesced || !r->thread_started)
+        return 1;
+    pthread_mutex_lock(&r->hub->lock);
+    for (kx_transfer *x = r->q_head; x; x = x->qnext)
+        __atomic_store_n(&x->cancel, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&r->hub->lock);
+    kx_wake(r);
+    int64_t until = kx_now_ns() + timeout_ns;
+    while (kx_now_ns() < until) {
+        /* done when nothing of ours is pending (to live peers) and incoming traffic has been
+         * quiet for quiet_ns (rxm in 1.17 crashed closing an endpoint a peer had just written to) */
+        if (kx_outstanding_live(r) <= 0 && r->q_head == NULL &&
+            kx_now_ns() - r->last_activity_ns > quiet_ns)
+            return 1;
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+    }
+    return 0;
+}
+
+/* No thread uses the endpoint afterwards: set stop, wait (5 s at most) for callers inside
+ * native calls to leave, then join the progress thread (5 s deadline). */
+void kx_rail_quiesce(kx_rail *r)
+{
+    if (r->quiesced)
+        return;
+    r->quiesced = 1;
+    kx_local_retire(r);      /* rails of this process stop posting to us first */
+    __atomic_store_n(&r->stop, 1, __ATOMIC_SEQ_CST);
+    int64_t until = kx_now_ns() + 5000000000LL;
+    for (;;) {      /* a late kx_enter may bump busy briefly and back off: not a leak */
+        if (__atomic_load_n(&r->busy, __ATOMIC_SEQ_CST) == 0)
+            break;
+        if (kx_now_ns() >= until) {
+            r->leaked = 1;
+            break;
+        }
+        sched_yield();
+    }
+    if (!r->thread_started)
+        return;
+    if (r->has_wait && r->cq)
+        fi_cq_signal(r->cq);
+    pthread_mutex_lock(&r->hub->lock);
+    pthread_cond_broadcast(&r->hub->cond);
+    pthread_mutex_unlock(&r->hub->lock);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 5;
+    if (pthread_timedjoin_np(r->thread, NULL, &ts) != 0) {
+        pthread_detach(r->thread);
+        r->leaked = 1;   /* stuck in the provider: leak everything it may touch */
+    }
+    r->thread_started = 0;
+}
+
+/* a thread may still be inside libfabric: close nothing, free nothing, but let no waiter
+ * hang: pending transfers and counters fail now */
+static void kx_rail_abandon(kx_rail *r)
+{
+    kx_hub *h = r->hub;
+    if (r->parked)
+        kx_peers_free(r);
+    pthread_mutex_lock(&h->lock);
+    for (kx_transfer *x = r->inflight; x; x = x->next) {
+        if (!x->error)
+            x->error = FI_ECANCELED;
+        x->done = 1;
+    }
+    if (--h->open == 0)
+        kx_hub_fail_counters_locked(h, FI_ECANCELED, 0);
+    h->dispatch_stop = 1;
+    pthread_cond_broadcast(&h->cond);
+    pthread_mutex_unlock(&h->lock);
+}
+
+void kx_rail_close_endpoint(kx_rail *r)
+{
+    if (r->endpoint_closed)
+        return;
+    kx_rail_quiesce(r);
+    r->endpoint_closed = 1;
+    if (r->leaked || r->parked) {
+        kx_rail_abandon(r);
+        return;
+    }
+    if (r->ep) { fi_close(&r->ep->fid); r->ep = NULL; }
+    kx_peers_free(r);
+    if (r->rx_mr) { fi_close(&r->rx_mr->fid); r->rx_mr = NULL; }
+    if (r->av) { fi_close(&r->av->fid); r->av = NULL; }
+    if (r->cq) { fi_close(&r->cq->fid); r->cq = NULL; }
+    /* domain and fabric stay open until kx_rail_close_domain: registrations go first,
+     * after the endpoint (rxm's endpoint close still touches the descriptors of what it
+     * cancels), and a domain with registrations refuses to close */
+    if (r->rx[0].data) { free(r->rx[0].data); r->rx[0].data = NULL; }
+    kx_hub *h = r->hub;
+    pthread_mutex_lock(&h->lock);
+    r->q_head = r->q_tail = NULL;
+    while (r->inflight) {
+        kx_transfer *x = r->inflight;
+        if (!x->error)
+            x->error = FI_ECANCELED;
+        x->posting_done = 1;
+        x->completed = x->posted;
+        kx_transfer_check_done_locked(r, x);
+    }
+    if (--h->open == 0) {            /* the last rail: the shared state goes too */
+        kx_hub_fail_counters_locked(h, FI_ECANCELED, 1);
+        kx_hub_clear_queues_locked(h);
+    }
+    pthread_cond_broadcast(&h->cond);
+    pthread_mutex_unlock(&h->lock);
+}
+
+void kx_rail_close_domain(kx_rail *r)
+{
+    kx_rail_close_endpoint(r);
+    if (r->leaked || r->parked)
+        return;
+    if (r->domain) { fi_close(&r->domain->fid); r->domain = NULL; }
+    if (r->fabric) { fi_close(&r->fabric->fid); r->fabric = NULL; }
+    if (r->info) { fi_freeinfo(r->info); r->info = NULL; }
+}
+
+void kx_rail_free(kx_rail *r)
+{
+    kx_rail_close_domain(r);
+    if (r->leaked || r->parked)
+        return;
+    if (r->pdir)      /* a rail that failed to open before its endpoint existed */
+        kx_peers_free(r);
+    kx_hub_unref(r->hub);
+    free(r);
+}
+
+int kx_rail_leaked(const kx_rail *r) { return r->leaked; }
+
+void kx_rail_get_info(const kx_rail *r, kx_rail_info *out)
+{
+    out->provider = r->info->fabric_attr->prov_name;
+    out->fabric = r->info->fabric_attr->name;
+    out->domain = r->info->domain_attr->name;
+    out->mr_mode = r->mr_mode;
+    out->caps = r->caps;
+    out->iov_limit = r->iov_limit;
+    out->max_msg_size = r->max_msg_size;
+    out->inject_size = r->inject_size;
+    out->cq_data_size = r->cq_data_size;
+    out->need_ctx = r->need_ctx;
+    out->has_wait = r->has_wait;
+    out->addr_is_str = r->info->addr_format == FI_ADDR_STR;
+}
+
+void kx_rail_get_stats(const kx_rail *r, kx_rail_stats *out)
+{
+    out->writes_posted = __atomic_load_n(&r->stat_writes, __ATOMIC_RELAXED);
+    out->errors = __atomic_load_n(&r->stat_rx_err, __ATOMIC_RELAXED);
+    out->outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_RELAXED);
+}
+
+int kx_rail_thread_id(const kx_rail *r) { return (int)r->tid; }
+
+int kx_getname(kx_rail *r, void *buf, size_t *len)
+{
+    if (!kx_enter(r))
+        return -FI_ECANCELED;
+    int ret = fi_getname(&r->ep->fid, buf, len);
+    kx_leave(r);
+    return ret;
+}
+
+/* insert a peer's endpoint name, checked first (liveness.c: kx_addr_check), and track it */
+int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out)
+{
+    int ret = kx_addr_check(r, addr, len);
+    if (ret)
+        return ret;
+    if (!kx_enter(r))
+        return -FI_ECANCELED;
+    int n = fi_av_insert(r->av, addr, 1, out, 0, NULL);
+    ret = n == 1 ? 0 : (n < 0 ? n : -FI_EINVAL);
+    if (!ret)
+        ret = kx_peer_add(r, *out, addr, len);
+    kx_leave(r);
+    return ret;
+}
+
+void kx_set_peer_timeout(kx_rail *r, int64_t ns) { r->peer_timeout_ns = ns; }
+void kx_set_delivery_complete(kx_rail *r, int on) { r->delivery_complete = on; }
+int kx_peer_state(kx_rail *r, fi_addr_t peer) { return kx_peer_gone(r, peer); }
+
+/* Leave the endpoint open when the rail closes: its fids are never closed, nothing progresses
+ * it again (both providers progress manually, so no data is placed any more), its memory and
+ * sockets stay until the process exits. kvxfer's defence against libfabric 1.17's rxm
+ * crashing inside fi_close of an endpoint peers were writing to (docs/reliability.md). */
+void kx_rail_park(kx_rail *r) { r->parked = 1; }
+int kx_rail_parked(const kx_rail *r) { return r->parked; }
+int kx_rail_took_traffic(const kx_rail *r) { return r->hub->stat_imm > 0 || r->took_msgs; }
+
+int kx_av_remove(kx_rail *r, fi_addr_t addr)
+{
+    if (!kx_enter(r))
+        return -FI_ECANCELED;
+    int ret = fi_av_remove(r->av, &addr, 1, 0);
+    if (!ret)
+        kx_peer_forget(r, addr);
+    kx_leave(r);
+    return ret;
+}
+
+uint32_t kx_runtime_version(void) { return fi_version(); }
+uint32_t kx_build_version(void) { return KX_FI_BUILD_VERSION; }
+int kx_have_dmabuf(void) { return KX_HAVE_DMABUF; }
