@@ -306,6 +306,7 @@ def iteration(race, provider, state, rng):
                 except EOFError:
                     srv.p.wait(10)
                     rec["crash"] = srv.crashed() or f"target died (exit {srv.p.returncode})"
+                    srv.kill()
                     state.pop("server", None)
             rec.setdefault("close_s", []).append(_timed_close(a))
         elif race == "close_initiator_cross":
@@ -320,6 +321,7 @@ def iteration(race, provider, state, rng):
             except EOFError:
                 srv.p.wait(10)
                 rec["crash"] = srv.crashed() or f"target died (exit {srv.p.returncode})"
+                srv.kill()
                 state.pop("server", None)
         else:  # post_closed_cross
             ans = srv.ask("close")
@@ -331,6 +333,7 @@ def iteration(race, provider, state, rng):
             why = srv.crashed()
             if why:
                 rec["crash"] = why
+                srv.kill()                   # reaps it and removes its /dev/shm region
                 state.pop("server", None)
             elif rec.get("parked"):      # a parked endpoint holds tens of MiB: start afresh
                 try:
