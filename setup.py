@@ -47,13 +47,17 @@ def extensions():
 
     cflags = pkg_config("--cflags")
     libs = pkg_config("--libs")
+    san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"] \
+        if os.environ.get("KVXFER_SANITIZE") else []   # make sanitize
     ext = Extension(
         "kvxfer._fabric",
         sources=["kvxfer/_fabric.pyx"],
         include_dirs=["include"] + [f[2:] for f in cflags if f.startswith("-I")],
         library_dirs=[f[2:] for f in libs if f.startswith("-L")],
         libraries=[f[2:] for f in libs if f.startswith("-l")],
-        extra_compile_args=["-O2", "-std=gnu11"] + [f for f in cflags if not f.startswith("-I")],
+        extra_compile_args=["-O1" if san else "-O2", "-g", "-std=gnu11"] + san
+        + [f for f in cflags if not f.startswith("-I")],
+        extra_link_args=san,
         depends=NATIVE_SOURCES + glob.glob(os.path.join("src", "*.h")) + glob.glob(os.path.join("include", "kvxfer", "*.h")),
     )
     return cythonize([ext], language_level=3, compiler_directives={"embedsignature": True})

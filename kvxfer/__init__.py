@@ -52,6 +52,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvxfer.wire import count_writes
 
 from kvxfer import errors  # noqa: E402  (leaf module, always importable)
+from kvxfer import _environ  # noqa: E402
+
+_environ.apply()  # before anything loads libfabric (see kvxfer/_environ.py)
 
 
 def __getattr__(name: str) -> Any:

@@ -60,6 +60,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
         int posting_done
         int done
         int error
+        int linked
 
     ctypedef struct kx_counter_state:
         uint32_t imm
@@ -72,7 +73,10 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     int kx_rail_open(const char *prov, const char *node, const char *domain, int hmem, int spin,
                      kx_rail *join, kx_rail **out, char *errcall, size_t errcall_len)
     int kx_rail_start(kx_rail *r, const int *cpus, int ncpus)
-    void kx_rail_drain(kx_rail *r, int64_t timeout_ns)
+    int kx_rail_drain(kx_rail *r, int64_t timeout_ns, int64_t quiet_ns)
+    void kx_rail_park(kx_rail *r)
+    int kx_rail_parked(const kx_rail *r)
+    int kx_rail_took_traffic(const kx_rail *r)
     void kx_rail_quiesce(kx_rail *r)
     void kx_rail_close_endpoint(kx_rail *r)
     void kx_rail_close_domain(kx_rail *r)
@@ -84,7 +88,10 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
 
     # peers and addresses
     int kx_getname(kx_rail *r, void *buf, size_t *len)
-    int kx_av_insert(kx_rail *r, const void *addr, fi_addr_t *out)
+    int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out)
+    void kx_set_peer_timeout(kx_rail *r, int64_t ns)
+    void kx_set_delivery_complete(kx_rail *r, int on)
+    int kx_peer_state(kx_rail *r, fi_addr_t peer)
     int kx_av_remove(kx_rail *r, fi_addr_t addr)
 
     # regions

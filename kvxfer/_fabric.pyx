@@ -72,6 +72,8 @@ def error_from(str call, int err):
                                   "(operation canceled)")
         if err in PEER_ERRNOS:
             return PeerError(err, f"transfer failed: {_os.strerror(err)}")
+    elif call == "fi_send" and err in PEER_ERRNOS:   # the peer is known dead (liveness.c)
+        return PeerError(err, f"control message not sent: the peer is gone ({_os.strerror(err)})")
     elif call == "kx_expect" and err == _errno.EBUSY:
         return InvalidArgumentError("this imm already has an unfinished expectation")
     elif err == _errno.ECANCELED:
@@ -213,12 +215,39 @@ cdef class Rail:
         self.started = True
 
     # -- closing, in this order (see kvxfer.h) ----------------------------------------------
-    def drain(self, double timeout=1.0):
-        """Cancel queued writes and wait up to `timeout` s for posted ones to complete."""
+    def drain(self, double timeout=1.0, double quiet=0.02):
+        """Cancel queued writes and wait up to `timeout` s for posted ones to complete and
+        incoming traffic to stop for `quiet` s. Returns whether it did."""
         cdef int64_t ns = <int64_t>(timeout * 1e9)
+        cdef int64_t qns = <int64_t>(quiet * 1e9)
+        cdef int ok = 1
         if self.r != NULL and not self.closed:
             with nogil:
-                kx_rail_drain(self.r, ns)
+                ok = kx_rail_drain(self.r, ns, qns)
+        return bool(ok)
+
+    def park(self):
+        """Leave the endpoint open, unprogressed, for good at close (src/rail.c, kx_rail_park)."""
+        if self.r != NULL and not self.closed:
+            kx_rail_park(self.r)
+
+    @property
+    def took_traffic(self):
+        """Peers wrote or sent to this endpoint."""
+        return bool(kx_rail_took_traffic(self._rail()))
+
+    def set_peer_timeout(self, double seconds):
+        """Operations outstanding to a peer with none completing (or every post refused) for
+        this long: it is dead, its transfers and later posts fail. 0: never."""
+        kx_set_peer_timeout(self._rail(), <int64_t>(seconds * 1e9))
+
+    def set_delivery_complete(self, bint on):
+        """Writes complete only once placed at the target (FI_DELIVERY_COMPLETE)."""
+        kx_set_delivery_complete(self._rail(), on)
+
+    def peer_state(self, fi_addr_t addr):
+        """0 while `addr` may be posted to, else the errno posts to it fail with."""
+        return kx_peer_state(self._rail(), addr)
 
     def quiesce(self):
         """Refuse new native calls, wait for those inside, join the progress thread."""
@@ -234,7 +263,7 @@ cdef class Rail:
         self.closed = True
         with nogil:
             kx_rail_close_endpoint(self.r)
-        if kx_rail_leaked(self.r):
+        if kx_rail_leaked(self.r) or kx_rail_parked(self.r):
             # a thread is stuck inside libfabric: touch nothing of the domain any more
             self.domain_closed = True
         self.prune()
@@ -268,10 +297,14 @@ cdef class Rail:
         return PyBytes_FromStringAndSize(buf, n)
 
     def av_insert(self, const uint8_t[::1] addr):
+        """Insert a peer's endpoint name (checked natively first); its fi_addr."""
         cdef fi_addr_t a = 0
         cdef kx_rail *r = self._rail()
+        cdef size_t n = addr.shape[0]
+        if n == 0:
+            check(-22, "fi_av_insert")
         with nogil:
-            check(kx_av_insert(r, &addr[0], &a), "fi_av_insert")
+            check(kx_av_insert(r, &addr[0], n, &a), "fi_av_insert")
         return a
 
     def av_remove(self, fi_addr_t addr):
@@ -353,7 +386,7 @@ cdef class Rail:
         t.rail = self
         t.x = x
         t.region = region
-        if not t.done:
+        if not t.done or t.linked:
             self.pending.append(t)
         region.busy -= 1
         if len(self.pending) > max(64, 2 * self.pruned):
@@ -423,7 +456,7 @@ cdef class Rail:
                     posted += 1
             # recorded before any Python code can run (see write)
             t.n = posted
-            if not t.done:
+            if not t.done or t.linked:
                 self.pending_sets.append(t)
             for g in range(ng):
                 (<RegionHandle>t.regions[g]).busy -= 1
@@ -439,9 +472,9 @@ cdef class Rail:
 
     def prune(self):
         """Forget finished transfers (and so release their registrations' buffers)."""
-        self.pending = [t for t in self.pending if not (<TransferHandle>t).done]
+        self.pending = [t for t in self.pending if not (<TransferHandle>t).done or (<TransferHandle>t).linked]
         self.pruned = len(self.pending)
-        self.pending_sets = [t for t in self.pending_sets if not (<TransferSet>t).done]
+        self.pending_sets = [t for t in self.pending_sets if not (<TransferSet>t).done or (<TransferSet>t).linked]
         self.pruned_sets = len(self.pending_sets)
 
     def close_if_idle(self, list regions):
@@ -463,10 +496,10 @@ cdef class Rail:
         if region.busy:
             return True
         for t in self.pending:
-            if (<TransferHandle>t).region is region and not (<TransferHandle>t).done:
-                return True
+            if (<TransferHandle>t).region is region and (not (<TransferHandle>t).done or (<TransferHandle>t).linked):
+                return True      # linked: failed early, but the provider may still own its ops
         for t in self.pending_sets:
-            if region in (<TransferSet>t).regions and not (<TransferSet>t).done:
+            if region in (<TransferSet>t).regions and (not (<TransferSet>t).done or (<TransferSet>t).linked):
                 return True
         return False
 
@@ -661,6 +694,11 @@ cdef class TransferHandle:
         return bool(self._state().done)
 
     @property
+    def linked(self):
+        """Still on the rail's in-flight list: the provider may still own its contexts."""
+        return bool(self._state().linked)
+
+    @property
     def errno(self):
         return self._state().error
 
@@ -698,6 +736,7 @@ cdef class TransferSet:
         cdef Py_ssize_t g
         s.planned = s.posted = s.completed = 0
         s.posting_done = s.done = 1
+        s.linked = 0
         s.error = 0
         for g in range(self.n):
             kx_transfer_get_state(self.xs[g], &one)
@@ -706,6 +745,7 @@ cdef class TransferSet:
             s.completed += one.completed
             s.posting_done &= one.posting_done
             s.done &= one.done
+            s.linked |= one.linked
             if s.error == 0:
                 s.error = one.error
         return s
@@ -733,6 +773,11 @@ cdef class TransferSet:
     @property
     def done(self):
         return bool(self._state().done)
+
+    @property
+    def linked(self):
+        """Some group is still on the rail's in-flight list (the provider may own its contexts)."""
+        return bool(self._state().linked)
 
     @property
     def errno(self):

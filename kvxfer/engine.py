@@ -20,8 +20,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from kvxfer import wire
+from kvxfer import _environ, wire
 from kvxfer.errors import (
+    ArgumentTypeError,
     ClosedError,
     DescriptorError,
     FabricError,
@@ -100,28 +101,46 @@ def _concat_index(parts: list) -> np.ndarray:
 def _nonneg(v, name: str, positive: bool = False) -> int:
     """A plain Python int from an int or numpy integer scalar (numpy scalars wrap around in
     arithmetic, which would defeat the bounds checks)."""
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise InvalidArgumentError(f"{name} must be an int, got {v!r}")
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ArgumentTypeError(f"{name} must be an int, got {v!r}")
     v = operator.index(v)
     if v < (1 if positive else 0):
         raise InvalidArgumentError(f"{name} must be {'positive' if positive else 'non-negative'}, got {v}")
     return v
 
 
+#: Longest finite wait accepted (about 31 years); beyond it the native deadline would overflow.
+_MAX_TIMEOUT = 1e9
+
+
+def _timeout(t, name: str = "timeout") -> Optional[float]:
+    """None (wait forever) or a finite, non-negative number of seconds as a float."""
+    if t is None:
+        return None
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
+        raise ArgumentTypeError(f"{name} must be a number of seconds or None, got {type(t).__name__}")
+    v = float(t) if not isinstance(t, (int, np.integer)) or abs(int(t)) < 2**63 else float("inf")
+    if v != v:
+        raise InvalidArgumentError(f"{name} must be a number of seconds, got NaN")
+    if v < 0:
+        raise InvalidArgumentError(f"{name} must be non-negative, got {t!r}")
+    if v > _MAX_TIMEOUT:
+        raise InvalidArgumentError(f"{name} {t!r} is too long; pass None to wait without a deadline")
+    return v
+
+
 def _check_timeout(timeout) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
-        raise InvalidArgumentError(f"timeout must be a number of seconds, got {timeout!r}")
-    t = float(timeout)
-    if not t >= 0 or t == float("inf"):
-        raise InvalidArgumentError(f"timeout must be finite and non-negative, got {timeout!r}")
-    return t
+    """A finite, non-negative timeout (None refused): for calls that must end."""
+    if timeout is None:
+        raise ArgumentTypeError("timeout must be a number of seconds, got None")
+    return _timeout(timeout)
 
 
 def _check_imm(imm) -> Optional[int]:
     if imm is None:
         return None
-    if isinstance(imm, bool) or not isinstance(imm, (int, np.integer)):
-        raise InvalidArgumentError(f"imm must be an int in [0, 2**32), got {type(imm).__name__}")
+    if isinstance(imm, (bool, np.bool_)) or not isinstance(imm, (int, np.integer)):
+        raise ArgumentTypeError(f"imm must be an int in [0, 2**32), got {type(imm).__name__}")
     imm = int(imm)
     if not 0 <= imm < _U32:
         raise InvalidArgumentError(f"imm must be in [0, 2**32), got {imm}")
@@ -401,6 +420,7 @@ class Transfer:
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every write completed at the sender; raise its error, or TimeoutError."""
+        timeout = _timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         for x in self._handles:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -448,6 +468,7 @@ class Counter:
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until all ``count`` writes have landed; TimeoutError otherwise."""
+        timeout = _timeout(timeout)
         if not self._handle.wait(timeout):
             raise TimeoutError(f"imm {self.imm}: {self._handle.arrived}/{self.count} writes arrived after {timeout} s")
         if self._handle.errno == _errno.EIDRM:
@@ -646,7 +667,12 @@ class Engine:
     one rail (endpoint, progress thread) each, over which paged writes are striped;
     ``placement``: a ``kvxfer.Placement`` from ``Topology.assign``, giving NICs and CPUs;
     ``rails``: without ``nics``, open this many endpoints on the provider's default domain
-    (on shm, two rails copy in parallel).
+    (on shm, two rails copy in parallel). ``peer_timeout``: seconds a peer may leave writes
+    or sends outstanding without completing any (or refuse every post) before it is declared
+    dead (its transfers and later posts fail with ``PeerError``; the only dead-peer signal shm
+    has); None: never. ``delivery_complete``: a write completes only once the target placed it,
+    so a write the target refuses fails at the sender (default: on for rxm providers, where tcp
+    otherwise reports a refused write as done).
     """
 
     def __init__(
@@ -663,9 +689,15 @@ class Engine:
         nics: Optional[Sequence[str]] = None,
         placement: Any = None,
         rails: Optional[int] = None,
+        peer_timeout: Optional[float] = 10.0,
+        delivery_complete: Optional[bool] = None,
     ) -> None:
         _need_native()
+        pt = _timeout(peer_timeout, "peer_timeout")
+        if pt == 0:
+            raise InvalidArgumentError("peer_timeout must be positive (None: never declare a silent peer dead)")
         self._closed = True          # until the rails are open and started
+        self._parked = False         # close() left an endpoint open (kx_rail_park)
         self._lock = threading.Lock()
         self._regions: "weakref.WeakSet[MemoryRegion]" = weakref.WeakSet()
         self._callbacks: dict[int, Counter] = {}
@@ -676,7 +708,7 @@ class Engine:
         self._rails: list = []
         _check_options(progress, iov, max_write, pack_min, rails)
         if provider is None:
-            provider = os.environ.get("FI_PROVIDER") or None
+            provider = _environ.user_provider()   # kvxfer's own include list is not a name
         if placement is not None:
             if nics is None and getattr(placement, "nics", None):
                 nics = list(placement.domains)
@@ -690,8 +722,14 @@ class Engine:
         self.progress = progress
         self.cpus = cpus
         self.iov, self.max_write, self.pack_min = _message_limits(first, iov, max_write, pack_min)
+        self.peer_timeout = pt
+        if delivery_complete is None:      # tcp;ofi_rxm: otherwise a refused write "succeeds"
+            delivery_complete = "ofi_rxm" in self.provider
+        self.delivery_complete = bool(delivery_complete)
         try:
             for r in self._rails:
+                r.set_peer_timeout(pt or 0.0)
+                r.set_delivery_complete(self.delivery_complete)
                 r.start(self.cpus)
             self._address = wire.Address(self.provider, tuple(r.getname() for r in self._rails)).encode()
         except BaseException:
@@ -703,7 +741,8 @@ class Engine:
     # -- life cycle ----------------------------------------------------------------------
     def close(self) -> None:
         """Close the engine; idempotent. In this order: stop the callback dispatcher; drain
-        each rail (queued writes are cancelled, posted ones get 1 s to complete); quiesce each
+        each rail (queued writes are cancelled, posted ones get 0.5 s to complete, rxm waits for
+        200 ms of incoming quiet and parks a rail that got none); quiesce each
         rail (no caller inside native code, progress thread joined); close each rail's
         endpoint, AV and CQ (pending transfers and counters fail); deregister the regions;
         unmap peers' raw keys; close each rail's domain and fabric, last rail first; join the
@@ -717,8 +756,18 @@ class Engine:
         for w in list(self._watchers):  # armed writes never post into a closing rail
             w.close()
         self._rails[0].dispatch_stop()
-        for r in self._rails:           # let posted writes finish (bounded), queued ones go
-            r.drain(1.0)
+        rxm = "ofi_rxm" in self.provider
+        # posted writes finish, queued ones go, incoming traffic stops (all bounded)
+        quiet = [r.drain(0.5, 0.2 if rxm else 0.02) for r in self._rails]
+        # libfabric 1.17's rxm crashes inside fi_close of an endpoint that peers wrote to until
+        # shortly before (docs/reliability.md). Such an endpoint (no 200 ms of quiet) is left
+        # open and unprogressed instead, reclaimed at process exit (tens of MiB and a dozen
+        # fds each). KVXFER_PARK_RXM=0 closes it anyway.
+        if rxm and os.environ.get("KVXFER_PARK_RXM", "1") != "0":
+            for r, q in zip(self._rails, quiet):
+                if not q and r.took_traffic:
+                    r.park()
+                    self._parked = True
         for r in self._rails:           # nobody posts from here on
             r.quiesce()
         for r in self._rails:           # endpoints go before the registrations they used
@@ -1282,6 +1331,7 @@ class Engine:
         """A small control message (at most 64 KiB) over FI_MSG, for protocol coordination.
         Raises TimeoutError if the provider's queue stays full for ``timeout`` seconds."""
         self._check_open()
+        timeout = _timeout(timeout)
         if not isinstance(peer, Peer) or peer.engine is not self:
             raise InvalidArgumentError("peer must come from this engine's connect()")
         if peer.closed:
@@ -1297,10 +1347,36 @@ class Engine:
     def recv(self, timeout: Optional[float] = None) -> bytes:
         """The next control message received; TimeoutError if none within ``timeout`` s."""
         self._check_open()
-        m = self._rails[0].recv(timeout)
+        m = self._rails[0].recv(_timeout(timeout))
         if m is None:
             raise TimeoutError(f"no control message within {timeout} s")
         return m
+
+
+def _check_mapped(ptr: int, nbytes: int) -> None:
+    """A raw (ptr, nbytes) must lie in writable mappings of this process: the provider does
+    not check (tcp registers any number), and a peer's write there would crash the target."""
+    end = ptr + nbytes
+    try:
+        with open("/proc/self/maps") as f:
+            spans = []
+            for line in f:
+                rng, perms = line.split(None, 2)[:2]
+                lo, hi = (int(x, 16) for x in rng.split("-"))
+                if hi > ptr and lo < end:
+                    spans.append((lo, hi, perms))
+    except OSError:       # no procfs: nothing more can be checked here
+        return
+    at = ptr
+    for lo, hi, perms in sorted(spans):
+        if lo > at:
+            break
+        if "w" not in perms[:2]:
+            raise InvalidArgumentError(f"memory at {max(lo, ptr):#x} is not writable ({perms})")
+        at = max(at, hi)
+        if at >= end:
+            return
+    raise InvalidArgumentError(f"memory [{ptr:#x}, {end:#x}) is not mapped in this process (unmapped at {at:#x})")
 
 
 def _resolve_buffer(obj: Any):
@@ -1321,10 +1397,15 @@ def _resolve_buffer(obj: Any):
             except KvxferError:
                 fd = -1
         return int(obj.ptr), int(obj.nbytes), f"cuda:{ordinal}", _fabric.HMEM_CUDA, ordinal, fd, keep
-    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, (int, np.integer)) for v in obj):
+    if isinstance(obj, tuple) and len(obj) == 2:
+        if any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) for v in obj):
+            raise ArgumentTypeError(f"(ptr, nbytes) must be two ints, got ({', '.join(type(v).__name__ for v in obj)})")
         ptr, nbytes = int(obj[0]), int(obj[1])
-        if ptr <= 0:
-            raise InvalidArgumentError("a raw pointer must be non-zero")
+        if not 0 < nbytes < 2**63:
+            raise InvalidArgumentError(f"nbytes must be positive and below 2**63, got {nbytes}")
+        if not 0 < ptr < 2**64 or ptr + nbytes > 2**64:
+            raise InvalidArgumentError(f"pointer {ptr:#x} (+{nbytes} bytes) is not an address")
+        _check_mapped(ptr, nbytes)
         return ptr, nbytes, "cpu", sys_iface, 0, -1, None
     # torch tensors
     if type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr"):
@@ -1365,6 +1446,9 @@ def _resolve_buffer(obj: Any):
             raise InvalidArgumentError(f"cannot register {type(obj).__name__}: not a buffer, tensor or (ptr, nbytes)") from None
     if mv.readonly:
         raise InvalidArgumentError("buffer is read-only: RMA needs writable memory")
+    if "O" in mv.format or getattr(getattr(obj, "dtype", None), "hasobject", False):
+        # its bytes are PyObject pointers: a peer writing there forges objects in this process
+        raise InvalidArgumentError("buffer holds Python objects (object dtype); only plain data can be registered")
     if not mv.c_contiguous:
         raise InvalidArgumentError("buffer must be C-contiguous")
     arr = np.frombuffer(mv, dtype=np.uint8) if mv.nbytes else np.empty(0, np.uint8)

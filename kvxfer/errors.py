@@ -14,6 +14,7 @@ __all__ = [
     "FabricError",
     "UnsupportedError",
     "InvalidArgumentError",
+    "ArgumentTypeError",
     "OutOfBoundsError",
     "DescriptorError",
     "PeerError",
@@ -50,6 +51,10 @@ class UnsupportedError(KvxferError, NotImplementedError):
 
 class InvalidArgumentError(KvxferError, ValueError):
     """An argument is malformed; nothing was posted or written."""
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong type (a str timeout, a bool pointer); catchable as TypeError too."""
 
 
 class OutOfBoundsError(KvxferError, IndexError):

@@ -49,7 +49,10 @@ struct kx_transfer {
     int64_t posted;        /* messages posted so far (atomic) */
     int64_t completed;     /* completions read (success or error) */
     int posting_done;      /* nothing more will be posted */
-    int done;
+    int done;              /* waiters may stop: all completed, or failed early (dead peer) */
+    int linked;            /* on the in-flight list: the provider may still own its contexts */
+    int64_t last_ns;       /* its last post or completion: the per-transfer stall clock */
+    int64_t written_off;   /* operations given up on (stalled): their late completions are not the peer's */
     int error;             /* first positive errno seen, 0 if none */
     int refs;              /* owner + in-flight */
     struct kx_transfer *prev, *next;   /* the rail's in-flight list */
@@ -113,6 +116,7 @@ typedef struct kx_rxbuf {
 
 typedef struct kx_sendbuf {
     kx_op op;
+    fi_addr_t peer;
     struct fid_mr *mr;     /* registered only where the provider wants FI_MR_LOCAL */
     size_t len;
     char data[];
@@ -174,6 +178,17 @@ struct kx_rail {
     kx_transfer *q_head, *q_tail; /* transfers with messages still to post (progress thread posts) */
     int cancel_pending;           /* a queued transfer was cancelled: sweep the queue */
 
+    /* peers (liveness.c): a fixed directory of lazily allocated chunks, indexed by fi_addr */
+    struct kx_peer **pdir;
+    size_t peer_hi;            /* one past the highest fi_addr ever tracked */
+    int64_t peer_timeout_ns;   /* outstanding to a peer and silent this long: it is dead (0: never) */
+    int delivery_complete;     /* writes complete only once placed at the target (refusals surface) */
+    int64_t last_scan_ns;
+    int64_t eagain_ns;         /* the progress thread's last post refused with -FI_EAGAIN */
+    struct kx_local *self_local;   /* this endpoint, as other rails of this process see it */
+    int parked;                /* the endpoint is left open, unprogressed, never closed (kx_rail_park) */
+    int took_msgs;             /* a control message arrived (someone connected to us) */
+
     kx_rxbuf rx[KX_RX_BUFS];
     struct fid_mr *rx_mr;  /* the receive slab's registration (FI_MR_LOCAL providers) */
     void *rx_desc;
@@ -233,6 +248,47 @@ void kx_walk_init(kx_transfer *x, const uint64_t *src_off, const uint64_t *dst_o
                   size_t n, size_t iov, uint64_t max_write, uint64_t pack_min);
 int kx_walk_next(kx_transfer *x);    /* build the next message into x->piece_*; 0 at the end */
 int kx_pump_queue(kx_rail *r);
+
+/* ---- liveness.c: peers (see its header comment) ----------------------------------- */
+#define KX_PEER_SCAN_NS 10000000LL   /* the progress thread looks at its peers every 10 ms */
+#define KX_PEER_CHUNK   256          /* peer entries are allocated 256 at a time ... */
+#define KX_PEER_CHUNKS  4096         /* ... under a fixed directory: 1 Mi peers per rail */
+typedef struct kx_local {
+    struct kx_local *next;
+    int refs;             /* the owning rail + every peer entry naming it (under kx_locals_lock) */
+    int closed;           /* atomic: the owner is tearing down */
+    int busy;             /* atomic: posts to it under way */
+    size_t len;
+    uint8_t name[256];
+} kx_local;
+
+typedef struct kx_peer {
+    int used;
+    int dead;             /* errno, 0 while alive */
+    int pidfd;            /* -1: none */
+    kx_local *local;
+    int64_t out;          /* operations outstanding to it */
+    int64_t last_ns;
+    int64_t refused_ns;   /* since when every post to it was refused (-FI_EAGAIN), 0: not */
+} kx_peer;
+
+int kx_local_publish(kx_rail *r);
+void kx_local_retire(kx_rail *r);
+int kx_addr_check(kx_rail *r, const void *addr, size_t len);
+int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len);
+void kx_peer_forget(kx_rail *r, fi_addr_t fa);
+void kx_peer_kill_locked(kx_rail *r, fi_addr_t fa, int err);
+int kx_peer_gone(kx_rail *r, fi_addr_t fa);
+int kx_peer_enter(kx_rail *r, fi_addr_t fa);
+void kx_peer_leave(kx_rail *r, fi_addr_t fa);
+void kx_peer_count(kx_rail *r, fi_addr_t fa, int delta);
+void kx_peer_uncount(kx_rail *r, fi_addr_t fa, int again);
+void kx_peer_accepted(kx_rail *r, fi_addr_t fa);
+int kx_is_peer_errno(int err);
+int kx_peers_scan(kx_rail *r);
+int64_t kx_outstanding_live(kx_rail *r);
+void kx_peers_free(kx_rail *r);
+void kx_transfer_fail_locked(kx_rail *r, kx_transfer *x, int err);
 
 /* ---- mr.c ------------------------------------------------------------------------- */
 /* registration by a caller already inside a kx_enter bracket (or opening the rail) */

@@ -9,6 +9,7 @@ int kx_send(kx_rail *r, fi_addr_t peer, const char *data, size_t len)
     memset(&s->op, 0, sizeof(s->op));
     s->op.kind = KX_OP_SEND;
     s->op.owner = s;
+    s->peer = peer;
     s->mr = NULL;
     s->len = len;
     if (len)
@@ -35,8 +36,17 @@ int kx_send(kx_rail *r, fi_addr_t peer, const char *data, size_t len)
     ssize_t ret;
     /* queue full: let the progress thread drain it, for 50 ms at most; the caller retries */
     int64_t until = kx_now_ns() + 50000000LL;
+    kx_peer_count(r, peer, 1);
     for (;;) {
+        int gone = kx_peer_enter(r, peer);     /* never to a closed, exited or stalled peer */
+        if (gone) {
+            ret = -gone;
+            break;
+        }
         ret = fi_send(r->ep, s->data, len, desc, peer, &s->op.fi);
+        kx_peer_leave(r, peer);
+        if (ret == 0)
+            kx_peer_accepted(r, peer);
         if (ret != -FI_EAGAIN || r->stop || kx_now_ns() > until)
             break;
         kx_wake(r);
@@ -45,6 +55,7 @@ int kx_send(kx_rail *r, fi_addr_t peer, const char *data, size_t len)
     }
     if (ret) {
         __atomic_sub_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
+        kx_peer_uncount(r, peer, ret == -FI_EAGAIN);
         if (s->mr)
             fi_close(&s->mr->fid);
         free(s);

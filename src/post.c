@@ -148,11 +148,22 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
             .msg_iov = iov, .desc = desc, .iov_count = (size_t)np, .addr = x->peer,
             .rma_iov = rma, .rma_iov_count = (size_t)np, .context = &op->fi, .data = x->imm,
         };
+        /* never post to a peer known closed, exited or stalled (liveness.c says why) */
+        int gone = kx_peer_enter(r, x->peer);
+        if (gone) {
+            kx_transfer_fail(r, x, gone);
+            return 1;
+        }
         /* count it first: the completion may be read by another thread before we return */
         __atomic_add_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
+        if (__atomic_load_n(&x->posted, __ATOMIC_ACQUIRE) == __atomic_load_n(&x->completed, __ATOMIC_ACQUIRE))
+            __atomic_store_n(&x->last_ns, kx_now_ns(), __ATOMIC_RELEASE);   /* its stall clock starts */
         __atomic_add_fetch(&x->posted, 1, __ATOMIC_RELEASE);
+        kx_peer_count(r, x->peer, 1);
         ssize_t ret = fi_writemsg(r->ep, &msg, x->flags);
+        kx_peer_leave(r, x->peer);
         if (ret == 0) {
+            kx_peer_accepted(r, x->peer);
             x->have_msg = 0;
             for (int k = 0; k < np; k++)
                 budget -= (int64_t)x->piece_len[k];
@@ -161,8 +172,11 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         }
         __atomic_sub_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
         __atomic_sub_fetch(&x->posted, 1, __ATOMIC_RELEASE);
-        if (ret == -FI_EAGAIN)
+        kx_peer_uncount(r, x->peer, ret == -FI_EAGAIN);
+        if (ret == -FI_EAGAIN) {
+            r->eagain_ns = kx_now_ns();
             return 0;
+        }
         kx_transfer_fail(r, x, (int)-ret);
         return 1;
     }
@@ -282,7 +296,7 @@ int kx_write(kx_rail *r, fi_addr_t peer, char *src_base, void *desc, uint64_t ds
     x->desc = desc;
     x->dst_base = dst_base;
     x->key = key;
-    x->flags = FI_COMPLETION | (has_imm ? FI_REMOTE_CQ_DATA : 0);
+    x->flags = FI_COMPLETION | (has_imm ? FI_REMOTE_CQ_DATA : 0) | (r->delivery_complete ? FI_DELIVERY_COMPLETE : 0);
     x->imm = imm;
 
     pthread_mutex_lock(&r->hub->lock);

@@ -59,6 +59,7 @@ int kx_post_recv(kx_rail *r, kx_rxbuf *b)
 static void kx_complete_recv_locked(kx_rail *r, kx_rxbuf *b, size_t len, int err)
 {
     kx_hub *h = r->hub;
+    r->took_msgs = 1;
     if (!err) {
         kx_msg *m = malloc(sizeof(kx_msg) + len);
         if (m) {
@@ -97,15 +98,25 @@ static void kx_complete_locked(kx_rail *r, void *context, uint64_t flags, uint64
     case KX_OP_WRITE: {
         kx_transfer *x = (kx_transfer *)op->owner;
         __atomic_sub_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
+        if (x->written_off > 0)
+            x->written_off--;            /* already taken off the peer's count */
+        else
+            kx_peer_count(r, x->peer, -1);
+        __atomic_store_n(&x->last_ns, kx_now_ns(), __ATOMIC_RELEASE);
         x->completed++;
         if (err && !x->error)
             x->error = err;
+        if (err && kx_is_peer_errno(err))
+            kx_peer_kill_locked(r, x->peer, err);
         kx_transfer_check_done_locked(r, x);
         break;
     }
     case KX_OP_SEND: {
         kx_sendbuf *s = (kx_sendbuf *)op->owner;
         __atomic_sub_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
+        kx_peer_count(r, s->peer, -1);
+        if (err && kx_is_peer_errno(err))
+            kx_peer_kill_locked(r, s->peer, err);
         if (err)
             r->stat_rx_err++;
         if (s->mr)
@@ -196,8 +207,13 @@ void *kx_progress_main(void *arg)
             continue;
         }
         int n = kx_poll(r);
-        if (r->q_head || __atomic_load_n(&r->cancel_pending, __ATOMIC_ACQUIRE))
+        /* after a refused post, retry only once something completed or 100 us passed: a
+         * peer that stopped answering is then probed (kx_peer_enter) before, not during, the
+         * provider's own locking */
+        if ((r->q_head && (n > 0 || kx_now_ns() - r->eagain_ns > 100000)) ||
+            __atomic_load_n(&r->cancel_pending, __ATOMIC_ACQUIRE))
             n += kx_pump_queue(r);
+        n += kx_peers_scan(r);
         if (n != 0 || r->spin) {
             backoff = 1000;
             continue;

@@ -163,6 +163,12 @@ int kx_rail_open(const char *prov, const char *node, const char *domain, int hme
         kx_rail_take_limits(r);
         ret = kx_rail_open_fids(r, spin, &call);
     }
+    if (!ret) {
+        r->peer_timeout_ns = 10000000000LL;     /* kx_set_peer_timeout changes it */
+        r->pdir = calloc(KX_PEER_CHUNKS, sizeof(*r->pdir));
+        call = "kx_local_publish";
+        ret = r->pdir ? kx_local_publish(r) : -FI_ENOMEM;
+    }
     if (!ret)
         ret = kx_rail_post_receives(r, &call);
     if (ret) {
@@ -192,10 +198,10 @@ int kx_rail_start(kx_rail *r, const int *cpus, int ncpus)
  * complete, with the progress thread still running. A peer then never sees an endpoint
  * vanish under commands it is processing (shm crashed in libfabric 1.17 when a peer closed
  * with writes in flight). A dead peer only costs the deadline. */
-void kx_rail_drain(kx_rail *r, int64_t timeout_ns)
+int kx_rail_drain(kx_rail *r, int64_t timeout_ns, int64_t quiet_ns)
 {
     if (r->quiesced || !r->thread_started)
-        return;
+        return 1;
     pthread_mutex_lock(&r->hub->lock);
     for (kx_transfer *x = r->q_head; x; x = x->qnext)
         __atomic_store_n(&x->cancel, 1, __ATOMIC_RELEASE);
@@ -203,14 +209,15 @@ void kx_rail_drain(kx_rail *r, int64_t timeout_ns)
     kx_wake(r);
     int64_t until = kx_now_ns() + timeout_ns;
     while (kx_now_ns() < until) {
-        /* done when nothing of ours is pending and incoming traffic has been quiet for 20 ms
-         * (rxm in 1.17 crashed closing an endpoint that still had a peer's data in flight) */
-        if (__atomic_load_n(&r->outstanding, __ATOMIC_SEQ_CST) == 0 && r->q_head == NULL &&
-            kx_now_ns() - r->last_activity_ns > 20000000LL)
-            break;
+        /* done when nothing of ours is pending (to live peers) and incoming traffic has been
+         * quiet for quiet_ns (rxm in 1.17 crashed closing an endpoint a peer had just written to) */
+        if (kx_outstanding_live(r) <= 0 && r->q_head == NULL &&
+            kx_now_ns() - r->last_activity_ns > quiet_ns)
+            return 1;
         struct timespec ts = {0, 200000};
         nanosleep(&ts, NULL);
     }
+    return 0;
 }
 
 /* No thread uses the endpoint afterwards: set stop, wait (5 s at most) for callers inside
@@ -220,6 +227,7 @@ void kx_rail_quiesce(kx_rail *r)
     if (r->quiesced)
         return;
     r->quiesced = 1;
+    kx_local_retire(r);      /* rails of this process stop posting to us first */
     __atomic_store_n(&r->stop, 1, __ATOMIC_SEQ_CST);
     int64_t until = kx_now_ns() + 5000000000LL;
     for (;;) {      /* a late kx_enter may bump busy briefly and back off: not a leak */
@@ -253,6 +261,8 @@ void kx_rail_quiesce(kx_rail *r)
 static void kx_rail_abandon(kx_rail *r)
 {
     kx_hub *h = r->hub;
+    if (r->parked)
+        kx_peers_free(r);
     pthread_mutex_lock(&h->lock);
     for (kx_transfer *x = r->inflight; x; x = x->next) {
         if (!x->error)
@@ -272,11 +282,12 @@ void kx_rail_close_endpoint(kx_rail *r)
         return;
     kx_rail_quiesce(r);
     r->endpoint_closed = 1;
-    if (r->leaked) {
+    if (r->leaked || r->parked) {
         kx_rail_abandon(r);
         return;
     }
     if (r->ep) { fi_close(&r->ep->fid); r->ep = NULL; }
+    kx_peers_free(r);
     if (r->rx_mr) { fi_close(&r->rx_mr->fid); r->rx_mr = NULL; }
     if (r->av) { fi_close(&r->av->fid); r->av = NULL; }
     if (r->cq) { fi_close(&r->cq->fid); r->cq = NULL; }
@@ -306,7 +317,7 @@ void kx_rail_close_endpoint(kx_rail *r)
 void kx_rail_close_domain(kx_rail *r)
 {
     kx_rail_close_endpoint(r);
-    if (r->leaked)
+    if (r->leaked || r->parked)
         return;
     if (r->domain) { fi_close(&r->domain->fid); r->domain = NULL; }
     if (r->fabric) { fi_close(&r->fabric->fid); r->fabric = NULL; }
@@ -316,8 +327,10 @@ void kx_rail_close_domain(kx_rail *r)
 void kx_rail_free(kx_rail *r)
 {
     kx_rail_close_domain(r);
-    if (r->leaked)
+    if (r->leaked || r->parked)
         return;
+    if (r->pdir)      /* a rail that failed to open before its endpoint existed */
+        kx_peers_free(r);
     kx_hub_unref(r->hub);
     free(r);
 }
@@ -358,20 +371,41 @@ int kx_getname(kx_rail *r, void *buf, size_t *len)
     return ret;
 }
 
-int kx_av_insert(kx_rail *r, const void *addr, fi_addr_t *out)
+/* insert a peer's endpoint name, checked first (liveness.c: kx_addr_check), and track it */
+int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out)
 {
+    int ret = kx_addr_check(r, addr, len);
+    if (ret)
+        return ret;
     if (!kx_enter(r))
         return -FI_ECANCELED;
     int n = fi_av_insert(r->av, addr, 1, out, 0, NULL);
+    ret = n == 1 ? 0 : (n < 0 ? n : -FI_EINVAL);
+    if (!ret)
+        ret = kx_peer_add(r, *out, addr, len);
     kx_leave(r);
-    return n == 1 ? 0 : (n < 0 ? n : -FI_EINVAL);
+    return ret;
 }
+
+void kx_set_peer_timeout(kx_rail *r, int64_t ns) { r->peer_timeout_ns = ns; }
+void kx_set_delivery_complete(kx_rail *r, int on) { r->delivery_complete = on; }
+int kx_peer_state(kx_rail *r, fi_addr_t peer) { return kx_peer_gone(r, peer); }
+
+/* Leave the endpoint open when the rail closes: its fids are never closed, nothing progresses
+ * it again (both providers progress manually, so no data is placed any more), its memory and
+ * sockets stay until the process exits. kvxfer's defence against libfabric 1.17's rxm
+ * crashing inside fi_close of an endpoint peers were writing to (docs/reliability.md). */
+void kx_rail_park(kx_rail *r) { r->parked = 1; }
+int kx_rail_parked(const kx_rail *r) { return r->parked; }
+int kx_rail_took_traffic(const kx_rail *r) { return r->hub->stat_imm > 0 || r->took_msgs; }
 
 int kx_av_remove(kx_rail *r, fi_addr_t addr)
 {
     if (!kx_enter(r))
         return -FI_ECANCELED;
     int ret = fi_av_remove(r->av, &addr, 1, 0);
+    if (!ret)
+        kx_peer_forget(r, addr);
     kx_leave(r);
     return ret;
 }

@@ -15,6 +15,7 @@ void kx_transfer_release_locked(kx_transfer *x)
 
 void kx_transfer_link_locked(kx_rail *r, kx_transfer *x)
 {
+    x->linked = 1;
     x->prev = NULL;
     x->next = r->inflight;
     if (r->inflight)
@@ -35,11 +36,25 @@ static void kx_transfer_unlink_locked(kx_rail *r, kx_transfer *x)
 
 void kx_transfer_check_done_locked(kx_rail *r, kx_transfer *x)
 {
-    if (!x->done && x->posting_done && x->completed >= x->posted) {
+    if (x->linked && x->posting_done && x->completed >= x->posted) {
         __atomic_store_n(&x->done, 1, __ATOMIC_RELEASE);
+        x->linked = 0;
         pthread_cond_broadcast(&r->hub->cond);
         kx_transfer_unlink_locked(r, x);
         kx_transfer_release_locked(x);  /* the in-flight reference */
+    }
+}
+
+/* Fail a transfer now (its peer is dead, or it stalled): post nothing more, wake its
+ * waiters. It stays linked until its posted operations complete or the endpoint closes. */
+void kx_transfer_fail_locked(kx_rail *r, kx_transfer *x, int err)
+{
+    if (!x->error)
+        x->error = err;
+    __atomic_store_n(&x->cancel, 1, __ATOMIC_RELEASE);
+    if (!x->done) {
+        __atomic_store_n(&x->done, 1, __ATOMIC_RELEASE);
+        pthread_cond_broadcast(&r->hub->cond);
     }
 }
 
@@ -57,6 +72,7 @@ void kx_transfer_get_state(const kx_transfer *x, kx_transfer_state *out)
     out->completed = __atomic_load_n(&x->completed, __ATOMIC_RELAXED);
     out->posting_done = __atomic_load_n(&x->posting_done, __ATOMIC_RELAXED);
     out->error = __atomic_load_n(&x->error, __ATOMIC_RELAXED);
+    out->linked = __atomic_load_n(&x->linked, __ATOMIC_RELAXED);
 }
 
 int kx_transfer_wait(kx_rail *r, kx_transfer *x, int64_t slice_ns)

@@ -61,6 +61,7 @@ typedef struct kx_transfer_state {
     int posting_done;      /* nothing more will be posted */
     int done;              /* posting done and every posted message completed */
     int error;             /* first positive errno, 0 if none */
+    int linked;            /* still on the in-flight list (the provider may own its contexts) */
 } kx_transfer_state;
 
 typedef struct kx_counter_state {
@@ -89,7 +90,11 @@ int kx_rail_start(kx_rail *r, const int *cpus, int ncpus);
  *   close_domain    close domain and fabric
  *   free            free the struct (late releases of transfers/counters stay safe until then)
  * A progress thread that cannot be joined is leaked with everything it may touch. */
-void kx_rail_drain(kx_rail *r, int64_t timeout_ns);
+/* 1 once quiet: nothing of ours pending to live peers, no incoming traffic for quiet_ns */
+int kx_rail_drain(kx_rail *r, int64_t timeout_ns, int64_t quiet_ns);
+void kx_rail_park(kx_rail *r);          /* never close the endpoint (see rail.c) */
+int kx_rail_parked(const kx_rail *r);
+int kx_rail_took_traffic(const kx_rail *r);
 void kx_rail_quiesce(kx_rail *r);
 void kx_rail_close_endpoint(kx_rail *r);
 void kx_rail_close_domain(kx_rail *r);
@@ -103,7 +108,13 @@ int kx_rail_thread_id(const kx_rail *r);   /* the progress thread's kernel tid, 
 /* ---- peers and addresses (src/rail.c) ---------------------------------------------- */
 
 int kx_getname(kx_rail *r, void *buf, size_t *len);
-int kx_av_insert(kx_rail *r, const void *addr, fi_addr_t *out);
+int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out);
+/* liveness (src/liveness.c): how long a peer may leave operations outstanding with none
+ * completing before it is dead (0: never); FI_DELIVERY_COMPLETE on writes; 0 while `peer`
+ * may be posted to, else the errno posts to it fail with */
+void kx_set_peer_timeout(kx_rail *r, int64_t ns);
+void kx_set_delivery_complete(kx_rail *r, int on);
+int kx_peer_state(kx_rail *r, fi_addr_t peer);
 /* The caller makes sure nothing is still posting to `addr` (AV_TABLE reuses the slot). */
 int kx_av_remove(kx_rail *r, fi_addr_t addr);
 

@@ -1,0 +1,452 @@
+/* liveness.c: what kvxfer knows about each peer, so that it never posts into a path that
+ * libfabric 1.17 cannot survive, and a dead peer becomes an error in bounded time.
+ *
+ * Per rail, a table indexed by fi_addr_t (FI_AV_TABLE hands out small indices) holds:
+ *   dead      0, or the errno every later post to the peer fails with at once;
+ *   local     the peer is an engine of this process: its kx_local cell (see below);
+ *   pidfd     shm: a pidfd of the peer's process (its pid is in its endpoint name), which
+ *             becomes readable when the process exits (also while it is a zombie);
+ *   out/last  operations posted to it and not completed, and when the last one completed
+ *             (or the first was posted): the stall clock.
+ * A peer is declared dead (and every unfinished transfer to it fails) when
+ *   - it is an engine of this process that closed           -> EPIPE
+ *   - its process exited (shm pidfd)                         -> ECONNRESET
+ *   - the provider reported a connection error for it        -> that errno
+ *   - operations to it were outstanding and none completed for `peer_timeout_ns` (every
+ *     provider; the only signal shm has for a peer that stopped answering, and the one for
+ *     a write the target refused without telling, shm's 64 KiB path) -> ETIMEDOUT
+ * Why it must never post to such a peer (libfabric 1.17, observed):
+ *   - shm, same process: the closed engine's region is freed; fi_writemsg to it dereferences
+ *     it (SIGSEGV in pthread_spin_lock);
+ *   - shm, peer SIGKILLed while it held its region's spin lock (it does so while it
+ *     progresses): every later fi_writemsg to it spins forever.
+ * A transfer failed this way is `done` for its waiters at once, but stays on the in-flight
+ * list (the provider may still own its contexts) until its operations complete or the
+ * endpoint closes; its source registration counts as busy until then.
+ *
+ * kx_local: one cell per open engine endpoint of this process, in a process-wide list keyed by
+ * endpoint name. A rail posting to a local peer brackets the post with the cell's `busy`
+ * count after checking `closed`; the owner's teardown sets `closed` and waits for `busy` to
+ * drain before it closes its endpoint, so a post never reaches a closed endpoint. */
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+
+
+static pthread_mutex_t kx_locals_lock = PTHREAD_MUTEX_INITIALIZER;
+static kx_local *kx_locals;
+
+static void kx_local_unref(kx_local *c)
+{
+    pthread_mutex_lock(&kx_locals_lock);
+    if (--c->refs == 0) {
+        for (kx_local **p = &kx_locals; *p; p = &(*p)->next) {
+            if (*p == c) {
+                *p = c->next;
+                break;
+            }
+        }
+        free(c);
+    }
+    pthread_mutex_unlock(&kx_locals_lock);
+}
+
+/* publish this rail's endpoint name (after fi_enable) */
+int kx_local_publish(kx_rail *r)
+{
+    kx_local *c = calloc(1, sizeof(*c));
+    if (!c)
+        return -FI_ENOMEM;
+    size_t n = sizeof(c->name);
+    if (fi_getname(&r->ep->fid, c->name, &n) || n > sizeof(c->name)) {
+        free(c);
+        return 0;          /* unnamed: nothing can connect to it by name anyway */
+    }
+    c->len = n;
+    c->refs = 1;
+    pthread_mutex_lock(&kx_locals_lock);
+    c->next = kx_locals;
+    kx_locals = c;
+    pthread_mutex_unlock(&kx_locals_lock);
+    r->self_local = c;
+    return 0;
+}
+
+/* the first step of teardown: refuse new posts from other engines of this process to us,
+ * and wait (bounded) for those under way */
+void kx_local_retire(kx_rail *r)
+{
+    kx_local *c = r->self_local;
+    if (!c)
+        return;
+    __atomic_store_n(&c->closed, 1, __ATOMIC_SEQ_CST);
+    int64_t until = kx_now_ns() + 1000000000LL;
+    while (__atomic_load_n(&c->busy, __ATOMIC_SEQ_CST) && kx_now_ns() < until)
+        sched_yield();
+}
+
+static kx_local *kx_local_find(const void *name, size_t len)
+{
+    kx_local *found = NULL;
+    pthread_mutex_lock(&kx_locals_lock);
+    for (kx_local *c = kx_locals; c; c = c->next) {
+        if (c->len == len && !memcmp(c->name, name, len) && !__atomic_load_n(&c->closed, __ATOMIC_SEQ_CST)) {
+            c->refs++;
+            found = c;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&kx_locals_lock);
+    return found;
+}
+
+/* shm names its endpoints "fi_shm://<pid>:..." when kvxfer lets it choose (it always does) */
+static pid_t kx_shm_pid(const char *prov, const void *name, size_t len)
+{
+    if (!prov || strcmp(prov, "shm") != 0 || len < 10 || memcmp(name, "fi_shm://", 9) != 0)
+        return 0;
+    const char *s = (const char *)name + 9;
+    long pid = 0;
+    size_t i = 9;
+    while (i < len && *s >= '0' && *s <= '9' && pid < 0x7fffffff) {
+        pid = pid * 10 + (*s - '0');
+        s++;
+        i++;
+    }
+    return (i < len && *s == ':') ? (pid_t)pid : 0;
+}
+
+/* Reject an endpoint name the provider would choke on before fi_av_insert sees it:
+ * libfabric 1.17's IP address vector fails an insert whose sockaddr family it does not
+ * know and then refuses every later insert (tcp: one bad address disabled connect() for
+ * good). Returns 0 or -FI_EINVAL. */
+int kx_addr_check(kx_rail *r, const void *addr, size_t len)
+{
+    uint32_t fmt = r->info->addr_format;
+    if (fmt == FI_ADDR_STR) {
+        const char *s = addr;
+        return (len > 0 && len <= 256 && s[len - 1] == '\0' && memchr(s, '\0', len) == s + len - 1) ? 0 : -FI_EINVAL;
+    }
+    if (fmt == FI_SOCKADDR_IN || fmt == FI_SOCKADDR_IN6 || fmt == FI_SOCKADDR) {
+        if (len < sizeof(sa_family_t))
+            return -FI_EINVAL;
+        sa_family_t fam;
+        memcpy(&fam, addr, sizeof(fam));
+        if (fam == AF_INET && len == sizeof(struct sockaddr_in) && fmt != FI_SOCKADDR_IN6) {
+            struct sockaddr_in sin;
+            memcpy(&sin, addr, sizeof(sin));
+            return (sin.sin_port && sin.sin_addr.s_addr != htonl(INADDR_ANY)) ? 0 : -FI_EINVAL;
+        }
+        if (fam == AF_INET6 && len == sizeof(struct sockaddr_in6) && fmt != FI_SOCKADDR_IN) {
+            struct sockaddr_in6 sin6;
+            memcpy(&sin6, addr, sizeof(sin6));
+            return sin6.sin6_port ? 0 : -FI_EINVAL;
+        }
+        return -FI_EINVAL;
+    }
+    return 0;      /* other formats: the caller already checked the length */
+}
+
+/* the entry of `fa`, NULL if untracked. Lock-free: chunks are published once and never move. */
+static kx_peer *kx_peer_get(kx_rail *r, fi_addr_t fa)
+{
+    if (!r->pdir || fa >= (fi_addr_t)KX_PEER_CHUNK * KX_PEER_CHUNKS)
+        return NULL;
+    kx_peer *c = __atomic_load_n(&r->pdir[fa / KX_PEER_CHUNK], __ATOMIC_ACQUIRE);
+    if (!c)
+        return NULL;
+    kx_peer *p = &c[fa % KX_PEER_CHUNK];
+    return __atomic_load_n(&p->used, __ATOMIC_ACQUIRE) ? p : NULL;
+}
+
+/* the table entry of a peer just inserted at `fa` (by the caller, nothing posts to it yet) */
+int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
+{
+    if (!r->pdir || fa >= (fi_addr_t)KX_PEER_CHUNK * KX_PEER_CHUNKS)
+        return 0;           /* not a small table index: untracked (never with FI_AV_TABLE) */
+    kx_local *local = kx_local_find(name, len);
+    pid_t pid = local ? 0 : kx_shm_pid(r->info->fabric_attr->prov_name, name, len);
+    int fd = -1, dead = 0;
+    if (pid > 0 && pid != getpid()) {
+        fd = (int)syscall(SYS_pidfd_open, pid, 0);
+        if (fd < 0 && errno == ESRCH)
+            dead = ECONNRESET;
+    }
+    pthread_mutex_lock(&r->hub->lock);
+    kx_peer **slot = &r->pdir[fa / KX_PEER_CHUNK];
+    if (!*slot) {
+        kx_peer *c = calloc(KX_PEER_CHUNK, sizeof(kx_peer));
+        if (!c) {
+            pthread_mutex_unlock(&r->hub->lock);
+            if (local)
+                kx_local_unref(local);
+            if (fd >= 0)
+                close(fd);
+            return -FI_ENOMEM;
+        }
+        __atomic_store_n(slot, c, __ATOMIC_RELEASE);
+    }
+    kx_peer *p = &(*slot)[fa % KX_PEER_CHUNK];
+    kx_local *old = p->used ? p->local : NULL;
+    int oldfd = p->used ? p->pidfd : -1;
+    p->dead = dead;
+    p->pidfd = fd;
+    p->local = local;
+    p->out = 0;
+    p->refused_ns = 0;
+    p->last_ns = kx_now_ns();
+    __atomic_store_n(&p->used, 1, __ATOMIC_RELEASE);
+    if ((size_t)fa + 1 > r->peer_hi)
+        r->peer_hi = (size_t)fa + 1;
+    pthread_mutex_unlock(&r->hub->lock);
+    if (old)
+        kx_local_unref(old);
+    if (oldfd >= 0)
+        close(oldfd);
+    return 0;
+}
+
+/* forget a removed peer (fi_av_remove): its slot will be reused */
+void kx_peer_forget(kx_rail *r, fi_addr_t fa)
+{
+    pthread_mutex_lock(&r->hub->lock);
+    kx_peer *p = kx_peer_get(r, fa);
+    kx_local *c = NULL;
+    int fd = -1;
+    if (p) {
+        c = p->local;
+        fd = p->pidfd;
+        __atomic_store_n(&p->used, 0, __ATOMIC_RELEASE);
+        p->local = NULL;
+        p->pidfd = -1;
+        p->dead = 0;
+    }
+    pthread_mutex_unlock(&r->hub->lock);
+    if (c)
+        kx_local_unref(c);
+    if (fd >= 0)
+        close(fd);
+}
+
+static int kx_pidfd_exited(int fd)
+{
+    struct pollfd pfd = {fd, POLLIN, 0};
+    return poll(&pfd, 1, 0) > 0;
+}
+
+
+/* Declare `fa` dead with `err`: later posts fail at once, unfinished transfers to it fail
+ * now (their waiters wake), queued ones are swept. Under the hub lock. */
+void kx_peer_kill_locked(kx_rail *r, fi_addr_t fa, int err)
+{
+    kx_peer *p = kx_peer_get(r, fa);
+    if (!p || p->dead)
+        return;
+    p->dead = err;
+    for (kx_transfer *x = r->inflight; x; x = x->next)
+        if (x->peer == fa)
+            kx_transfer_fail_locked(r, x, err);
+    __atomic_store_n(&r->cancel_pending, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&r->hub->cond);
+}
+
+/* 0 if `fa` may be posted to now, else the errno to fail with. Cheap for tcp (one load),
+ * one poll(2) for shm peers in other processes. Call without the hub lock. */
+int kx_peer_gone(kx_rail *r, fi_addr_t fa)
+{
+    kx_peer *p = kx_peer_get(r, fa);
+    if (!p)
+        return 0;
+    int d = __atomic_load_n(&p->dead, __ATOMIC_ACQUIRE);
+    if (d)
+        return d;
+    if (p->local && __atomic_load_n(&p->local->closed, __ATOMIC_SEQ_CST))
+        d = EPIPE;
+    else if (p->pidfd >= 0 && kx_pidfd_exited(p->pidfd))
+        d = ECONNRESET;
+    if (d) {
+        pthread_mutex_lock(&r->hub->lock);
+        kx_peer_kill_locked(r, fa, d);
+        pthread_mutex_unlock(&r->hub->lock);
+    }
+    return d;
+}
+
+/* Bracket one post to `fa`: 0 and entered (call kx_peer_leave after the post), or the errno
+ * the post must fail with (nothing entered). Keeps a local peer's endpoint open meanwhile. */
+int kx_peer_enter(kx_rail *r, fi_addr_t fa)
+{
+    int d = kx_peer_gone(r, fa);
+    if (d)
+        return d;
+    kx_peer *p = kx_peer_get(r, fa);
+    if (p && p->local) {
+        __atomic_add_fetch(&p->local->busy, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&p->local->closed, __ATOMIC_SEQ_CST)) {
+            __atomic_sub_fetch(&p->local->busy, 1, __ATOMIC_SEQ_CST);
+            return kx_peer_gone(r, fa);
+        }
+    }
+    return 0;
+}
+
+void kx_peer_leave(kx_rail *r, fi_addr_t fa)
+{
+    kx_peer *p = kx_peer_get(r, fa);
+    if (p && p->local)
+        __atomic_sub_fetch(&p->local->busy, 1, __ATOMIC_SEQ_CST);
+}
+
+/* an operation to `fa` was posted (1) or completed (-1); any thread */
+void kx_peer_count(kx_rail *r, fi_addr_t fa, int delta)
+{
+    kx_peer *p = kx_peer_get(r, fa);
+    if (!p)
+        return;
+    if (delta < 0 || __atomic_load_n(&p->out, __ATOMIC_ACQUIRE) == 0)
+        __atomic_store_n(&p->last_ns, kx_now_ns(), __ATOMIC_RELEASE);
+    if (__atomic_add_fetch(&p->out, delta, __ATOMIC_ACQ_REL) < 0)
+        __atomic_store_n(&p->out, 0, __ATOMIC_RELEASE);
+}
+
+/* undo the count of a post the provider refused (the stall clock keeps running); `again`:
+ * it was -FI_EAGAIN, which starts the refusal clock (rxm answers a peer it cannot connect
+ * to with -FI_EAGAIN for ever) */
+void kx_peer_uncount(kx_rail *r, fi_addr_t fa, int again)
+{
+    kx_peer *p = kx_peer_get(r, fa);
+    if (!p)
+        return;
+    if (__atomic_sub_fetch(&p->out, 1, __ATOMIC_ACQ_REL) < 0)
+        __atomic_store_n(&p->out, 0, __ATOMIC_RELEASE);
+    if (again && __atomic_load_n(&p->refused_ns, __ATOMIC_ACQUIRE) == 0)
+        __atomic_store_n(&p->refused_ns, kx_now_ns(), __ATOMIC_RELEASE);
+}
+
+/* a post to `fa` was accepted: the refusal clock stops */
+void kx_peer_accepted(kx_rail *r, fi_addr_t fa)
+{
+    kx_peer *p = kx_peer_get(r, fa);
+    if (p && __atomic_load_n(&p->refused_ns, __ATOMIC_RELAXED))
+        __atomic_store_n(&p->refused_ns, 0, __ATOMIC_RELEASE);
+}
+
+int kx_is_peer_errno(int err)
+{
+    switch (err) {
+    case ECONNREFUSED: case ECONNRESET: case ECONNABORTED: case EPIPE: case ENOTCONN:
+    case EHOSTUNREACH: case EHOSTDOWN: case ENETUNREACH: case ENETDOWN: case ETIMEDOUT:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* The progress thread's look at its peers (every KX_PEER_SCAN_NS): stalled or exited peers
+ * die. Returns how many it declared dead. */
+int kx_peers_scan(kx_rail *r)
+{
+    int64_t now = kx_now_ns();
+    if (now - r->last_scan_ns < KX_PEER_SCAN_NS)
+        return 0;
+    r->last_scan_ns = now;
+    int killed = 0;
+    pthread_mutex_lock(&r->hub->lock);
+    /* a transfer whose own operations stay outstanding with none completing (a write the
+     * target refused without answering: shm's CMA path) fails alone; its operations are
+     * written off the peer's count, so a peer that answers everything else lives on */
+    for (kx_transfer *x = r->inflight; r->peer_timeout_ns > 0 && x; x = x->next) {
+        int64_t open = __atomic_load_n(&x->posted, __ATOMIC_ACQUIRE) - x->completed - x->written_off;
+        if (!x->done && open > 0 && now - __atomic_load_n(&x->last_ns, __ATOMIC_ACQUIRE) > r->peer_timeout_ns) {
+            kx_transfer_fail_locked(r, x, ETIMEDOUT);
+            x->written_off += open;
+            for (int64_t k = 0; k < open; k++)
+                kx_peer_uncount(r, x->peer, 0);
+            killed++;
+        }
+    }
+    for (size_t i = 0; r->pdir && i < r->peer_hi; i++) {
+        kx_peer *c = r->pdir[i / KX_PEER_CHUNK];
+        if (!c) {
+            i += KX_PEER_CHUNK - 1 - i % KX_PEER_CHUNK;
+            continue;
+        }
+        kx_peer *p = &c[i % KX_PEER_CHUNK];
+        if (!p->used || p->dead)
+            continue;
+        int d = 0;
+        if (p->local && __atomic_load_n(&p->local->closed, __ATOMIC_SEQ_CST))
+            d = EPIPE;
+        else if (__atomic_load_n(&p->out, __ATOMIC_ACQUIRE) > 0 && p->pidfd >= 0 && kx_pidfd_exited(p->pidfd))
+            d = ECONNRESET;
+        else if (__atomic_load_n(&p->out, __ATOMIC_ACQUIRE) > 0 && r->peer_timeout_ns > 0 &&
+                 now - __atomic_load_n(&p->last_ns, __ATOMIC_ACQUIRE) > r->peer_timeout_ns)
+            d = ETIMEDOUT;
+        else if (r->peer_timeout_ns > 0 && __atomic_load_n(&p->refused_ns, __ATOMIC_ACQUIRE) &&
+                 now - __atomic_load_n(&p->refused_ns, __ATOMIC_ACQUIRE) > r->peer_timeout_ns)
+            d = ETIMEDOUT;
+        if (d) {
+            kx_peer_kill_locked(r, (fi_addr_t)i, d);
+            killed++;
+        }
+    }
+    pthread_mutex_unlock(&r->hub->lock);
+    return killed;
+}
+
+/* operations outstanding to peers not known dead (what a drain may still wait for) */
+int64_t kx_outstanding_live(kx_rail *r)
+{
+    int64_t n = __atomic_load_n(&r->outstanding, __ATOMIC_SEQ_CST);
+    if (n <= 0)
+        return 0;
+    pthread_mutex_lock(&r->hub->lock);
+    for (size_t i = 0; r->pdir && i < r->peer_hi; i++) {
+        kx_peer *c = r->pdir[i / KX_PEER_CHUNK];
+        if (!c) {
+            i += KX_PEER_CHUNK - 1 - i % KX_PEER_CHUNK;
+            continue;
+        }
+        kx_peer *p = &c[i % KX_PEER_CHUNK];
+        if (p->used && p->dead)
+            n -= __atomic_load_n(&p->out, __ATOMIC_ACQUIRE);
+    }
+    pthread_mutex_unlock(&r->hub->lock);
+    return n;
+}
+
+/* teardown: drop every peer entry (after the endpoint is closed) */
+void kx_peers_free(kx_rail *r)
+{
+    for (size_t k = 0; r->pdir && k < KX_PEER_CHUNKS; k++) {
+        kx_peer *c = r->pdir[k];
+        if (!c)
+            continue;
+        for (size_t i = 0; i < KX_PEER_CHUNK; i++) {
+            if (c[i].used && c[i].local)
+                kx_local_unref(c[i].local);
+            if (c[i].used && c[i].pidfd >= 0)
+                close(c[i].pidfd);
+        }
+        free(c);
+    }
+    free(r->pdir);
+    r->pdir = NULL;
+    if (r->self_local) {
+        kx_local_unref(r->self_local);
+        r->self_local = NULL;
+    }
+}
+
+

@@ -1,0 +1,92 @@
+"""Soak: N paged transfers (and optionally N connects) in one process; prints RSS, fds and
+threads over time as JSON, for the RSS slope (bytes per transfer after warm-up).
+
+    python tests/stress/_soak.py PROVIDER N [connects]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def soak(provider: str, n: int) -> dict:
+    import kvxfer
+
+    a, b = kvxfer.Engine(provider, "127.0.0.1"), kvxfer.Engine(provider, "127.0.0.1")
+    src = np.ones(64 * 4096, np.uint8)
+    dst = np.zeros(64 * 4096, np.uint8)
+    ms, md = a.register(src), b.register(dst)
+    peer, rr = a.connect(b.address), a.remote(md.descriptor())
+    pages = np.arange(64)
+    rev = pages[::-1].copy()
+    warm = max(1000, n // 10)
+    samples = []
+    t0 = time.monotonic()
+    for i in range(n + warm):
+        t = a.write_pages(ms, pages, peer, rr, rev, 4096, imm=7)
+        c = b.expect(7, t.num_writes)
+        t.wait(10)
+        c.wait(10)
+        if i >= warm and (i - warm) % max(1, n // 20) == 0:
+            samples.append((i - warm, rss(), fds(), threads()))
+    samples.append((n, rss(), fds(), threads()))
+    xs = np.array([s[0] for s in samples], float)
+    ys = np.array([s[1] for s in samples], float)
+    slope = float(np.polyfit(xs, ys, 1)[0]) if len(xs) > 1 else 0.0
+    a.close()
+    b.close()
+    return {
+        "provider": provider, "transfers": n, "seconds": round(time.monotonic() - t0, 1),
+        "rss_slope_bytes_per_transfer": round(slope, 2),
+        "rss_growth_bytes": int(ys[-1] - ys[0]),
+        "fds": [samples[0][2], samples[-1][2]], "threads": [samples[0][3], samples[-1][3]],
+    }
+
+
+def connects(provider: str, n: int) -> dict:
+    """n connects to one peer (deduplicated) and n/10 distinct peers, each disconnected."""
+    import kvxfer
+
+    a = kvxfer.Engine(provider, "127.0.0.1")
+    b = kvxfer.Engine(provider, "127.0.0.1")
+    r0, f0 = rss(), fds()
+    peers = {id(a.connect(b.address)) for _ in range(n)}
+    distinct = 0
+    for _ in range(max(1, n // 100)):
+        c = kvxfer.Engine(provider, "127.0.0.1")
+        for _ in range(10):
+            p = a.connect(c.address)
+            a.disconnect(p)
+            distinct += 1
+        c.close()
+    out = {"provider": provider, "same_peer_connects": n, "distinct_peers": len(peers),
+           "distinct_connects": distinct, "rss_growth_bytes": rss() - r0, "fd_growth": fds() - f0}
+    a.close()
+    b.close()
+    return out
+
+
+if __name__ == "__main__":
+    prov, n = sys.argv[1], int(sys.argv[2])
+    if len(sys.argv) > 3 and sys.argv[3] == "connects":
+        print(json.dumps(connects(prov, n)))
+    else:
+        print(json.dumps(soak(prov, n)))
