@@ -165,6 +165,10 @@ struct kx_rail {
     cpu_set_t cpus;
     int pin;
     int sleeping;          /* the progress thread is blocked; posts must wake it */
+    int poll_owner;        /* 1 while a thread reads the CQ (kx_poll + queue): one reader at a time */
+    int drivers;           /* waiting threads driving progress themselves: the progress thread parks */
+    int parked;            /* futex word: the progress thread is parked while drivers > 0 */
+    int64_t spin_ns;       /* how long a waiter drives before it blocks (0: never drives) */
     int endpoint_closed;
     int quiesced;
     pid_t tid;             /* the progress thread's kernel id, for tests of pinning */
@@ -218,6 +222,11 @@ void kx_hub_clear_queues_locked(kx_hub *h);
 int kx_enter(kx_rail *r);     /* 0: the rail is closing, do not touch the endpoint */
 void kx_leave(kx_rail *r);
 void kx_wake(kx_rail *r);
+/* kx_hub_wait_flag, but the waiter first drives progress on r for up to r->spin_ns */
+int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns);
+/* the waiter drives progress until *head is non-NULL or its window passes; returns the
+ * part of slice_ns left for a blocking wait */
+int64_t kx_drive_for_message(kx_rail *r, void *const *head, int64_t slice_ns);
 int kx_post_recv(kx_rail *r, kx_rxbuf *b);
 void *kx_progress_main(void *arg);
 

@@ -1,8 +1,18 @@
 /* progress.c: reading the CQ, and the progress thread that does it.
  *
  * Both providers kvxfer is tested on progress data manually: nothing lands at a target, and
- * no send finishes, unless someone reads the CQ. kx_poll() is that someone, and only the
- * progress thread calls it, so completions are handled in CQ order.
+ * no send finishes, unless someone reads the CQ. kx_poll() is that someone. One thread at a
+ * time reads (the poll_owner flag, taken with a try-lock), so completions are handled in CQ
+ * order and control messages stay in order.
+ *
+ * Who reads: the progress thread owns the CQ while nobody waits. A thread that waits for a
+ * transfer, a counter or a message drives progress itself for a short window (spin_ns,
+ * KVXFER_DRIVE_US, default 100 us): it reads the CQ in its own loop, so the completion it
+ * waits for costs no thread hand-off (poster -> progress thread -> condition variable ->
+ * waiter), which is most of a small write's latency on a 2-core machine. Meanwhile the
+ * progress thread parks (a futex; it is kicked out of fi_cq_sread first); the waiter wakes
+ * it when it stops driving, whether it got what it waited for or its window ran out and it
+ * now blocks on the condition variable as before.
  *
  * Blocking mode (the default, for 2-core machines): while tx operations are outstanding, or
  * for a short window after the last completion, the thread polls with sched_yield between
@@ -12,12 +22,43 @@
  * blocks. */
 #include "internal.h"
 
+#include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #define KX_SPIN_WINDOW_NS   200000LL     /* keep polling 200 us after activity */
 #define KX_STALL_NS         200000000LL  /* outstanding but silent this long: back off */
 #define KX_MAX_BACKOFF_NS   1000000LL
+#define KX_DRIVE_NS_DEFAULT 100000LL     /* a waiter drives progress this long, then blocks */
+#define KX_PARK_NS          1000000LL    /* a parked progress thread looks again after this */
+
+/* KVXFER_DRIVE_US: microseconds a waiter drives progress before it blocks; 0: never */
+static int64_t kx_drive_ns_from_env(void)
+{
+    const char *v = getenv("KVXFER_DRIVE_US");
+    if (!v || !*v)
+        return KX_DRIVE_NS_DEFAULT;
+    char *end;
+    long long us = strtoll(v, &end, 10);
+    if (*end || us < 0)
+        return KX_DRIVE_NS_DEFAULT;
+    return us > 1000000 ? 1000000000LL : us * 1000LL;
+}
+
+static int kx_poll_try(kx_rail *r)
+{
+    return __atomic_exchange_n(&r->poll_owner, 1, __ATOMIC_ACQUIRE) == 0;
+}
+
+static void kx_poll_done(kx_rail *r)
+{
+    __atomic_store_n(&r->poll_owner, 0, __ATOMIC_RELEASE);
+}
+
+static void kx_futex(int *word, int op, int val, const struct timespec *ts)
+{
+    syscall(SYS_futex, word, op, val, ts, NULL, 0);
+}
 
 /* Every native call that uses the endpoint or domain from a caller's thread is bracketed by
  * kx_enter/kx_leave; closing sets stop and then waits for busy == 0 before closing fids.
@@ -181,6 +222,95 @@ static int kx_poll(kx_rail *r)
     return (int)n;
 }
 
+static int kx_poll(kx_rail *r);
+
+/* one reader's turn: read a batch, post what is queued; the caller holds poll_owner */
+static int kx_progress_once(kx_rail *r)
+{
+    int n = kx_poll(r);
+    if (r->q_head || __atomic_load_n(&r->cancel_pending, __ATOMIC_ACQUIRE))
+        n += kx_pump_queue(r);
+    return n;
+}
+
+/* A waiter drives progress until *flag is set (or `ready` says so), its window passes or the
+ * rail stops; returns 1 when what it waited for happened. See the file comment. */
+static int kx_drive(kx_rail *r, const int *flag, void *const *ptr, int64_t window_ns)
+{
+    if (window_ns <= 0 || !kx_enter(r))
+        return 0;
+    __atomic_add_fetch(&r->drivers, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&r->sleeping, __ATOMIC_SEQ_CST) && r->has_wait)
+        fi_cq_signal(r->cq);      /* out of fi_cq_sread, which holds poll_owner */
+    int64_t end = kx_now_ns() + window_ns;
+    int got = 0;
+    for (;;) {
+        if (flag ? __atomic_load_n(flag, __ATOMIC_ACQUIRE) : __atomic_load_n(ptr, __ATOMIC_ACQUIRE) != NULL) {
+            got = 1;
+            break;
+        }
+        if (__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE))
+            break;
+        int n = 0;
+        if (kx_poll_try(r)) {
+            n = kx_progress_once(r);
+            kx_poll_done(r);
+        }
+        if (n > 0)
+            continue;
+        if (kx_now_ns() >= end)
+            break;
+        sched_yield();        /* 2 cores: let the peer (or our own progress thread) run */
+    }
+    __atomic_sub_fetch(&r->drivers, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&r->parked, __ATOMIC_SEQ_CST)) {
+        __atomic_store_n(&r->parked, 0, __ATOMIC_SEQ_CST);
+        kx_futex(&r->parked, FUTEX_WAKE_PRIVATE, 1, NULL);
+    }
+    kx_leave(r);
+    return got;
+}
+
+int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns)
+{
+    if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
+        return 1;
+    int64_t window = __atomic_load_n(&r->spin_ns, __ATOMIC_RELAXED);
+    if (window > slice_ns)
+        window = slice_ns;
+    int64_t t0 = window > 0 ? kx_now_ns() : 0;
+    if (kx_drive(r, flag, NULL, window))
+        return 1;
+    int64_t left = slice_ns - (window > 0 ? kx_now_ns() - t0 : 0);
+    if (left <= 0)
+        return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+    return kx_hub_wait_flag(r->hub, flag, left);
+}
+
+int64_t kx_drive_for_message(kx_rail *r, void *const *head, int64_t slice_ns)
+{
+    int64_t window = __atomic_load_n(&r->spin_ns, __ATOMIC_RELAXED);
+    if (window > slice_ns)
+        window = slice_ns;
+    if (window <= 0 || __atomic_load_n(head, __ATOMIC_ACQUIRE))
+        return slice_ns;
+    int64_t t0 = kx_now_ns();
+    kx_drive(r, NULL, head, window);
+    int64_t left = slice_ns - (kx_now_ns() - t0);
+    return left > 0 ? left : 0;
+}
+
+/* while waiters drive, stay off the CQ: park until the last one leaves (or a bound passes) */
+static void kx_park(kx_rail *r)
+{
+    __atomic_store_n(&r->parked, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&r->drivers, __ATOMIC_SEQ_CST) > 0 && !r->stop) {
+        struct timespec ts = {0, KX_PARK_NS};
+        kx_futex(&r->parked, FUTEX_WAIT_PRIVATE, 1, &ts);
+    }
+    __atomic_store_n(&r->parked, 0, __ATOMIC_SEQ_CST);
+}
+
 void *kx_progress_main(void *arg)
 {
     kx_rail *r = (kx_rail *)arg;
@@ -188,6 +318,7 @@ void *kx_progress_main(void *arg)
     r->tid = (pid_t)syscall(SYS_gettid);
     if (r->pin)
         pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &r->cpus);
+    __atomic_store_n(&r->spin_ns, kx_drive_ns_from_env(), __ATOMIC_RELAXED);
     while (!r->stop) {
         if (__atomic_load_n(&r->posting, __ATOMIC_ACQUIRE) > 0 && !r->spin) {
             /* the posting thread progresses for itself; stay out of its way */
@@ -195,9 +326,16 @@ void *kx_progress_main(void *arg)
             nanosleep(&ts, NULL);
             continue;
         }
-        int n = kx_poll(r);
-        if (r->q_head || __atomic_load_n(&r->cancel_pending, __ATOMIC_ACQUIRE))
-            n += kx_pump_queue(r);
+        if (__atomic_load_n(&r->drivers, __ATOMIC_SEQ_CST) > 0) {
+            kx_park(r);
+            backoff = 1000;
+            continue;
+        }
+        int n = 0;
+        if (kx_poll_try(r)) {
+            n = kx_progress_once(r);
+            kx_poll_done(r);
+        }
         if (n != 0 || r->spin) {
             backoff = 1000;
             continue;
@@ -209,16 +347,21 @@ void *kx_progress_main(void *arg)
             sched_yield();
             continue;
         }
-        /* idle: block. Announce it first, then look again, so a post that raced with us
-         * either sees `sleeping` (and signals) or is seen here (no lost wake-up). */
+        /* idle: block. Announce it first, then look again, so a post (or a driver) that
+         * raced with us either sees `sleeping` (and signals) or is seen here. */
         __atomic_store_n(&r->sleeping, 1, __ATOMIC_SEQ_CST);
         outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_SEQ_CST) + (r->q_head != NULL);
-        if (r->has_wait && outstanding == 0) {
+        if (__atomic_load_n(&r->drivers, __ATOMIC_SEQ_CST) > 0) {
+            __atomic_store_n(&r->sleeping, 0, __ATOMIC_SEQ_CST);
+            continue;
+        }
+        if (r->has_wait && outstanding == 0 && kx_poll_try(r)) {
             struct fi_cq_data_entry ent[KX_CQ_BATCH];
             ssize_t got = fi_cq_sread(r->cq, ent, KX_CQ_BATCH, NULL, 50);
             __atomic_store_n(&r->sleeping, 0, __ATOMIC_SEQ_CST);
             if (got > 0)
                 kx_handle_batch(r, ent, got);
+            kx_poll_done(r);
             continue;
         }
         if (outstanding > 0 && quiet < KX_STALL_NS) {

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--warmup", type=int, default=500, metavar="N", help="untimed round trips first (default: 500)")
     lat.add_argument("--gap", type=float, default=0.0, metavar="MS",
                      help="idle time before each round trip, so progress threads fall asleep (default: 0)")
+    lat.add_argument("--no-floor", action="store_true",
+                     help="skip the floor: bench/fi_pingpong.c, the same round trip in plain libfabric, "
+                          "run right after kvxfer's on each provider (local runs only)")
     _common(lat)
     lat.set_defaults(func=run_lat)
 
@@ -226,8 +229,9 @@ BW_COLUMNS = (("provider", "<"), ("case", "<"), ("bytes", ">"), ("writes", ">"),
               ("sender p50", ">"), ("post/page", ">"), ("iters", ">"), ("check", "<"))
 BW_WIDTHS = (11, 20, 5, 6, 6, 9, 8, 9, 9, 9, 10, 9, 5, 5)
 LAT_COLUMNS = (("provider", "<"), ("bytes", ">"), ("p50 rtt", ">"), ("p99 rtt", ">"), ("min", ">"),
-               ("mean", ">"), ("one-way p50", ">"), ("iters", ">"), ("check", "<"))
-LAT_WIDTHS = (12, 6, 9, 9, 9, 9, 11, 6, 5)
+               ("mean", ">"), ("one-way p50", ">"), ("floor p50", ">"), ("x floor", ">"), ("iters", ">"),
+               ("check", "<"))
+LAT_WIDTHS = (12, 6, 9, 9, 9, 9, 11, 9, 7, 6, 5)
 
 
 def _row(cells: Sequence[str], cols, widths) -> str:
@@ -252,10 +256,13 @@ def bw_row(provider: str, s: dict, memmove_gbps: Optional[float]) -> str:
     return _row(cells, BW_COLUMNS, BW_WIDTHS)
 
 
-def lat_row(provider: str, s: dict) -> str:
+def lat_row(provider: str, s: dict, floor: Optional[dict] = None) -> str:
+    """One provider's round trip; ``floor``: bench/fi_pingpong.c's result in the same run."""
     us = lambda v: "-" if v is None or not math.isfinite(v) else f"{v:.1f} us"  # noqa: E731
+    fp50 = floor.get("p50_us") if floor else None
+    ratio = f"{s['p50_us'] / fp50:.1f}" if fp50 else "-"
     cells = [provider, str(s["size"]), us(s["p50_us"]), us(s["p99_us"]), us(s["min_us"]), us(s["mean_us"]),
-             us(s["p50_us"] / 2), str(s["iterations"]), s["check"]]
+             us(s["p50_us"] / 2), us(fp50), ratio, str(s["iterations"]), s["check"]]
     return _row(cells, LAT_COLUMNS, LAT_WIDTHS)
 
 
@@ -453,16 +460,29 @@ def run_bw(args: argparse.Namespace) -> int:
 
 
 def run_lat(args: argparse.Namespace) -> int:
-    """``kvxfer-bench lat``."""
+    """``kvxfer-bench lat``: kvxfer's round trip, then the floor's in the same run."""
 
     def body(run: _Run, bar: Bar) -> None:
         label = f"{run.provider} lat {args.size} B"
         res = run.ini.lat(args.size, warmup=args.warmup, iters=args.iters, gap=args.gap / 1e3,
                           progress=lambda d, n: bar.update(label, d, n))
         s = res.summary()
+        floor = None
+        if not args.no_floor and not args.connect:
+            from kvxfer.cli._floor import FloorUnavailable, run_floor
+
+            bar.update(f"{run.provider} floor {args.size} B", 0, 1)
+            try:
+                floor = run_floor(run.provider, size=args.size, iters=args.iters, warmup=args.warmup,
+                                  timeout=max(60.0, args.timeout * 4))
+            except FloorUnavailable as exc:
+                floor = {"error": str(exc)}
+            s["floor"] = floor
         run.record["results"].append(s)
         bar.clear()
-        print(lat_row(run.provider, s), flush=True)
+        print(lat_row(run.provider, s, floor), flush=True)
+        if floor and floor.get("error"):
+            print(f"    floor: {floor['error']}", flush=True)
 
     return _session(args, body, _header(LAT_COLUMNS, LAT_WIDTHS))
 
