@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--max-iters", type=int, default=5000, metavar="N",
                     help="at most N timed iterations (default: 5000)")
     bw.add_argument("--seed", type=int, default=0, help="seed of the data and the page scatter (default: 0)")
+    bw.add_argument("--vs", action="append", choices=("nixl",), metavar="PEER",
+                    help="also run the cases through PEER (nixl: NIXL's UCX backend, `pip install nixl`) in the "
+                         "same run, same checks and timing, and print kvxfer/PEER ratios (local runs only)")
+    bw.add_argument("--chart", metavar="PNG",
+                    help="with --vs: a bar chart of GB/s per case (default: next to --json, else none)")
     _common(bw)
     bw.set_defaults(func=run_bw)
 
@@ -390,7 +395,7 @@ def _write_json(path: str, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def _session(args: argparse.Namespace, body, header: str) -> int:
+def _session(args: argparse.Namespace, body, header: str, extra=None) -> int:
     """Run ``body(run, bar)`` once per provider; print, collect, write JSON; exit status."""
     if args.listen:
         return _listen(args)
@@ -427,17 +432,24 @@ def _session(args: argparse.Namespace, body, header: str) -> int:
     if not any(r["results"] for r in runs):
         status = 1
     if args.json:
-        _write_json(args.json, _document(args, runs))
+        doc = _document(args, runs)
+        if extra is not None:
+            extra(doc)
+        _write_json(args.json, doc)
         print(f"results written to {args.json}", file=sys.stderr)
     return status
 
 
 def run_bw(args: argparse.Namespace) -> int:
-    """``kvxfer-bench bw``."""
+    """``kvxfer-bench bw`` (with ``--vs``: the same cases through the peer right after)."""
     cases: list[Case] = list(args.case) if args.case else [parse_case(c) for c in DEFAULT_CASES]
     # the baseline first, so every row can be held against it
     order = sorted(range(len(cases)), key=lambda i: cases[i].kind != "memmove")
     warmup = args.warmup if args.iters is not None else max(1, args.warmup)
+    peers = list(dict.fromkeys(args.vs or ()))
+    if peers and args.connect:
+        raise SystemExit("kvxfer-bench: --vs runs both libraries on this host; it does not combine with --connect")
+    comparison: list[dict] = []
 
     def body(run: _Run, bar: Bar) -> None:
         memmove = None
@@ -455,8 +467,67 @@ def run_bw(args: argparse.Namespace) -> int:
             print(bw_row(run.provider, s, memmove), flush=True)
             for p in s["problems"]:
                 print(f"    {p}", flush=True)
+        for peer in peers:
+            comparison.extend(_run_peer(peer, run, cases, order, warmup, memmove, bar))
 
-    return _session(args, body, _header(BW_COLUMNS, BW_WIDTHS))
+    status = _session(args, body, _header(BW_COLUMNS, BW_WIDTHS), extra=lambda doc: doc.update(comparison=comparison))
+    if peers:
+        from kvxfer.cli._compare import chart, table
+
+        if comparison:
+            print("\n" + table(comparison), flush=True)
+            png = args.chart or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+            if png:
+                why = chart(comparison, png)
+                print(f"chart: {why}" if why else f"chart written to {png}", file=sys.stderr)
+            if any(r["peer_check"] != "ok" for r in comparison):
+                status = 1
+        else:
+            print("no comparison: the peer ran no case (see above)", flush=True)
+    return status
+
+
+def _run_peer(peer: str, run: "_Run", cases: list, order: list, warmup: int, memmove, bar: "Bar") -> list[dict]:
+    """The same cases through `peer` for this provider; the rows of the comparison."""
+    from kvxfer.cli._compare import compare
+    from kvxfer.cli._nixl import NixlPeer, available
+
+    args = run.args
+    rec: dict[str, Any] = {"results": [], "error": None}
+    run.record.setdefault("vs", {})[peer] = rec
+    why = available()
+    if why:
+        rec["error"] = f"nixl is not importable: {why}"
+        print(f"{run.provider:<11}  {peer}: skipped ({rec['error']})", flush=True)
+        return []
+    try:
+        p = NixlPeer(run.provider, timeout=args.timeout)
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"{run.provider:<11}  {peer}: FAILED to start: {rec['error']}", flush=True)
+        return []
+    try:
+        for i in order:
+            case = cases[i]
+            if case.kind == "memmove":
+                continue
+            label = f"{peer} {run.provider} {case.label}"
+            try:
+                res = p.bw(case, args.seed + i, warmup=warmup, iters=args.iters, budget=args.seconds,
+                           min_iters=args.min_iters, max_iters=args.max_iters,
+                           progress=lambda d, n, label=label: bar.update(label, d, n))
+            except Exception as exc:
+                rec["error"] = f"{case.spec}: {type(exc).__name__}: {exc}"
+                bar.clear()
+                print(f"{peer + ' ' + run.provider:<11}  FAILED: {rec['error']}", flush=True)
+                break
+            s = res.summary()
+            rec["results"].append(s)
+            bar.clear()
+            print(bw_row(f"{peer}/{run.provider}"[:11], s, memmove), flush=True)
+    finally:
+        p.close()
+    return compare(run.provider, run.record["results"], rec["results"], peer)
 
 
 def run_lat(args: argparse.Namespace) -> int:
