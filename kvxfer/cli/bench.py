@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--vs", action="append", choices=("nixl",), metavar="PEER",
                     help="also run the cases through PEER (nixl: NIXL's UCX backend, `pip install nixl`) in the "
                          "same run, same checks and timing, and print kvxfer/PEER ratios (local runs only)")
+    bw.add_argument("--floor", action="store_true",
+                    help="after each provider's paged cases, the same pages through bench/fi_pingpong.c "
+                         "(plain libfabric, one thread, same iov): what the provider itself allows")
     bw.add_argument("--chart", metavar="PNG",
                     help="with --vs: a bar chart of GB/s per case (default: next to --json, else none)")
     _common(bw)
@@ -467,6 +470,8 @@ def run_bw(args: argparse.Namespace) -> int:
             print(bw_row(run.provider, s, memmove), flush=True)
             for p in s["problems"]:
                 print(f"    {p}", flush=True)
+        if args.floor and not args.connect:
+            _run_floor_pages(run, cases, order, memmove)
         for peer in peers:
             comparison.extend(_run_peer(peer, run, cases, order, warmup, memmove, bar))
 
@@ -485,6 +490,32 @@ def run_bw(args: argparse.Namespace) -> int:
         else:
             print("no comparison: the peer ran no case (see above)", flush=True)
     return status
+
+
+def _run_floor_pages(run: "_Run", cases: list, order: list, memmove) -> None:
+    """bench/fi_pingpong.c -m pages for each paged case: the better of its two polling modes."""
+    from kvxfer.cli._floor import FloorUnavailable, run_floor
+
+    rec = run.record.setdefault("floor", [])
+    for i in order:
+        case = cases[i]
+        if case.kind != "pages":
+            continue
+        try:
+            runs = [run_floor(run.provider, mode="pages", page_bytes=case.page_bytes, pages=case.pages,
+                              iov=run.eng.iov, iters=max(5, run.args.min_iters), warmup=1,
+                              timeout=max(120.0, run.args.timeout * 4), extra=x) for x in ([], ["-y"])]
+        except FloorUnavailable as exc:
+            print(f"{run.provider:<11}  floor {case.label}: {exc}", flush=True)
+            rec.append({"case": case.spec, "error": str(exc)})
+            continue
+        best = max(runs, key=lambda f: f["gbps"])
+        best.update(case=case.spec, variants=runs)
+        rec.append(best)
+        s = {"label": case.label, "bytes": case.nbytes, "writes": best["messages"], "kind": "pages",
+             "gbps": best["gbps"], "p50_s": best["p50_s"], "p99_s": None, "iterations": best["iterations"],
+             "check": "-", "pages": case.pages}
+        print(bw_row("floor (C)", s, memmove), flush=True)
 
 
 def _run_peer(peer: str, run: "_Run", cases: list, order: list, warmup: int, memmove, bar: "Bar") -> list[dict]:
@@ -543,9 +574,13 @@ def run_lat(args: argparse.Namespace) -> int:
             from kvxfer.cli._floor import FloorUnavailable, run_floor
 
             bar.update(f"{run.provider} floor {args.size} B", 0, 1)
+            # the better of pure polling and polling that yields between empty reads: on a
+            # loaded 2-core machine two pure spinners can starve each other's peer
             try:
-                floor = run_floor(run.provider, size=args.size, iters=args.iters, warmup=args.warmup,
-                                  timeout=max(60.0, args.timeout * 4))
+                runs = [run_floor(run.provider, size=args.size, iters=args.iters, warmup=args.warmup,
+                                  timeout=max(60.0, args.timeout * 4), extra=x) for x in ([], ["-y"])]
+                floor = min(runs, key=lambda f: f["p50_us"])
+                floor["variants"] = runs
             except FloorUnavailable as exc:
                 floor = {"error": str(exc)}
             s["floor"] = floor
