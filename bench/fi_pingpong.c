@@ -3,6 +3,7 @@
  *
  *   fi_pingpong [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] [-y]           round trips
  *   fi_pingpong -m pages [-p PROV] [-P PAGE] [-N PAGES] [-I IOV] [-n ITERS] [-y] paged writes
+ *   fi_pingpong -m cma [-P PAGE] [-N PAGES] [-I IOV] [-n ITERS]                  paged CMA copies
  *
  * The process forks; parent (initiator) and child (target) each open fabric, domain, CQ,
  * AV and an RDM endpoint on PROV (tcp: bound to 127.0.0.1; shm: its own name), register one
@@ -20,6 +21,12 @@
  * 8-byte write; that answer ends the iteration. Same timing definition as kvxfer-bench bw's
  * "acked" column. The target checks nothing (this is a probe of the provider, not of data).
  *
+ * CMA (-m cma, no libfabric at all): the same scattered pages copied by the initiator with
+ * process_vm_writev() straight into the target's buffer, IOV destination pages per call (up
+ * to IOV_MAX = 1024; the source pages are one contiguous local iovec). What a shm path
+ * without libfabric's per-message command round trip and 4-iovec cap could reach: the
+ * target spends no CPU. Time = the copies (a notification would add one small message).
+ *
  * Output: one JSON object on stdout (microseconds for round trips, GB/s for pages). */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -29,6 +36,7 @@
 #include <string.h>
 #include <sched.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -354,6 +362,66 @@ static int run_pages(const char *prov, int sock, int initiator, long iters, long
     return 0;
 }
 
+static int run_cma(int sock, int initiator, long iters, long warmup, size_t page, size_t pages, size_t iov)
+{
+    struct { pid_t pid; uint64_t addr; } card;
+    size_t len = page * pages;
+    char *buf = aligned_alloc(4096, (len + 4095) / 4096 * 4096);
+    memset(buf, initiator ? 0x5a : 0, len);
+    if (!initiator) {
+        card.pid = getpid();
+        card.addr = (uint64_t)(uintptr_t)buf;
+        char c;
+        if (write(sock, &card, sizeof(card)) != sizeof(card) || read(sock, &c, 1) != 1) { /* gone */ }
+        return 0;
+    }
+    if (read(sock, &card, sizeof(card)) != sizeof(card)) {
+        perror("fi_pingpong: socketpair");
+        return 2;
+    }
+    if (iov > 1024)
+        iov = 1024;
+    if (iov < 1)
+        iov = 1;
+    size_t *perm = malloc(sizeof(size_t) * pages);
+    struct iovec *remote = malloc(sizeof(struct iovec) * iov);
+    double *t = malloc(sizeof(double) * (size_t)iters);
+    for (long it = 0; it < iters + warmup; it++) {
+        for (size_t i = 0; i < pages; i++)
+            perm[i] = i;
+        for (size_t i = pages - 1; i > 0; i--) {
+            size_t j = xs() % (i + 1), x = perm[i];
+            perm[i] = perm[j];
+            perm[j] = x;
+        }
+        double t0 = now_s();
+        for (size_t k = 0; k < pages; k += iov) {
+            size_t np = pages - k < iov ? pages - k : iov;
+            struct iovec local = {buf + k * page, np * page};
+            for (size_t m = 0; m < np; m++) {
+                remote[m].iov_base = (void *)(uintptr_t)(card.addr + perm[k + m] * page);
+                remote[m].iov_len = page;
+            }
+            ssize_t got = process_vm_writev(card.pid, &local, 1, remote, np, 0);
+            if (got != (ssize_t)(np * page)) {
+                perror("fi_pingpong: process_vm_writev");
+                return 2;
+            }
+        }
+        double t1 = now_s();
+        if (it >= warmup)
+            t[it - warmup] = t1 - t0;
+    }
+    qsort(t, (size_t)iters, sizeof(double), cmp_d);
+    double p50 = t[iters / 2];
+    printf("{\"mode\": \"cma\", \"page_bytes\": %zu, \"pages\": %zu, \"iov\": %zu, \"calls\": %zu, "
+           "\"iterations\": %ld, \"p50_s\": %.6f, \"gbps\": %.3f}\n",
+           page, pages, iov, (pages + iov - 1) / iov, iters, p50, (double)len / p50 / 1e9);
+    char c = 0;
+    if (write(sock, &c, 1) != 1) { /* fine */ }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *prov = "tcp;ofi_rxm", *mode = "lat";
@@ -373,12 +441,13 @@ int main(int argc, char **argv)
         case 'N': pages = strtoull(optarg, NULL, 0); break;
         case 'I': iov = strtoull(optarg, NULL, 0); break;
         default:
-            fprintf(stderr, "usage: %s [-m lat|pages] [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] "
+            fprintf(stderr, "usage: %s [-m lat|pages|cma] [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] "
                             "[-y] [-P PAGE] [-N PAGES] [-I IOV]\n", argv[0]);
             return 2;
         }
     }
-    int pages_mode = strcmp(mode, "pages") == 0;
+    int cma_mode = strcmp(mode, "cma") == 0;
+    int pages_mode = strcmp(mode, "pages") == 0 || cma_mode;
     if (pages_mode && !iters_set)
         iters = 20;
     if (pages_mode && !warmup_set)
@@ -401,8 +470,9 @@ int main(int argc, char **argv)
     int initiator = pid > 0;
     close(sv[initiator ? 1 : 0]);
     int sock = sv[initiator ? 0 : 1];
-    int rc = pages_mode ? run_pages(prov, sock, initiator, iters, warmup, page, pages, iov)
-                        : run_lat(prov, sock, initiator, iters, warmup, size, inject);
+    int rc = cma_mode     ? run_cma(sock, initiator, iters, warmup, page, pages, iov)
+             : pages_mode ? run_pages(prov, sock, initiator, iters, warmup, page, pages, iov)
+                          : run_lat(prov, sock, initiator, iters, warmup, size, inject);
     if (!initiator)
         _exit(rc);
     int st = 0;

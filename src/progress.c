@@ -7,7 +7,9 @@
  *
  * Who reads: the progress thread owns the CQ while nobody waits. A thread that waits for a
  * transfer, a counter or a message drives progress itself for a short window (spin_ns,
- * KVXFER_DRIVE_US, default 100 us): it reads the CQ in its own loop, so the completion it
+ * KVXFER_DRIVE_US, default 200 us on CQs without a wait object (shm), off on CQs with one
+ * (tcp; see kx_drive_ns_from_env); only while the rail has operations out or was busy in the
+ * last 10 ms, so a thread idling in recv() does not spin): it reads the CQ in its own loop, so the completion it
  * waits for costs no thread hand-off (poster -> progress thread -> condition variable ->
  * waiter), which is most of a small write's latency on a 2-core machine. Meanwhile the
  * progress thread parks (a futex; it is kicked out of fi_cq_sread first); the waiter wakes
@@ -23,21 +25,26 @@
 #include "internal.h"
 
 #include <linux/futex.h>
+#include <poll.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #define KX_SPIN_WINDOW_NS   200000LL     /* keep polling 200 us after activity */
 #define KX_STALL_NS         200000000LL  /* outstanding but silent this long: back off */
 #define KX_MAX_BACKOFF_NS   1000000LL
-#define KX_DRIVE_NS_DEFAULT 100000LL     /* a waiter drives progress this long, then blocks */
+#define KX_DRIVE_NS_DEFAULT 200000LL     /* a waiter drives progress this long, then blocks */
+#define KX_RECENT_NS        10000000LL   /* ... if the rail was busy this recently (or has ops out) */
 #define KX_PARK_NS          1000000LL    /* a parked progress thread looks again after this */
 
-/* KVXFER_DRIVE_US: microseconds a waiter drives progress before it blocks; 0: never */
-static int64_t kx_drive_ns_from_env(void)
+/* KVXFER_DRIVE_US: microseconds a waiter drives progress before it blocks; 0: never.
+ * Default: drive where the CQ has no wait object (shm: there the progress thread cannot
+ * sleep on an fd, and a hand-off costs a condition-variable round trip), not where it has
+ * one (tcp: measured slower with driving on a loaded 2-core machine, docs/benchmarks.md). */
+static int64_t kx_drive_ns_from_env(const kx_rail *r)
 {
     const char *v = getenv("KVXFER_DRIVE_US");
     if (!v || !*v)
-        return KX_DRIVE_NS_DEFAULT;
+        return r->has_wait ? 0 : KX_DRIVE_NS_DEFAULT;
     char *end;
     long long us = strtoll(v, &end, 10);
     if (*end || us < 0)
@@ -262,6 +269,7 @@ static int kx_drive(kx_rail *r, const int *flag, void *const *ptr, int64_t windo
             break;
         sched_yield();        /* 2 cores: let the peer (or our own progress thread) run */
     }
+    __atomic_store_n(&r->drive_got, got, __ATOMIC_RELAXED);
     __atomic_sub_fetch(&r->drivers, 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&r->parked, __ATOMIC_SEQ_CST)) {
         __atomic_store_n(&r->parked, 0, __ATOMIC_SEQ_CST);
@@ -271,13 +279,25 @@ static int kx_drive(kx_rail *r, const int *flag, void *const *ptr, int64_t windo
     return got;
 }
 
+/* How long a waiter drives: spin_ns while the rail has operations out or saw traffic in the
+ * last KX_RECENT_NS; 0 on an idle rail (a thread parked in recv() for minutes must not spin
+ * at the start of every 50 ms slice), where the progress thread handles the next arrival. */
+static int64_t kx_drive_window(kx_rail *r, int64_t slice_ns)
+{
+    int64_t window = __atomic_load_n(&r->spin_ns, __ATOMIC_RELAXED);
+    if (window <= 0)
+        return 0;
+    if (__atomic_load_n(&r->outstanding, __ATOMIC_RELAXED) == 0 &&
+        kx_now_ns() - __atomic_load_n(&r->last_activity_ns, __ATOMIC_RELAXED) > KX_RECENT_NS)
+        return 0;
+    return window < slice_ns ? window : slice_ns;
+}
+
 int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns)
 {
     if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
         return 1;
-    int64_t window = __atomic_load_n(&r->spin_ns, __ATOMIC_RELAXED);
-    if (window > slice_ns)
-        window = slice_ns;
+    int64_t window = kx_drive_window(r, slice_ns);
     int64_t t0 = window > 0 ? kx_now_ns() : 0;
     if (kx_drive(r, flag, NULL, window))
         return 1;
@@ -289,9 +309,7 @@ int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns)
 
 int64_t kx_drive_for_message(kx_rail *r, void *const *head, int64_t slice_ns)
 {
-    int64_t window = __atomic_load_n(&r->spin_ns, __ATOMIC_RELAXED);
-    if (window > slice_ns)
-        window = slice_ns;
+    int64_t window = kx_drive_window(r, slice_ns);
     if (window <= 0 || __atomic_load_n(head, __ATOMIC_ACQUIRE))
         return slice_ns;
     int64_t t0 = kx_now_ns();
@@ -318,7 +336,10 @@ void *kx_progress_main(void *arg)
     r->tid = (pid_t)syscall(SYS_gettid);
     if (r->pin)
         pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &r->cpus);
-    __atomic_store_n(&r->spin_ns, kx_drive_ns_from_env(), __ATOMIC_RELAXED);
+    __atomic_store_n(&r->spin_ns, kx_drive_ns_from_env(r), __ATOMIC_RELAXED);
+    int wait_fd = -1;      /* the CQ's wait fd, where the provider exposes it (tcp) */
+    if (r->has_wait && fi_control(&r->cq->fid, FI_GETWAIT, &wait_fd) != 0)
+        wait_fd = -1;
     while (!r->stop) {
         if (__atomic_load_n(&r->posting, __ATOMIC_ACQUIRE) > 0 && !r->spin) {
             /* the posting thread progresses for itself; stay out of its way */
@@ -328,6 +349,11 @@ void *kx_progress_main(void *arg)
         }
         if (__atomic_load_n(&r->drivers, __ATOMIC_SEQ_CST) > 0) {
             kx_park(r);
+            /* the waiter got what it waited for and read what there was; the next waiter
+             * drives again. No spin window then: spinning here only takes the CPU from the
+             * peer on 2 cores. (A waiter whose window ran out is blocking now: spin for it.) */
+            if (__atomic_load_n(&r->drive_got, __ATOMIC_RELAXED))
+                r->last_activity_ns = kx_now_ns() - KX_SPIN_WINDOW_NS;
             backoff = 1000;
             continue;
         }
@@ -352,6 +378,18 @@ void *kx_progress_main(void *arg)
         __atomic_store_n(&r->sleeping, 1, __ATOMIC_SEQ_CST);
         outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_SEQ_CST) + (r->q_head != NULL);
         if (__atomic_load_n(&r->drivers, __ATOMIC_SEQ_CST) > 0) {
+            __atomic_store_n(&r->sleeping, 0, __ATOMIC_SEQ_CST);
+            continue;
+        }
+        if (r->has_wait && outstanding == 0 && wait_fd >= 0) {
+            /* sleep on the CQ's fd without holding poll_owner, so a waiter that starts to
+             * drive never waits for this thread to be scheduled again; fi_trywait says
+             * whether sleeping is safe (nothing is left to read) */
+            struct fid *cqfid = &r->cq->fid;
+            if (fi_trywait(r->fabric, &cqfid, 1) == FI_SUCCESS) {
+                struct pollfd pfd = {.fd = wait_fd, .events = POLLIN};
+                poll(&pfd, 1, 50);
+            }
             __atomic_store_n(&r->sleeping, 0, __ATOMIC_SEQ_CST);
             continue;
         }

@@ -509,8 +509,7 @@ def _run_floor_pages(run: "_Run", cases: list, order: list, memmove) -> None:
             print(f"{run.provider:<11}  floor {case.label}: {exc}", flush=True)
             rec.append({"case": case.spec, "error": str(exc)})
             continue
-        best = max(runs, key=lambda f: f["gbps"])
-        best.update(case=case.spec, variants=runs)
+        best = dict(max(runs, key=lambda f: f["gbps"]), case=case.spec, variants=runs)
         rec.append(best)
         s = {"label": case.label, "bytes": case.nbytes, "writes": best["messages"], "kind": "pages",
              "gbps": best["gbps"], "p50_s": best["p50_s"], "p99_s": None, "iterations": best["iterations"],
@@ -579,8 +578,7 @@ def run_lat(args: argparse.Namespace) -> int:
             try:
                 runs = [run_floor(run.provider, size=args.size, iters=args.iters, warmup=args.warmup,
                                   timeout=max(60.0, args.timeout * 4), extra=x) for x in ([], ["-y"])]
-                floor = min(runs, key=lambda f: f["p50_us"])
-                floor["variants"] = runs
+                floor = dict(min(runs, key=lambda f: f["p50_us"]), variants=runs)
             except FloorUnavailable as exc:
                 floor = {"error": str(exc)}
             s["floor"] = floor
