@@ -9,8 +9,9 @@
  * (refcount); a kx_counter likewise by its owner and the table entry that will complete it.
  *
  * Threads: posting threads (Python callers, GIL released) post until the provider says
- * -FI_EAGAIN and queue the rest; the progress thread alone reads the CQ and posts what is
- * queued. Neither ever touches a Python object. Shared bookkeeping is under the hub's lock;
+ * -FI_EAGAIN and queue the rest; the progress thread reads the CQ and posts what is queued
+ * (or, with KVXFER_DRIVE_US, a waiting thread does while it drives: one reader at a time,
+ * under poll_owner; see progress.c). Neither ever touches a Python object. Shared bookkeeping is under the hub's lock;
  * state changes that a waiter cares about broadcast the hub's condition variable. */
 #ifndef KVXFER_INTERNAL_H
 #define KVXFER_INTERNAL_H

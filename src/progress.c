@@ -6,21 +6,21 @@
  * order and control messages stay in order.
  *
  * Who reads: the progress thread owns the CQ while nobody waits. A thread that waits for a
- * transfer, a counter or a message drives progress itself for a short window (spin_ns,
- * KVXFER_DRIVE_US, default 200 us on CQs without a wait object (shm), off on CQs with one
- * (tcp; see kx_drive_ns_from_env); only while the rail has operations out or was busy in the
- * last 10 ms, so a thread idling in recv() does not spin): it reads the CQ in its own loop, so the completion it
- * waits for costs no thread hand-off (poster -> progress thread -> condition variable ->
- * waiter), which is most of a small write's latency on a 2-core machine. Meanwhile the
- * progress thread parks (a futex; it is kicked out of fi_cq_sread first); the waiter wakes
- * it when it stops driving, whether it got what it waited for or its window ran out and it
- * now blocks on the condition variable as before.
+ * transfer, a counter or a message can drive progress itself for a short window (spin_ns:
+ * KVXFER_DRIVE_US microseconds, off by default, see kx_drive_ns_from_env; only while the rail
+ * has operations out or had traffic in the last 10 ms, so a thread idling in recv() never
+ * spins): it reads the CQ in its own loop, so the completion it waits for costs no thread
+ * hand-off (poster -> progress thread -> condition variable -> waiter). Meanwhile the
+ * progress thread parks on a futex; the waiter wakes it when it stops driving, whether it
+ * got what it waited for or its window ran out and it now blocks on the condition variable
+ * as before. The progress thread sleeps on the CQ's fd without holding poll_owner (tcp),
+ * so a driver never waits for it to be scheduled.
  *
  * Blocking mode (the default, for 2-core machines): while tx operations are outstanding, or
  * for a short window after the last completion, the thread polls with sched_yield between
- * empty reads; otherwise it blocks (fi_cq_sread on the CQ's wait object where the provider
- * has one, else a condition-variable wait with an exponential back-off capped at 1 ms).
- * Posting threads signal it so a new transfer never waits out a back-off. Spin mode never
+ * empty reads; otherwise it blocks: poll() on the CQ's wait fd after fi_trywait where the
+ * provider has one (tcp), fi_cq_sread where it has a wait object but no fd, else a
+ * condition-variable wait with an exponential back-off capped at 1 ms (shm). Posting threads signal it so a new transfer never waits out a back-off. Spin mode never
  * blocks. */
 #include "internal.h"
 
@@ -32,23 +32,24 @@
 #define KX_SPIN_WINDOW_NS   200000LL     /* keep polling 200 us after activity */
 #define KX_STALL_NS         200000000LL  /* outstanding but silent this long: back off */
 #define KX_MAX_BACKOFF_NS   1000000LL
-#define KX_DRIVE_NS_DEFAULT 200000LL     /* a waiter drives progress this long, then blocks */
 #define KX_RECENT_NS        10000000LL   /* ... if the rail was busy this recently (or has ops out) */
 #define KX_PARK_NS          1000000LL    /* a parked progress thread looks again after this */
 
-/* KVXFER_DRIVE_US: microseconds a waiter drives progress before it blocks; 0: never.
- * Default: drive where the CQ has no wait object (shm: there the progress thread cannot
- * sleep on an fd, and a hand-off costs a condition-variable round trip), not where it has
- * one (tcp: measured slower with driving on a loaded 2-core machine, docs/benchmarks.md). */
+/* KVXFER_DRIVE_US: microseconds a waiter drives progress before it blocks; unset or 0:
+ * never (the default). On the 2-core machine it was measured on (docs/benchmarks.md, issue
+ * 13) driving lowered the best round trips but not the median, on tcp it raised the median:
+ * two processes whose waiters spin take the CPU from each other. Opt in where cores are
+ * free, e.g. KVXFER_DRIVE_US=200. */
 static int64_t kx_drive_ns_from_env(const kx_rail *r)
 {
+    (void)r;
     const char *v = getenv("KVXFER_DRIVE_US");
     if (!v || !*v)
-        return r->has_wait ? 0 : KX_DRIVE_NS_DEFAULT;
+        return 0;
     char *end;
     long long us = strtoll(v, &end, 10);
     if (*end || us < 0)
-        return KX_DRIVE_NS_DEFAULT;
+        return 0;
     return us > 1000000 ? 1000000000LL : us * 1000LL;
 }
 
