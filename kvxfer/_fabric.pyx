@@ -358,19 +358,29 @@ cdef class Rail:
               const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
               imm, size_t iov, uint64_t max_write, uint64_t pack_min):
         """Post every message of the triples (the message rule: src/post.c) without the GIL."""
-        cdef kx_rail *r = self._rail()
         cdef size_t n = length.shape[0]
+        if n == 0:
+            return self._post(peer, src_base, region, dst_base, key, NULL, NULL, NULL, 0,
+                              imm, iov, max_write, pack_min)
+        return self._post(peer, src_base, region, dst_base, key, &src_off[0], &dst_off[0], &length[0], n,
+                          imm, iov, max_write, pack_min)
+
+    def write_one(self, fi_addr_t peer, uintptr_t src_base, RegionHandle region, uint64_t dst_base, uint64_t key,
+                  uint64_t src_off, uint64_t dst_off, uint64_t length, imm, size_t iov, uint64_t max_write,
+                  uint64_t pack_min):
+        """`write` of one triple, without arrays: the small-write path (a control write, a
+        layer's last write) pays no numpy."""
+        return self._post(peer, src_base, region, dst_base, key, &src_off, &dst_off, &length, 1,
+                          imm, iov, max_write, pack_min)
+
+    cdef object _post(self, fi_addr_t peer, uintptr_t src_base, RegionHandle region, uint64_t dst_base,
+                              uint64_t key, const uint64_t *so, const uint64_t *do_, const uint64_t *ln, size_t n,
+                              imm, size_t iov, uint64_t max_write, uint64_t pack_min):
+        cdef kx_rail *r = self._rail()
         cdef int has_imm = imm is not None
         cdef uint32_t imm_value = imm if has_imm else 0
         cdef kx_transfer *x = NULL
-        cdef const uint64_t *so = NULL
-        cdef const uint64_t *do_ = NULL
-        cdef const uint64_t *ln = NULL
         cdef int ret
-        if n:
-            so = &src_off[0]
-            do_ = &dst_off[0]
-            ln = &length[0]
         if region.rail is not self or region.mr == NULL:
             raise ClosedError("source registration is closed or belongs to another rail")
         region.busy += 1          # RegionHandle.close refuses while a post is under way

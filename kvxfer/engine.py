@@ -385,7 +385,7 @@ class Transfer:
 
     def __init__(self, handles: list, nbytes: int, imm: Optional[int]) -> None:
         self._handles = handles        # one TransferHandle per rail used; they keep what they read
-        self.num_writes: int = sum(h.planned for h in handles)
+        self.num_writes: int = handles[0].planned if len(handles) == 1 else sum(h.planned for h in handles)
         self.nbytes = nbytes
         self.imm = imm
 
@@ -1021,6 +1021,16 @@ class Engine:
             raise OutOfBoundsError(f"source range [{src_offset}, {src_offset + nbytes}) is outside the {src.nbytes}-byte region")
         if dst_offset + nbytes > dst.nbytes:
             raise OutOfBoundsError(f"destination range [{dst_offset}, {dst_offset + nbytes}) is outside the {dst.nbytes}-byte remote region")
+        if len(self._rails) == 1 or nbytes < len(self._rails):
+            # one triple on the first rail (what split_write gives here), without numpy: a
+            # small write's Python cost is most of its latency
+            imm = _check_imm(imm)
+            if imm is not None and self._rails[0].cq_data_size < 4:
+                raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")
+            h = self._rails[0].write_one(peer.fi_addrs[0], src.ptr, src._handles[0], dst.base, dst.keys[0],
+                                         src_offset, dst_offset, nbytes, imm, self.iov, self.max_write,
+                                         self.pack_min)
+            return Transfer([h], nbytes, imm)
         # with several rails the range is cut into one equal part per rail (wire.split_write)
         so, do, ln = wire.split_write(src_offset, dst_offset, nbytes, len(self._rails))
         return self._post(src, peer, dst, so, do, ln, imm)

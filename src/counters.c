@@ -336,7 +336,7 @@ void kx_counter_get_state(const kx_counter *c, kx_counter_state *out)
 
 int kx_counter_wait(kx_rail *r, kx_counter *c, int64_t slice_ns)
 {
-    return kx_hub_wait_flag(r->hub, &c->done, slice_ns);
+    return kx_wait_flag(r, &c->done, slice_ns);
 }
 
 void kx_counter_drop(kx_rail *r, kx_counter *c)

@@ -9,8 +9,9 @@
  * (refcount); a kx_counter likewise by its owner and the table entry that will complete it.
  *
  * Threads: posting threads (Python callers, GIL released) post until the provider says
- * -FI_EAGAIN and queue the rest; the progress thread alone reads the CQ and posts what is
- * queued. Neither ever touches a Python object. Shared bookkeeping is under the hub's lock;
+ * -FI_EAGAIN and queue the rest; the progress thread reads the CQ and posts what is queued
+ * (or, with KVXFER_DRIVE_US, a waiting thread does while it drives: one reader at a time,
+ * under poll_owner; see progress.c). Neither ever touches a Python object. Shared bookkeeping is under the hub's lock;
  * state changes that a waiter cares about broadcast the hub's condition variable. */
 #ifndef KVXFER_INTERNAL_H
 #define KVXFER_INTERNAL_H
@@ -170,6 +171,11 @@ struct kx_rail {
     int pin;
     int sleeping;          /* the progress thread is blocked; posts must wake it */
     int awake;             /* holds (kx_rail_hold_awake): poll as if operations were outstanding */
+    int poll_owner;        /* 1 while a thread reads the CQ (kx_poll + queue): one reader at a time */
+    int drivers;           /* waiting threads driving progress themselves: the progress thread parks */
+    int parked;            /* futex word: the progress thread is parked while drivers > 0 */
+    int drive_got;         /* the last driver got what it waited for (else it now blocks) */
+    int64_t spin_ns;       /* how long a waiter drives before it blocks (0: never drives) */
     int endpoint_closed;
     int quiesced;
     pid_t tid;             /* the progress thread's kernel id, for tests of pinning */
@@ -234,6 +240,11 @@ void kx_hub_clear_queues_locked(kx_hub *h);
 int kx_enter(kx_rail *r);     /* 0: the rail is closing, do not touch the endpoint */
 void kx_leave(kx_rail *r);
 void kx_wake(kx_rail *r);
+/* kx_hub_wait_flag, but the waiter first drives progress on r for up to r->spin_ns */
+int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns);
+/* the waiter drives progress until *head is non-NULL or its window passes; returns the
+ * part of slice_ns left for a blocking wait */
+int64_t kx_drive_for_message(kx_rail *r, void *const *head, int64_t slice_ns);
 int kx_post_recv(kx_rail *r, kx_rxbuf *b);
 void *kx_progress_main(void *arg);
 

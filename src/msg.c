@@ -71,6 +71,7 @@ int kx_recv_wait(kx_rail *r, int64_t slice_ns, kx_msg **out)
 {
     kx_hub *h = r->hub;
     struct timespec ts;
+    slice_ns = kx_drive_for_message(r, (void *const *)&h->msg_head, slice_ns);
     kx_deadline(&ts, slice_ns);
     pthread_mutex_lock(&h->lock);
     while (!h->msg_head && !r->stop) {

@@ -1,23 +1,72 @@
 /* progress.c: reading the CQ, and the progress thread that does it.
  *
  * Both providers kvxfer is tested on progress data manually: nothing lands at a target, and
- * no send finishes, unless someone reads the CQ. kx_poll() is that someone, and only the
- * progress thread calls it, so completions are handled in CQ order.
+ * no send finishes, unless someone reads the CQ. kx_poll() is that someone. One thread at a
+ * time reads (the poll_owner flag, taken with a try-lock), so completions are handled in CQ
+ * order and control messages stay in order.
+ *
+ * Who reads: the progress thread owns the CQ while nobody waits. A thread that waits for a
+ * transfer, a counter or a message can drive progress itself for a short window (spin_ns:
+ * KVXFER_DRIVE_US microseconds, off by default, see kx_drive_ns_from_env; only while the rail
+ * has operations out or had traffic in the last 10 ms, so a thread idling in recv() never
+ * spins): it reads the CQ in its own loop, so the completion it waits for costs no thread
+ * hand-off (poster -> progress thread -> condition variable -> waiter). Meanwhile the
+ * progress thread parks on a futex; the waiter wakes it when it stops driving, whether it
+ * got what it waited for or its window ran out and it now blocks on the condition variable
+ * as before. The progress thread sleeps on the CQ's fd without holding poll_owner (tcp),
+ * so a driver never waits for it to be scheduled.
  *
  * Blocking mode (the default, for 2-core machines): while tx operations are outstanding, or
  * for a short window after the last completion, the thread polls with sched_yield between
- * empty reads; otherwise it blocks (fi_cq_sread on the CQ's wait object where the provider
- * has one, else a condition-variable wait with an exponential back-off capped at 1 ms).
- * Posting threads signal it so a new transfer never waits out a back-off. Spin mode never
+ * empty reads; otherwise it blocks: poll() on the CQ's wait fd after fi_trywait where the
+ * provider has one (tcp), fi_cq_sread where it has a wait object but no fd, else a
+ * condition-variable wait with an exponential back-off capped at 1 ms (shm). Posting threads signal it so a new transfer never waits out a back-off. Spin mode never
  * blocks. */
 #include "internal.h"
 
+#include <linux/futex.h>
+#include <poll.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #define KX_SPIN_WINDOW_NS   200000LL     /* keep polling 200 us after activity */
 #define KX_STALL_NS         200000000LL  /* outstanding but silent this long: back off */
 #define KX_MAX_BACKOFF_NS   1000000LL
+#define KX_RECENT_NS        10000000LL   /* ... if the rail was busy this recently (or has ops out) */
+#define KX_PARK_NS          1000000LL    /* a parked progress thread looks again after this */
+
+/* KVXFER_DRIVE_US: microseconds a waiter drives progress before it blocks; unset or 0:
+ * never (the default). On the 2-core machine it was measured on (docs/benchmarks.md, issue
+ * 13) driving lowered the best round trips but not the median, on tcp it raised the median:
+ * two processes whose waiters spin take the CPU from each other. Opt in where cores are
+ * free, e.g. KVXFER_DRIVE_US=200. */
+static int64_t kx_drive_ns_from_env(const kx_rail *r)
+{
+    (void)r;
+    const char *v = getenv("KVXFER_DRIVE_US");
+    if (!v || !*v)
+        return 0;
+    char *end;
+    long long us = strtoll(v, &end, 10);
+    if (*end || us < 0)
+        return 0;
+    return us > 1000000 ? 1000000000LL : us * 1000LL;
+}
+
+static int kx_poll_try(kx_rail *r)
+{
+    return __atomic_exchange_n(&r->poll_owner, 1, __ATOMIC_ACQUIRE) == 0;
+}
+
+static void kx_poll_done(kx_rail *r)
+{
+    __atomic_store_n(&r->poll_owner, 0, __ATOMIC_RELEASE);
+}
+
+static void kx_futex(int *word, int op, int val, const struct timespec *ts)
+{
+    syscall(SYS_futex, word, op, val, ts, NULL, 0);
+}
 
 /* Every native call that uses the endpoint or domain from a caller's thread is bracketed by
  * kx_enter/kx_leave; closing sets stop and then waits for busy == 0 before closing fids.
@@ -192,6 +241,110 @@ static int kx_poll(kx_rail *r)
     return (int)n;
 }
 
+static int kx_poll(kx_rail *r);
+
+/* one reader's turn: read a batch, post what is queued; the caller holds poll_owner */
+static int kx_progress_once(kx_rail *r)
+{
+    int n = kx_poll(r);
+    /* after a refused post, retry only once something completed or 100 us passed: a peer
+     * that stopped answering is then probed (kx_peer_enter) before, not during, the
+     * provider's own locking */
+    if ((r->q_head && (n > 0 || kx_now_ns() - r->eagain_ns > 100000)) ||
+        __atomic_load_n(&r->cancel_pending, __ATOMIC_ACQUIRE))
+        n += kx_pump_queue(r);
+    return n;
+}
+
+/* A waiter drives progress until *flag is set (or `ready` says so), its window passes or the
+ * rail stops; returns 1 when what it waited for happened. See the file comment. */
+static int kx_drive(kx_rail *r, const int *flag, void *const *ptr, int64_t window_ns)
+{
+    if (window_ns <= 0 || !kx_enter(r))
+        return 0;
+    __atomic_add_fetch(&r->drivers, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&r->sleeping, __ATOMIC_SEQ_CST) && r->has_wait)
+        fi_cq_signal(r->cq);      /* out of fi_cq_sread, which holds poll_owner */
+    int64_t end = kx_now_ns() + window_ns;
+    int got = 0;
+    for (;;) {
+        if (flag ? __atomic_load_n(flag, __ATOMIC_ACQUIRE) : __atomic_load_n(ptr, __ATOMIC_ACQUIRE) != NULL) {
+            got = 1;
+            break;
+        }
+        if (__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE))
+            break;
+        int n = 0;
+        if (kx_poll_try(r)) {
+            n = kx_progress_once(r);
+            kx_poll_done(r);
+        }
+        if (n > 0)
+            continue;
+        if (kx_now_ns() >= end)
+            break;
+        sched_yield();        /* 2 cores: let the peer (or our own progress thread) run */
+    }
+    __atomic_store_n(&r->drive_got, got, __ATOMIC_RELAXED);
+    __atomic_sub_fetch(&r->drivers, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&r->parked, __ATOMIC_SEQ_CST)) {
+        __atomic_store_n(&r->parked, 0, __ATOMIC_SEQ_CST);
+        kx_futex(&r->parked, FUTEX_WAKE_PRIVATE, 1, NULL);
+    }
+    kx_leave(r);
+    return got;
+}
+
+/* How long a waiter drives: spin_ns while the rail has operations out or saw traffic in the
+ * last KX_RECENT_NS; 0 on an idle rail (a thread parked in recv() for minutes must not spin
+ * at the start of every 50 ms slice), where the progress thread handles the next arrival. */
+static int64_t kx_drive_window(kx_rail *r, int64_t slice_ns)
+{
+    int64_t window = __atomic_load_n(&r->spin_ns, __ATOMIC_RELAXED);
+    if (window <= 0)
+        return 0;
+    if (__atomic_load_n(&r->outstanding, __ATOMIC_RELAXED) == 0 &&
+        kx_now_ns() - __atomic_load_n(&r->last_activity_ns, __ATOMIC_RELAXED) > KX_RECENT_NS)
+        return 0;
+    return window < slice_ns ? window : slice_ns;
+}
+
+int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns)
+{
+    if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
+        return 1;
+    int64_t window = kx_drive_window(r, slice_ns);
+    int64_t t0 = window > 0 ? kx_now_ns() : 0;
+    if (kx_drive(r, flag, NULL, window))
+        return 1;
+    int64_t left = slice_ns - (window > 0 ? kx_now_ns() - t0 : 0);
+    if (left <= 0)
+        return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+    return kx_hub_wait_flag(r->hub, flag, left);
+}
+
+int64_t kx_drive_for_message(kx_rail *r, void *const *head, int64_t slice_ns)
+{
+    int64_t window = kx_drive_window(r, slice_ns);
+    if (window <= 0 || __atomic_load_n(head, __ATOMIC_ACQUIRE))
+        return slice_ns;
+    int64_t t0 = kx_now_ns();
+    kx_drive(r, NULL, head, window);
+    int64_t left = slice_ns - (kx_now_ns() - t0);
+    return left > 0 ? left : 0;
+}
+
+/* while waiters drive, stay off the CQ: park until the last one leaves (or a bound passes) */
+static void kx_park(kx_rail *r)
+{
+    __atomic_store_n(&r->parked, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&r->drivers, __ATOMIC_SEQ_CST) > 0 && !r->stop) {
+        struct timespec ts = {0, KX_PARK_NS};
+        kx_futex(&r->parked, FUTEX_WAIT_PRIVATE, 1, &ts);
+    }
+    __atomic_store_n(&r->parked, 0, __ATOMIC_SEQ_CST);
+}
+
 void *kx_progress_main(void *arg)
 {
     kx_rail *r = (kx_rail *)arg;
@@ -199,6 +352,10 @@ void *kx_progress_main(void *arg)
     r->tid = (pid_t)syscall(SYS_gettid);
     if (r->pin)
         pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &r->cpus);
+    __atomic_store_n(&r->spin_ns, kx_drive_ns_from_env(r), __ATOMIC_RELAXED);
+    int wait_fd = -1;      /* the CQ's wait fd, where the provider exposes it (tcp) */
+    if (r->has_wait && fi_control(&r->cq->fid, FI_GETWAIT, &wait_fd) != 0)
+        wait_fd = -1;
     while (!r->stop) {
         if (__atomic_load_n(&r->posting, __ATOMIC_ACQUIRE) > 0 && !r->spin) {
             /* the posting thread progresses for itself; stay out of its way */
@@ -206,13 +363,21 @@ void *kx_progress_main(void *arg)
             nanosleep(&ts, NULL);
             continue;
         }
-        int n = kx_poll(r);
-        /* after a refused post, retry only once something completed or 100 us passed: a
-         * peer that stopped answering is then probed (kx_peer_enter) before, not during, the
-         * provider's own locking */
-        if ((r->q_head && (n > 0 || kx_now_ns() - r->eagain_ns > 100000)) ||
-            __atomic_load_n(&r->cancel_pending, __ATOMIC_ACQUIRE))
-            n += kx_pump_queue(r);
+        if (__atomic_load_n(&r->drivers, __ATOMIC_SEQ_CST) > 0) {
+            kx_park(r);
+            /* the waiter got what it waited for and read what there was; the next waiter
+             * drives again. No spin window then: spinning here only takes the CPU from the
+             * peer on 2 cores. (A waiter whose window ran out is blocking now: spin for it.) */
+            if (__atomic_load_n(&r->drive_got, __ATOMIC_RELAXED))
+                r->last_activity_ns = kx_now_ns() - KX_SPIN_WINDOW_NS;
+            backoff = 1000;
+            continue;
+        }
+        int n = 0;
+        if (kx_poll_try(r)) {
+            n = kx_progress_once(r);
+            kx_poll_done(r);
+        }
         n += kx_peers_scan(r);
         if (n != 0 || r->spin) {
             backoff = 1000;
@@ -226,17 +391,34 @@ void *kx_progress_main(void *arg)
             sched_yield();
             continue;
         }
-        /* idle: block. Announce it first, then look again, so a post that raced with us
-         * either sees `sleeping` (and signals) or is seen here (no lost wake-up). */
+        /* idle: block. Announce it first, then look again, so a post (or a driver) that
+         * raced with us either sees `sleeping` (and signals) or is seen here. */
         __atomic_store_n(&r->sleeping, 1, __ATOMIC_SEQ_CST);
         outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_SEQ_CST) + (r->q_head != NULL)
                       + __atomic_load_n(&r->awake, __ATOMIC_SEQ_CST);
-        if (r->has_wait && outstanding == 0) {
+        if (__atomic_load_n(&r->drivers, __ATOMIC_SEQ_CST) > 0) {
+            __atomic_store_n(&r->sleeping, 0, __ATOMIC_SEQ_CST);
+            continue;
+        }
+        if (r->has_wait && outstanding == 0 && wait_fd >= 0) {
+            /* sleep on the CQ's fd without holding poll_owner, so a waiter that starts to
+             * drive never waits for this thread to be scheduled again; fi_trywait says
+             * whether sleeping is safe (nothing is left to read) */
+            struct fid *cqfid = &r->cq->fid;
+            if (fi_trywait(r->fabric, &cqfid, 1) == FI_SUCCESS) {
+                struct pollfd pfd = {.fd = wait_fd, .events = POLLIN};
+                poll(&pfd, 1, 50);
+            }
+            __atomic_store_n(&r->sleeping, 0, __ATOMIC_SEQ_CST);
+            continue;
+        }
+        if (r->has_wait && outstanding == 0 && kx_poll_try(r)) {
             struct fi_cq_data_entry ent[KX_CQ_BATCH];
             ssize_t got = fi_cq_sread(r->cq, ent, KX_CQ_BATCH, NULL, 50);
             __atomic_store_n(&r->sleeping, 0, __ATOMIC_SEQ_CST);
             if (got > 0)
                 kx_handle_batch(r, ent, got);
+            kx_poll_done(r);
             continue;
         }
         if (outstanding > 0 && quiet < KX_STALL_NS) {

@@ -77,7 +77,7 @@ void kx_transfer_get_state(const kx_transfer *x, kx_transfer_state *out)
 
 int kx_transfer_wait(kx_rail *r, kx_transfer *x, int64_t slice_ns)
 {
-    return kx_hub_wait_flag(r->hub, &x->done, slice_ns);
+    return kx_wait_flag(r, &x->done, slice_ns);
 }
 
 /* Safe at any time: only the thread pumping the transfer acts on the flag (and dequeues it). */

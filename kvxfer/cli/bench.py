@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--max-iters", type=int, default=5000, metavar="N",
                     help="at most N timed iterations (default: 5000)")
     bw.add_argument("--seed", type=int, default=0, help="seed of the data and the page scatter (default: 0)")
+    bw.add_argument("--vs", action="append", choices=("nixl",), metavar="PEER",
+                    help="also run the cases through PEER (nixl: NIXL's UCX backend, `pip install nixl`) in the "
+                         "same run, same checks and timing, and print kvxfer/PEER ratios (local runs only)")
+    bw.add_argument("--floor", action="store_true",
+                    help="after each provider's paged cases, the same pages through bench/fi_pingpong.c "
+                         "(plain libfabric, one thread, same iov): what the provider itself allows")
+    bw.add_argument("--chart", metavar="PNG",
+                    help="with --vs: a bar chart of GB/s per case (default: next to --json, else none)")
     _common(bw)
     bw.set_defaults(func=run_bw)
 
@@ -118,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--warmup", type=int, default=500, metavar="N", help="untimed round trips first (default: 500)")
     lat.add_argument("--gap", type=float, default=0.0, metavar="MS",
                      help="idle time before each round trip, so progress threads fall asleep (default: 0)")
+    lat.add_argument("--no-floor", action="store_true",
+                     help="skip the floor: bench/fi_pingpong.c, the same round trip in plain libfabric, "
+                          "run right after kvxfer's on each provider (local runs only)")
     _common(lat)
     lat.set_defaults(func=run_lat)
 
@@ -232,8 +243,9 @@ BW_COLUMNS = (("provider", "<"), ("case", "<"), ("bytes", ">"), ("writes", ">"),
               ("sender p50", ">"), ("post/page", ">"), ("iters", ">"), ("check", "<"))
 BW_WIDTHS = (11, 20, 5, 6, 6, 9, 8, 9, 9, 9, 10, 9, 5, 5)
 LAT_COLUMNS = (("provider", "<"), ("bytes", ">"), ("p50 rtt", ">"), ("p99 rtt", ">"), ("min", ">"),
-               ("mean", ">"), ("one-way p50", ">"), ("iters", ">"), ("check", "<"))
-LAT_WIDTHS = (12, 6, 9, 9, 9, 9, 11, 6, 5)
+               ("mean", ">"), ("one-way p50", ">"), ("floor p50", ">"), ("x floor", ">"), ("iters", ">"),
+               ("check", "<"))
+LAT_WIDTHS = (12, 6, 9, 9, 9, 9, 11, 9, 7, 6, 5)
 
 
 def _row(cells: Sequence[str], cols, widths) -> str:
@@ -258,10 +270,13 @@ def bw_row(provider: str, s: dict, memmove_gbps: Optional[float]) -> str:
     return _row(cells, BW_COLUMNS, BW_WIDTHS)
 
 
-def lat_row(provider: str, s: dict) -> str:
+def lat_row(provider: str, s: dict, floor: Optional[dict] = None) -> str:
+    """One provider's round trip; ``floor``: bench/fi_pingpong.c's result in the same run."""
     us = lambda v: "-" if v is None or not math.isfinite(v) else f"{v:.1f} us"  # noqa: E731
+    fp50 = floor.get("p50_us") if floor else None
+    ratio = f"{s['p50_us'] / fp50:.1f}" if fp50 else "-"
     cells = [provider, str(s["size"]), us(s["p50_us"]), us(s["p99_us"]), us(s["min_us"]), us(s["mean_us"]),
-             us(s["p50_us"] / 2), str(s["iterations"]), s["check"]]
+             us(s["p50_us"] / 2), us(fp50), ratio, str(s["iterations"]), s["check"]]
     return _row(cells, LAT_COLUMNS, LAT_WIDTHS)
 
 
@@ -389,7 +404,7 @@ def _write_json(path: str, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def _session(args: argparse.Namespace, body, header: str) -> int:
+def _session(args: argparse.Namespace, body, header: str, extra=None) -> int:
     """Run ``body(run, bar)`` once per provider; print, collect, write JSON; exit status."""
     if args.listen:
         return _listen(args)
@@ -426,17 +441,24 @@ def _session(args: argparse.Namespace, body, header: str) -> int:
     if not any(r["results"] for r in runs):
         status = 1
     if args.json:
-        _write_json(args.json, _document(args, runs))
+        doc = _document(args, runs)
+        if extra is not None:
+            extra(doc)
+        _write_json(args.json, doc)
         print(f"results written to {args.json}", file=sys.stderr)
     return status
 
 
 def run_bw(args: argparse.Namespace) -> int:
-    """``kvxfer-bench bw``."""
+    """``kvxfer-bench bw`` (with ``--vs``: the same cases through the peer right after)."""
     cases: list[Case] = list(args.case) if args.case else [parse_case(c) for c in DEFAULT_CASES]
     # the baseline first, so every row can be held against it
     order = sorted(range(len(cases)), key=lambda i: cases[i].kind != "memmove")
     warmup = args.warmup if args.iters is not None else max(1, args.warmup)
+    peers = list(dict.fromkeys(args.vs or ()))
+    if peers and args.connect:
+        raise SystemExit("kvxfer-bench: --vs runs both libraries on this host; it does not combine with --connect")
+    comparison: list[dict] = []
 
     def body(run: _Run, bar: Bar) -> None:
         memmove = None
@@ -454,21 +476,123 @@ def run_bw(args: argparse.Namespace) -> int:
             print(bw_row(run.provider, s, memmove), flush=True)
             for p in s["problems"]:
                 print(f"    {p}", flush=True)
+        if args.floor and not args.connect:
+            _run_floor_pages(run, cases, order, memmove)
+        for peer in peers:
+            comparison.extend(_run_peer(peer, run, cases, order, warmup, memmove, bar))
 
-    return _session(args, body, _header(BW_COLUMNS, BW_WIDTHS))
+    status = _session(args, body, _header(BW_COLUMNS, BW_WIDTHS), extra=lambda doc: doc.update(comparison=comparison))
+    if peers:
+        from kvxfer.cli._compare import chart, table
+
+        if comparison:
+            print("\n" + table(comparison), flush=True)
+            png = args.chart or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+            if png:
+                why = chart(comparison, png)
+                print(f"chart: {why}" if why else f"chart written to {png}", file=sys.stderr)
+            if any(r["peer_check"] != "ok" for r in comparison):
+                status = 1
+        else:
+            print("no comparison: the peer ran no case (see above)", flush=True)
+    return status
+
+
+def _run_floor_pages(run: "_Run", cases: list, order: list, memmove) -> None:
+    """bench/fi_pingpong.c -m pages for each paged case: the better of its two polling modes."""
+    from kvxfer.cli._floor import FloorUnavailable, run_floor
+
+    rec = run.record.setdefault("floor", [])
+    for i in order:
+        case = cases[i]
+        if case.kind != "pages":
+            continue
+        try:
+            runs = [run_floor(run.provider, mode="pages", page_bytes=case.page_bytes, pages=case.pages,
+                              iov=run.eng.iov, iters=max(5, run.args.min_iters), warmup=1,
+                              timeout=max(120.0, run.args.timeout * 4), extra=x) for x in ([], ["-y"])]
+        except FloorUnavailable as exc:
+            print(f"{run.provider:<11}  floor {case.label}: {exc}", flush=True)
+            rec.append({"case": case.spec, "error": str(exc)})
+            continue
+        best = dict(max(runs, key=lambda f: f["gbps"]), case=case.spec, variants=runs)
+        rec.append(best)
+        s = {"label": case.label, "bytes": case.nbytes, "writes": best["messages"], "kind": "pages",
+             "gbps": best["gbps"], "p50_s": best["p50_s"], "p99_s": None, "iterations": best["iterations"],
+             "check": "-", "pages": case.pages}
+        print(bw_row("floor (C)", s, memmove), flush=True)
+
+
+def _run_peer(peer: str, run: "_Run", cases: list, order: list, warmup: int, memmove, bar: "Bar") -> list[dict]:
+    """The same cases through `peer` for this provider; the rows of the comparison."""
+    from kvxfer.cli._compare import compare
+    from kvxfer.cli._nixl import NixlPeer, available
+
+    args = run.args
+    rec: dict[str, Any] = {"results": [], "error": None}
+    run.record.setdefault("vs", {})[peer] = rec
+    why = available()
+    if why:
+        rec["error"] = f"nixl is not importable: {why}"
+        print(f"{run.provider:<11}  {peer}: skipped ({rec['error']})", flush=True)
+        return []
+    try:
+        p = NixlPeer(run.provider, timeout=args.timeout)
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"{run.provider:<11}  {peer}: FAILED to start: {rec['error']}", flush=True)
+        return []
+    try:
+        for i in order:
+            case = cases[i]
+            if case.kind == "memmove":
+                continue
+            label = f"{peer} {run.provider} {case.label}"
+            try:
+                res = p.bw(case, args.seed + i, warmup=warmup, iters=args.iters, budget=args.seconds,
+                           min_iters=args.min_iters, max_iters=args.max_iters,
+                           progress=lambda d, n, label=label: bar.update(label, d, n))
+            except Exception as exc:
+                rec["error"] = f"{case.spec}: {type(exc).__name__}: {exc}"
+                bar.clear()
+                print(f"{peer + ' ' + run.provider:<11}  FAILED: {rec['error']}", flush=True)
+                break
+            s = res.summary()
+            rec["results"].append(s)
+            bar.clear()
+            print(bw_row(f"{peer}/{run.provider}"[:11], s, memmove), flush=True)
+    finally:
+        p.close()
+    return compare(run.provider, run.record["results"], rec["results"], peer)
 
 
 def run_lat(args: argparse.Namespace) -> int:
-    """``kvxfer-bench lat``."""
+    """``kvxfer-bench lat``: kvxfer's round trip, then the floor's in the same run."""
 
     def body(run: _Run, bar: Bar) -> None:
         label = f"{run.provider} lat {args.size} B"
         res = run.ini.lat(args.size, warmup=args.warmup, iters=args.iters, gap=args.gap / 1e3,
                           progress=lambda d, n: bar.update(label, d, n))
         s = res.summary()
+        floor = None
+        if not args.no_floor and not args.connect:
+            from kvxfer.cli._floor import FloorUnavailable, run_floor
+
+            bar.update(f"{run.provider} floor {args.size} B", 0, 1)
+            # the better of pure polling and polling that yields between empty reads: on a
+            # loaded 2-core machine two pure spinners can starve each other's peer
+            try:
+                runs = [run_floor(run.provider, size=args.size, iters=args.iters, warmup=args.warmup,
+                                  timeout=max(60.0, args.timeout * 4), extra=x) for x in ([], ["-y"])]
+                floor = dict(min(runs, key=lambda f: f["p50_us"]), variants=runs)
+            except FloorUnavailable as exc:
+                floor = {"error": str(exc)}
+            s["floor"] = floor
         run.record["results"].append(s)
         bar.clear()
-        print(lat_row(run.provider, s), flush=True)
+        print(lat_row(run.provider, s, floor), flush=True)
+        if floor and floor.get("error"):
+            print(f"    floor: {floor['error']}", flush=True)
 
     return _session(args, body, _header(LAT_COLUMNS, LAT_WIDTHS))
 

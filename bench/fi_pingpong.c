@@ -1,0 +1,483 @@
+/* fi_pingpong.c: the floor kvxfer is measured against. Plain libfabric, one thread per
+ * process, no kvxfer layer: what the provider itself costs on this machine.
+ *
+ *   fi_pingpong [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] [-y]           round trips
+ *   fi_pingpong -m pages [-p PROV] [-P PAGE] [-N PAGES] [-I IOV] [-n ITERS] [-y] paged writes
+ *   fi_pingpong -m cma [-P PAGE] [-N PAGES] [-I IOV] [-n ITERS]                  paged CMA copies
+ *
+ * The process forks; parent (initiator) and child (target) each open fabric, domain, CQ,
+ * AV and an RDM endpoint on PROV (tcp: bound to 127.0.0.1; shm: its own name), register one
+ * buffer and swap (address, base, key) over a socketpair. Nothing else crosses the socket.
+ *
+ * Round trips: the initiator fi_writedata()s BYTES with immediate data i, the target reads
+ * its CQ until that immediate arrives and writes the same bytes back with i; the initiator's
+ * CQ delivering i ends round trip i. Both busy-poll fi_cq_read (the fastest the provider can
+ * go; libfabric's fabtests poll the same way). -j: fi_inject_writedata where BYTES fits the
+ * provider's inject_size.
+ *
+ * Paged writes: PAGES pages of PAGE bytes go to a random permutation of as many destination
+ * pages, IOV pages per fi_writemsg (capped at the provider's iov limits), every message
+ * carrying the immediate; the target counts the messages' CQ entries and answers with one
+ * 8-byte write; that answer ends the iteration. Same timing definition as kvxfer-bench bw's
+ * "acked" column. The target checks nothing (this is a probe of the provider, not of data).
+ *
+ * CMA (-m cma, no libfabric at all): the same scattered pages copied by the initiator with
+ * process_vm_writev() straight into the target's buffer, IOV destination pages per call (up
+ * to IOV_MAX = 1024; the source pages are one contiguous local iovec). What a shm path
+ * without libfabric's per-message command round trip and 4-iovec cap could reach: the
+ * target spends no CPU. Time = the copies (a notification would add one small message).
+ *
+ * Output: one JSON object on stdout (microseconds for round trips, GB/s for pages). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#define CHECK(call)                                                                        \
+    do {                                                                                   \
+        int _r = (int)(call);                                                              \
+        if (_r) {                                                                          \
+            fprintf(stderr, "fi_pingpong: %s: %s (%d)\n", #call, fi_strerror(-_r), _r);   \
+            exit(2);                                                                       \
+        }                                                                                  \
+    } while (0)
+
+typedef struct {
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_cq *cq;
+    struct fid_av *av;
+    struct fid_ep *ep;
+    struct fid_mr *mr;
+    void *desc;
+    char *buf;
+    size_t len;
+    fi_addr_t peer;
+    uint64_t rbase, rkey;     /* the peer's buffer */
+    size_t iov_limit, inject_size;
+    struct fi_context2 ctx[65536];
+    unsigned ctxi;
+    uint64_t ring[128];       /* arrivals read but not yet consumed */
+    uint64_t ring_head, ring_tail;
+} ep_t;
+
+/* -y: sched_yield() after an empty CQ read (on a machine with more runnable threads than
+ * cores, two pure spinners can starve each other's peer) */
+static int yield_when_idle;
+
+typedef struct {
+    char name[256];
+    size_t namelen;
+    uint64_t base, key;
+} card_t;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void *next_ctx(ep_t *e)
+{
+    return &e->ctx[e->ctxi++ % 65536];
+}
+
+static void open_ep(ep_t *e, const char *prov, size_t len)
+{
+    struct fi_info *hints = fi_allocinfo();
+    hints->caps = FI_MSG | FI_RMA;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    hints->domain_attr->threading = FI_THREAD_DOMAIN;
+    hints->fabric_attr->prov_name = strdup(prov);
+    const char *node = strcmp(prov, "shm") == 0 ? NULL : "127.0.0.1";
+    CHECK(fi_getinfo(FI_VERSION(1, 9), node, NULL, node ? FI_SOURCE : 0, hints, &e->info));
+    fi_freeinfo(hints);
+    struct fi_info *fi = e->info;
+    size_t a = fi->tx_attr->iov_limit, b = fi->tx_attr->rma_iov_limit;
+    e->iov_limit = a < b ? a : b;
+    e->inject_size = fi->tx_attr->inject_size;
+    CHECK(fi_fabric(fi->fabric_attr, &e->fabric, NULL));
+    CHECK(fi_domain(e->fabric, fi, &e->domain, NULL));
+    struct fi_cq_attr cqa = {.format = FI_CQ_FORMAT_DATA, .size = fi->tx_attr->size + fi->rx_attr->size,
+                             .wait_obj = FI_WAIT_NONE};
+    CHECK(fi_cq_open(e->domain, &cqa, &e->cq, NULL));
+    struct fi_av_attr ava = {.type = FI_AV_TABLE};
+    CHECK(fi_av_open(e->domain, &ava, &e->av, NULL));
+    CHECK(fi_endpoint(e->domain, fi, &e->ep, NULL));
+    CHECK(fi_ep_bind(e->ep, &e->cq->fid, FI_TRANSMIT | FI_RECV));
+    CHECK(fi_ep_bind(e->ep, &e->av->fid, 0));
+    CHECK(fi_enable(e->ep));
+    e->len = len;
+    e->buf = aligned_alloc(4096, (len + 4095) / 4096 * 4096);
+    memset(e->buf, 0, len);
+    CHECK(fi_mr_reg(e->domain, e->buf, len, FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE, 0,
+                    0x5eed, 0, &e->mr, NULL));
+    if (fi->domain_attr->mr_mode & FI_MR_ENDPOINT) {
+        CHECK(fi_mr_bind(e->mr, &e->ep->fid, 0));
+        CHECK(fi_mr_enable(e->mr));
+    }
+    e->desc = fi_mr_desc(e->mr);
+}
+
+static void swap_cards(ep_t *e, int sock)
+{
+    card_t mine, theirs;
+    memset(&mine, 0, sizeof(mine));
+    mine.namelen = sizeof(mine.name);
+    CHECK(fi_getname(&e->ep->fid, mine.name, &mine.namelen));
+    mine.base = (e->info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)e->buf : 0;
+    mine.key = fi_mr_key(e->mr);
+    if (write(sock, &mine, sizeof(mine)) != sizeof(mine) || read(sock, &theirs, sizeof(theirs)) != sizeof(theirs)) {
+        perror("fi_pingpong: socketpair");
+        exit(2);
+    }
+    if (fi_av_insert(e->av, theirs.name, 1, &e->peer, 0, NULL) != 1) {
+        fprintf(stderr, "fi_pingpong: fi_av_insert failed\n");
+        exit(2);
+    }
+    e->rbase = theirs.base;
+    e->rkey = theirs.key;
+}
+
+/* read the CQ until an entry with remote CQ data arrives; returns its data. Arrivals read in
+ * the same batch wait in a small ring for the next call. */
+static uint64_t wait_imm(ep_t *e, int64_t *tx_done)
+{
+    struct fi_cq_data_entry ent[64];
+    while (e->ring_head == e->ring_tail) {
+        ssize_t n = fi_cq_read(e->cq, ent, 64);
+        if (n == -FI_EAGAIN) {
+            if (yield_when_idle)
+                sched_yield();
+            continue;
+        }
+        if (n < 0) {
+            struct fi_cq_err_entry err = {0};
+            fi_cq_readerr(e->cq, &err, 0);
+            fprintf(stderr, "fi_pingpong: completion error %s\n", fi_strerror(err.err));
+            exit(2);
+        }
+        for (ssize_t i = 0; i < n; i++) {
+            if (ent[i].flags & FI_REMOTE_CQ_DATA)
+                e->ring[e->ring_tail++ % 128] = ent[i].data;
+            else if (tx_done)
+                (*tx_done)++;
+        }
+    }
+    return e->ring[e->ring_head++ % 128];
+}
+
+/* post, reading the CQ while the provider is full (a full queue is not an error) */
+static void post_write(ep_t *e, const void *src, size_t len, uint64_t raddr, uint64_t imm, int inject,
+                       int64_t *tx_done)
+{
+    for (;;) {
+        ssize_t r = inject ? fi_inject_writedata(e->ep, src, len, imm, e->peer, raddr, e->rkey)
+                           : fi_writedata(e->ep, (void *)src, len, e->desc, imm, e->peer, raddr, e->rkey, next_ctx(e));
+        if (r == 0)
+            return;
+        if (r != -FI_EAGAIN)
+            CHECK(r);
+        struct fi_cq_data_entry ent[64];
+        ssize_t n = fi_cq_read(e->cq, ent, 64);
+        if (n == -FI_EAGAIN && yield_when_idle)
+            sched_yield();
+        for (ssize_t i = 0; i < n; i++) {
+            if (ent[i].flags & FI_REMOTE_CQ_DATA)
+                e->ring[e->ring_tail++ % 128] = ent[i].data;
+            else
+                (*tx_done)++;
+        }
+    }
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int run_lat(const char *prov, int sock, int initiator, long iters, long warmup, size_t size, int inject)
+{
+    ep_t *e = calloc(1, sizeof(*e));
+    open_ep(e, prov, size < 8 ? 8 : size);
+    swap_cards(e, sock);
+    inject = inject && size <= e->inject_size;
+    long total = iters + warmup;
+    double *rtt = initiator ? malloc(sizeof(double) * (size_t)iters) : NULL;
+    int64_t tx = 0;
+    for (long i = 0; i < total; i++) {
+        if (initiator) {
+            double t0 = now_s();
+            post_write(e, e->buf, size, e->rbase, (uint64_t)i, inject, &tx);
+            uint64_t got = wait_imm(e, &tx);
+            double t1 = now_s();
+            if (got != (uint64_t)i) {
+                fprintf(stderr, "fi_pingpong: echo %" PRIu64 " for %ld\n", got, i);
+                return 2;
+            }
+            if (i >= warmup)
+                rtt[i - warmup] = t1 - t0;
+        } else {
+            uint64_t got = wait_imm(e, &tx);
+            post_write(e, e->buf, size, e->rbase, got, inject, &tx);
+        }
+    }
+    if (!initiator) {
+        /* let the last echo's completion arrive before closing under it */
+        char c;
+        if (read(sock, &c, 1) != 1) { /* the initiator is gone; fine */ }
+        return 0;
+    }
+    double sum = 0;
+    for (long i = 0; i < iters; i++)
+        sum += rtt[i];
+    qsort(rtt, (size_t)iters, sizeof(double), cmp_d);
+    printf("{\"mode\": \"lat\", \"provider\": \"%s\", \"size\": %zu, \"inject\": %d, \"iterations\": %ld, "
+           "\"p50_us\": %.3f, \"p99_us\": %.3f, \"min_us\": %.3f, \"mean_us\": %.3f}\n",
+           e->info->fabric_attr->prov_name, size, inject, iters, rtt[iters / 2] * 1e6,
+           rtt[(long)(iters * 0.99)] * 1e6, rtt[0] * 1e6, sum / (double)iters * 1e6);
+    char c = 0;
+    if (write(sock, &c, 1) != 1) { /* the target is gone; fine */ }
+    return 0;
+}
+
+static uint64_t rng_state = 88172645463325252ULL;
+static uint64_t xs(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+
+static int run_pages(const char *prov, int sock, int initiator, long iters, long warmup, size_t page,
+                     size_t pages, size_t iov)
+{
+    ep_t *e = calloc(1, sizeof(*e));
+    open_ep(e, prov, page * pages + 8);
+    swap_cards(e, sock);
+    if (iov > e->iov_limit)
+        iov = e->iov_limit;
+    if (iov < 1)
+        iov = 1;
+    size_t msgs = (pages + iov - 1) / iov;
+    size_t *perm = malloc(sizeof(size_t) * pages);
+    double *t = initiator ? malloc(sizeof(double) * (size_t)iters) : NULL;
+    long total = iters + warmup;
+    int64_t tx = 0;
+    char *flag = e->buf + page * pages;
+    for (long it = 0; it < total; it++) {
+        if (initiator) {
+            for (size_t i = 0; i < pages; i++)
+                perm[i] = i;
+            for (size_t i = pages - 1; i > 0; i--) {
+                size_t j = xs() % (i + 1), s = perm[i];
+                perm[i] = perm[j];
+                perm[j] = s;
+            }
+            double t0 = now_s();
+            int64_t tx0 = tx;
+            for (size_t m = 0; m < msgs; m++) {
+                struct iovec v[16];
+                void *d[16];
+                struct fi_rma_iov r[16];
+                size_t np = 0;
+                for (size_t k = m * iov; k < pages && np < iov; k++, np++) {
+                    v[np].iov_base = e->buf + k * page;
+                    v[np].iov_len = page;
+                    d[np] = e->desc;
+                    r[np].addr = e->rbase + perm[k] * page;
+                    r[np].len = page;
+                    r[np].key = e->rkey;
+                }
+                struct fi_msg_rma msg = {.msg_iov = v, .desc = d, .iov_count = np, .addr = e->peer,
+                                         .rma_iov = r, .rma_iov_count = np, .context = next_ctx(e),
+                                         .data = (uint64_t)it};
+                for (;;) {
+                    ssize_t ret = fi_writemsg(e->ep, &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA);
+                    if (ret == 0)
+                        break;
+                    if (ret != -FI_EAGAIN)
+                        CHECK(ret);
+                    struct fi_cq_data_entry ent[64];
+                    ssize_t n = fi_cq_read(e->cq, ent, 64);
+                    if (n == -FI_EAGAIN && yield_when_idle)
+                        sched_yield();
+                    for (ssize_t i = 0; i < n; i++)
+                        tx += !(ent[i].flags & FI_REMOTE_CQ_DATA);
+                }
+            }
+            wait_imm(e, &tx);   /* the target's answer ends the iteration */
+            double t1 = now_s();
+            while (tx - tx0 < (int64_t)msgs) {   /* reap the rest of our completions, untimed */
+                struct fi_cq_data_entry ent[64];
+                ssize_t n = fi_cq_read(e->cq, ent, 64);
+                for (ssize_t i = 0; i < n; i++)
+                    tx += !(ent[i].flags & FI_REMOTE_CQ_DATA);
+            }
+            if (it >= warmup)
+                t[it - warmup] = t1 - t0;
+        } else {
+            int64_t got = 0;
+            while (got < (int64_t)msgs) {
+                wait_imm(e, &tx);
+                got++;
+            }
+            post_write(e, flag, 8, e->rbase + page * pages, (uint64_t)it, 0, &tx);
+        }
+    }
+    if (!initiator) {
+        char c;
+        if (read(sock, &c, 1) != 1) { /* fine */ }
+        return 0;
+    }
+    qsort(t, (size_t)iters, sizeof(double), cmp_d);
+    double p50 = t[iters / 2];
+    printf("{\"mode\": \"pages\", \"provider\": \"%s\", \"page_bytes\": %zu, \"pages\": %zu, \"iov\": %zu, "
+           "\"messages\": %zu, \"iterations\": %ld, \"p50_s\": %.6f, \"gbps\": %.3f}\n",
+           e->info->fabric_attr->prov_name, page, pages, iov, msgs, iters, p50,
+           (double)(page * pages) / p50 / 1e9);
+    char c = 0;
+    if (write(sock, &c, 1) != 1) { /* fine */ }
+    return 0;
+}
+
+static int run_cma(int sock, int initiator, long iters, long warmup, size_t page, size_t pages, size_t iov)
+{
+    struct { pid_t pid; uint64_t addr; } card;
+    size_t len = page * pages;
+    char *buf = aligned_alloc(4096, (len + 4095) / 4096 * 4096);
+    memset(buf, initiator ? 0x5a : 0, len);
+    if (!initiator) {
+        card.pid = getpid();
+        card.addr = (uint64_t)(uintptr_t)buf;
+        char c;
+        if (write(sock, &card, sizeof(card)) != sizeof(card) || read(sock, &c, 1) != 1) { /* gone */ }
+        return 0;
+    }
+    if (read(sock, &card, sizeof(card)) != sizeof(card)) {
+        perror("fi_pingpong: socketpair");
+        return 2;
+    }
+    if (iov > 1024)
+        iov = 1024;
+    if (iov < 1)
+        iov = 1;
+    size_t *perm = malloc(sizeof(size_t) * pages);
+    struct iovec *remote = malloc(sizeof(struct iovec) * iov);
+    double *t = malloc(sizeof(double) * (size_t)iters);
+    for (long it = 0; it < iters + warmup; it++) {
+        for (size_t i = 0; i < pages; i++)
+            perm[i] = i;
+        for (size_t i = pages - 1; i > 0; i--) {
+            size_t j = xs() % (i + 1), x = perm[i];
+            perm[i] = perm[j];
+            perm[j] = x;
+        }
+        double t0 = now_s();
+        for (size_t k = 0; k < pages; k += iov) {
+            size_t np = pages - k < iov ? pages - k : iov;
+            struct iovec local = {buf + k * page, np * page};
+            for (size_t m = 0; m < np; m++) {
+                remote[m].iov_base = (void *)(uintptr_t)(card.addr + perm[k + m] * page);
+                remote[m].iov_len = page;
+            }
+            ssize_t got = process_vm_writev(card.pid, &local, 1, remote, np, 0);
+            if (got != (ssize_t)(np * page)) {
+                perror("fi_pingpong: process_vm_writev");
+                return 2;
+            }
+        }
+        double t1 = now_s();
+        if (it >= warmup)
+            t[it - warmup] = t1 - t0;
+    }
+    qsort(t, (size_t)iters, sizeof(double), cmp_d);
+    double p50 = t[iters / 2];
+    printf("{\"mode\": \"cma\", \"page_bytes\": %zu, \"pages\": %zu, \"iov\": %zu, \"calls\": %zu, "
+           "\"iterations\": %ld, \"p50_s\": %.6f, \"gbps\": %.3f}\n",
+           page, pages, iov, (pages + iov - 1) / iov, iters, p50, (double)len / p50 / 1e9);
+    char c = 0;
+    if (write(sock, &c, 1) != 1) { /* fine */ }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *prov = "tcp;ofi_rxm", *mode = "lat";
+    long iters = 10000, warmup = 500;
+    size_t size = 8, page = 16384, pages = 4096, iov = 16;
+    int inject = 0, opt, iters_set = 0, warmup_set = 0;
+    while ((opt = getopt(argc, argv, "p:n:w:s:jym:P:N:I:")) != -1) {
+        switch (opt) {
+        case 'p': prov = optarg; break;
+        case 'n': iters = atol(optarg); iters_set = 1; break;
+        case 'w': warmup = atol(optarg); warmup_set = 1; break;
+        case 's': size = strtoull(optarg, NULL, 0); break;
+        case 'j': inject = 1; break;
+        case 'y': yield_when_idle = 1; break;
+        case 'm': mode = optarg; break;
+        case 'P': page = strtoull(optarg, NULL, 0); break;
+        case 'N': pages = strtoull(optarg, NULL, 0); break;
+        case 'I': iov = strtoull(optarg, NULL, 0); break;
+        default:
+            fprintf(stderr, "usage: %s [-m lat|pages|cma] [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] "
+                            "[-y] [-P PAGE] [-N PAGES] [-I IOV]\n", argv[0]);
+            return 2;
+        }
+    }
+    int cma_mode = strcmp(mode, "cma") == 0;
+    int pages_mode = strcmp(mode, "pages") == 0 || cma_mode;
+    if (pages_mode && !iters_set)
+        iters = 20;
+    if (pages_mode && !warmup_set)
+        warmup = 2;
+    if (iters < 1 || (pages_mode && (pages < 1 || page < 1))) {
+        fprintf(stderr, "fi_pingpong: bad arguments\n");
+        return 2;
+    }
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv)) {
+        perror("socketpair");
+        return 2;
+    }
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0) {
+        perror("fork");
+        return 2;
+    }
+    int initiator = pid > 0;
+    close(sv[initiator ? 1 : 0]);
+    int sock = sv[initiator ? 0 : 1];
+    int rc = cma_mode     ? run_cma(sock, initiator, iters, warmup, page, pages, iov)
+             : pages_mode ? run_pages(prov, sock, initiator, iters, warmup, page, pages, iov)
+                          : run_lat(prov, sock, initiator, iters, warmup, size, inject);
+    if (!initiator)
+        _exit(rc);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    if (rc == 0 && !(WIFEXITED(st) && WEXITSTATUS(st) == 0))
+        rc = 3;
+    return rc;
+}

@@ -1,0 +1,101 @@
+"""Side by side: kvxfer's case results against a peer library's (NIXL, Mooncake) from the same run.
+
+Pure data in, text / JSON / PNG out; no libfabric, no peer library. Every ratio reads
+"kvxfer is x times as fast": GB/s divided for bandwidth, times divided the other way round for
+latency, so > 1 always favours kvxfer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+__all__ = ["compare", "table", "chart"]
+
+_GOAL = {"a": 1.0, "b": 2.0, "c": 2.0}   # issue 13's goals, x the peer
+
+
+def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    if not num or not den or not math.isfinite(num) or not math.isfinite(den):
+        return None
+    return num / den
+
+
+def compare(provider: str, ours: Sequence[dict], theirs: Sequence[dict], peer: str) -> list[dict]:
+    """One row per case both ran (matched by case spec), in kvxfer's order."""
+    by_case = {r["case"]: r for r in theirs}
+    rows = []
+    for k in ours:
+        t = by_case.get(k["case"])
+        if t is None or k.get("kind") == "memmove":
+            continue
+        row = {
+            "provider": provider, "case": k["case"], "label": k["label"], "letter": k.get("letter"), "peer": peer,
+            "kvxfer_gbps": k.get("gbps"), "peer_gbps": t.get("gbps"),
+            "gbps_ratio": _ratio(k.get("gbps"), t.get("gbps")),
+            "kvxfer_sender_p50_s": k.get("local_p50_s"), "peer_sender_p50_s": t.get("local_p50_s"),
+            "sender_ratio": _ratio(t.get("local_p50_s"), k.get("local_p50_s")),
+            "kvxfer_check": k.get("check"), "peer_check": t.get("check"),
+            "goal": _GOAL.get(k.get("letter") or ""),
+        }
+        rows.append(row)
+    return rows
+
+
+def _f(v: Optional[float], fmt: str) -> str:
+    return "-" if v is None or not math.isfinite(v) else format(v, fmt)
+
+
+def _us(v: Optional[float]) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v * 1e6:.1f} us"
+
+
+def table(rows: Sequence[dict]) -> str:
+    """The comparison as text: one line per (provider, case)."""
+    if not rows:
+        return ""
+    peer = rows[0]["peer"]
+    head = (f"{'provider':<11}  {'case':<20}  {'kvxfer GB/s':>11}  {peer + ' GB/s':>10}  {'x ' + peer:>7}  "
+            f"{'kvxfer sender p50':>17}  {peer + ' sender p50':>16}  {'x ' + peer:>7}  {'goal':>5}  check")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        check = "ok" if r["kvxfer_check"] == "ok" and r["peer_check"] == "ok" else "FAIL"
+        lines.append(
+            f"{r['provider']:<11}  {r['label']:<20}  {_f(r['kvxfer_gbps'], '.2f'):>11}  {_f(r['peer_gbps'], '.2f'):>10}  "
+            f"{_f(r['gbps_ratio'], '.2f'):>7}  {_us(r['kvxfer_sender_p50_s']):>17}  {_us(r['peer_sender_p50_s']):>16}  "
+            f"{_f(r['sender_ratio'], '.2f'):>7}  {_f(r['goal'], '.1f'):>5}  {check}"
+        )
+    return "\n".join(lines)
+
+
+def chart(rows: Sequence[dict], path: str) -> Optional[str]:
+    """A PNG bar chart of GB/s per case, kvxfer beside the peer; None, or why not drawn."""
+    if not rows:
+        return "nothing to draw"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'kvxfer[compare]')"
+    peer = rows[0]["peer"]
+    labels = [f"{r['provider']}\n{r['label']}" for r in rows]
+    ours = [r["kvxfer_gbps"] or 0.0 for r in rows]
+    theirs = [r["peer_gbps"] or 0.0 for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows)), 4.0))
+    ax.bar([i - 0.2 for i in x], ours, 0.4, label="kvxfer")
+    ax.bar([i + 0.2 for i in x], theirs, 0.4, label=peer)
+    for i, r in enumerate(rows):
+        if r["gbps_ratio"]:
+            ax.annotate(f"{r['gbps_ratio']:.2f}x", (i, max(ours[i], theirs[i])), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("GB/s (p50)")
+    ax.set_title(f"kvxfer vs {peer}, same run")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None

@@ -1,0 +1,260 @@
+"""``kvxfer-bench bw --vs nixl``: the same cases through NIXL (UCX backend), in the same run.
+
+NIXL is optional (``pip install nixl``; on a machine without a GPU it still installs the CUDA
+and torch wheels but runs on host memory). Nothing here imports it until a comparison is
+asked for, and ``make test`` never needs it.
+
+Same cases, same checks, same timing as kvxfer's rows (docs/benchmarks.md, "Method"):
+a target process registers a ``Checker`` buffer with its own NIXL agent; the initiator
+registers the same source pattern, prepares one descriptor list per side once per case
+(``prep_xfer_dlist``: every source page, every destination page) and, per iteration, makes
+the request for that iteration's scattered destination pages (``make_prepped_xfer``, counted
+as posting, like kvxfer's ``write_pages``) and posts it with the iteration as notification.
+Neither side runs NIXL's progress thread (it spins without pause, and on a 2-core machine
+three spinners starve each other): the initiator progresses while it polls its request, the
+target while it polls notifications, yielding the CPU between empty polls as kvxfer's
+waiters do. A single write's request is made once per case and posted again each
+iteration (NIXL's fastest path for repeated writes; the notification changes per post). When the notification arrives the
+target stamps its clock (both processes share CLOCK_MONOTONIC), checks every page and the
+guard, re-poisons, and answers. ``p50`` is write call → target's stamp; ``sender p50`` is
+write call → NIXL reports the request DONE at the initiator.
+
+The provider maps to UCX transports: ``shm`` → ``UCX_TLS=sm`` (shared memory and CMA),
+``tcp;ofi_rxm`` → ``UCX_TLS=tcp`` on the loopback device (NIXL's UCX endpoints want peer
+failure handling, which UCX's shared-memory transports lack, so "shm" keeps tcp beside sm
+for wire-up; ``KVXFER_NIXL_UCX_TLS`` overrides the choice). The control channel is the target's
+stdin/stdout (JSON lines), not kvxfer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from kvxfer.cli._cases import Case, Checker, dst_pages, parse_case, pattern
+from kvxfer.cli._memmove import iterations as _iterations
+from kvxfer.cli._results import CaseResult
+
+__all__ = ["available", "ucx_env", "NixlPeer"]
+
+#: kvxfer provider → UCX transports for NIXL's UCX backend
+UCX_TLS = {"shm": "sm,tcp,self", "tcp;ofi_rxm": "tcp,self", "tcp": "tcp,self"}
+
+
+def available() -> Optional[str]:
+    """None when ``import nixl`` works, else why not."""
+    try:
+        import nixl._api  # noqa: F401
+    except Exception as exc:  # ImportError, or a CUDA probe failing inside the wheel
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def ucx_env(provider: str) -> dict:
+    """The environment for a NIXL agent standing in for ``provider``."""
+    tls = os.environ.get("KVXFER_NIXL_UCX_TLS") or UCX_TLS.get(provider, "tcp,self")
+    env = {"UCX_TLS": tls, "NIXL_LOG_LEVEL": "WARN"}
+    if "tcp" in env["UCX_TLS"]:
+        env["UCX_NET_DEVICES"] = "lo"
+    return env
+
+
+def _agent(name: str, progress_thread: bool):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+
+
+_out = None   # the target's answers: its original stdout (NIXL's own logging goes to fd 1)
+
+
+def _say(obj: dict) -> None:
+    _out.write(json.dumps(obj) + "\n")
+    _out.flush()
+
+
+def target_main() -> int:
+    """The NIXL target process: ``python -m kvxfer.cli._nixl``; requests on stdin."""
+    global _out
+    _out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)            # whatever NIXL or UCX prints goes to stderr, not into the channel
+    agent = _agent("kvxfer-bench-nixl-target", False)
+    _say({"t": "hello", "meta": agent.get_agent_metadata().hex()})
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["t"] == "bye":
+            return 0
+        if req["t"] == "peer":
+            agent.add_remote_agent(bytes.fromhex(req["meta"]))
+            _say({"t": "ok"})
+            continue
+        # one case: register, publish the buffer, then check each iteration's pages
+        case, seed, total = parse_case(req["case"]), int(req["seed"]), int(req["total"])
+        chk = Checker(case, seed)
+        reg = agent.register_memory([(chk.buf.ctypes.data, chk.buf.nbytes, 0, "")], "DRAM")
+        # the registration's remote keys travel in the agent's metadata: publish it again
+        _say({"t": "desc", "addr": int(chk.buf.ctypes.data), "meta": agent.get_agent_metadata().hex()})
+        bad_iters = 0
+        for i in range(total):
+            want = str(i).encode()
+            deadline = time.monotonic() + float(req["timeout"])
+            while True:
+                notifs = agent.get_new_notifs()
+                if any(want in msgs for msgs in notifs.values()):
+                    break
+                if time.monotonic() > deadline:
+                    _say({"t": "error", "error": f"no notification for iteration {i}"})
+                    return 1
+                os.sched_yield()     # polls like kvxfer's drive loop; 2 cores are shared
+            clock = time.perf_counter()
+            bad, guard = chk.check(i)
+            bad_iters += bool(bad or not guard)
+            _say({"t": "landed", "i": i, "clock": clock, "bad": bad, "guard": guard})
+        agent.deregister_memory(reg)
+        _say({"t": "done", "bad_iters": bad_iters})
+    return 0
+
+
+class NixlPeer:
+    """The initiator's side: a NIXL agent in this process and a NIXL target process."""
+
+    def __init__(self, provider: str, *, timeout: float) -> None:
+        self.provider = provider
+        self.timeout = timeout
+        for k, v in ucx_env(provider).items():   # UCX reads its environment when the agent starts
+            os.environ[k] = v
+        env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvxfer.cli._nixl"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            hello = self._recv("hello")
+            self.agent = _agent("kvxfer-bench-nixl", False)
+            self.remote = self.agent.add_remote_agent(bytes.fromhex(hello["meta"]))
+            self._send(t="peer", meta=self.agent.get_agent_metadata().hex())
+            self._recv("ok")
+        except BaseException:
+            self.close()
+            raise
+
+    def _send(self, **msg) -> None:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def _recv(self, kind: str) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the NIXL target exited (status {self.proc.poll()}) before {kind!r}")
+        msg = json.loads(line)
+        if msg["t"] == "error":
+            raise RuntimeError(f"NIXL target: {msg['error']}")
+        if msg["t"] != kind:
+            raise RuntimeError(f"NIXL target sent {msg['t']!r}, expected {kind!r}")
+        return msg
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._send(t="bye")
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+
+    def bw(self, case: Case, seed: int, *, warmup: int, iters: Optional[int], budget: float, min_iters: int,
+           max_iters: int, progress: Callable[[int, int], None]) -> CaseResult:
+        """One case through NIXL, measured and checked like ``Initiator.bw``."""
+        res = CaseResult(case, warmup=warmup, clock="target clock")
+        src = pattern(seed, case.nbytes)
+        reg = self.agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+        pb, n_pages = case.page_bytes, case.pages
+        # pass 1 measures one iteration's wall time to size the run, as Initiator.bw does
+        first = min(warmup, 1) if iters is None else 0
+        try:
+            wall = self._run(case, seed, src, warmup + first, 0, None, progress)
+            n = iters if iters is not None else _iterations(budget, wall, min_iters, max_iters)
+            self._run(case, seed, src, n, warmup + first, res, progress)
+            res.iterations = n
+            res.num_writes = n_pages
+        finally:
+            self.agent.deregister_memory(reg)
+        return res
+
+    def _run(self, case: Case, seed: int, src: np.ndarray, n: int, first: int, res: Optional[CaseResult],
+             progress: Callable[[int, int], None]) -> float:
+        """n iterations numbered from `first` against a fresh target buffer; last wall time."""
+        agent, pb, pages = self.agent, case.page_bytes, case.pages
+        self._send(t="case", case=case.spec, seed=seed, total=first + n, timeout=self.timeout)
+        desc = self._recv("desc")
+        dst = int(desc["addr"])
+        agent.add_remote_agent(bytes.fromhex(desc["meta"]))
+        # the target numbers iterations from 0: replay the ones before `first` untimed
+        local = remote = None
+        if case.kind == "pages":
+            so = np.arange(pages, dtype=np.uint64) * np.uint64(pb)
+            col = np.zeros(pages, dtype=np.uint64)
+            lrows = np.stack([so + np.uint64(src.ctypes.data), np.full(pages, pb, np.uint64), col], axis=1)
+            rrows = np.stack([so + np.uint64(dst), np.full(pages, pb, np.uint64), col], axis=1)
+            local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, "DRAM")
+            remote = agent.prep_xfer_dlist(self.remote, rrows, "DRAM")
+            lidx = np.arange(pages, dtype=np.int32)
+        else:
+            ld = agent.get_xfer_descs([(int(src.ctypes.data), case.nbytes, 0)], "DRAM")
+            rd = agent.get_xfer_descs([(dst, case.nbytes, 0)], "DRAM")
+        wall = 0.0
+        h_write = None
+        try:
+            for i in range(first + n):
+                t_start = time.perf_counter()
+                notif = str(i).encode()
+                if case.kind == "pages":
+                    perm = dst_pages(seed, i, pages).astype(np.int32)
+                    t0 = time.perf_counter()
+                    h = agent.make_prepped_xfer("WRITE", local, lidx, remote, perm, notif)
+                else:
+                    if h_write is None:
+                        h_write = agent.initialize_xfer("WRITE", ld, rd, self.remote, notif)
+                    h = h_write
+                    t0 = time.perf_counter()
+                st = agent.transfer(h, notif)
+                t1 = time.perf_counter()
+                while st == "PROC":
+                    st = agent.check_xfer_state(h)
+                    if st == "PROC":
+                        os.sched_yield()
+                t2 = time.perf_counter()
+                if st != "DONE":
+                    raise RuntimeError(f"NIXL transfer {i} ended {st}")
+                msg = self._recv("landed")
+                t3 = time.perf_counter()
+                if h is not h_write:
+                    h.release()
+                if res is not None and i >= first:
+                    res.landed.append(msg["clock"] - t0)
+                    res.acked.append(t3 - t0)
+                    res.local.append(t2 - t0)
+                    res.post.append(t1 - t0)
+                    progress(i - first + 1, n)
+                if res is not None and (msg["bad"] or not msg["guard"]):
+                    res.bad_iterations += 1
+                    if len(res.problems) < 5:
+                        res.problems.append(f"iteration {i}: {msg['bad']} pages differ" if msg["bad"]
+                                            else f"iteration {i}: guard bytes overwritten")
+                wall = time.perf_counter() - t_start
+        finally:
+            for hd in (local, remote, h_write):
+                if hd is not None:
+                    hd.release()
+        done = self._recv("done")
+        if res is not None and done["bad_iters"] != res.bad_iterations:
+            res.problems.append(f"NIXL target counted {done['bad_iters']} bad iterations")
+        return wall
+
+
+if __name__ == "__main__":
+    sys.exit(target_main())

@@ -1,0 +1,74 @@
+"""The --vs comparison without any peer library: matching, ratios, table, JSON and chart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvxfer.cli import bench
+from kvxfer.cli._compare import chart, compare, table
+
+
+def _res(case, label, letter, gbps, local, check="ok", kind="pages"):
+    return {"case": case, "label": label, "letter": letter, "kind": kind, "gbps": gbps, "local_p50_s": local,
+            "check": check}
+
+
+OURS = [_res("memmove:64M", "memmove 64M", "memmove", 9.0, None, kind="memmove"),
+        _res("write:4K", "write 4K", None, 0.1, 10e-6, kind="write"),
+        _res("pages:16Kx4096", "pages 16K x 4096 (b)", "b", 4.0, 0.02),
+        _res("pages:2Kx32768", "pages 2K x 32768 (c)", "c", 1.0, 0.05)]
+THEIRS = [_res("write:4K", "write 4K", None, 0.05, 40e-6, kind="write"),
+          _res("pages:16Kx4096", "pages 16K x 4096 (b)", "b", 2.0, 0.03, check="FAIL")]
+
+
+def test_rows_match_cases_and_ratios_favour_kvxfer_above_one():
+    rows = compare("shm", OURS, THEIRS, "nixl")
+    assert [r["case"] for r in rows] == ["write:4K", "pages:16Kx4096"]   # memmove and unmatched (c) left out
+    w, b = rows
+    assert w["gbps_ratio"] == pytest.approx(2.0) and w["sender_ratio"] == pytest.approx(4.0)
+    assert b["gbps_ratio"] == pytest.approx(2.0) and b["sender_ratio"] == pytest.approx(1.5)
+    assert b["goal"] == 2.0 and w["goal"] is None
+    assert b["peer_check"] == "FAIL"
+    json.dumps(rows)   # plain data
+
+
+def test_missing_numbers_give_no_ratio():
+    (row,) = compare("tcp", [_res("write:4K", "w", None, None, 0.0, kind="write")],
+                     [_res("write:4K", "w", None, 1.0, float("nan"), kind="write")], "nixl")
+    assert row["gbps_ratio"] is None and row["sender_ratio"] is None
+
+
+def test_table_has_a_line_per_row_and_flags_failed_checks():
+    rows = compare("shm", OURS, THEIRS, "nixl")
+    text = table(rows)
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(rows)
+    assert "x nixl" in lines[0] and "goal" in lines[0]
+    assert lines[2].split()[-1] == "ok" and lines[3].split()[-1] == "FAIL"
+    assert "2.00" in lines[3] and "10.0 us" in lines[2] and "40.0 us" in lines[2]
+    assert table([]) == ""
+
+
+def test_chart_is_a_png_or_says_why_not(tmp_path):
+    path = tmp_path / "vs.png"
+    why = chart(compare("shm", OURS, THEIRS, "nixl"), str(path))
+    if why is None:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "matplotlib" in why
+    assert chart([], str(path)) == "nothing to draw"
+
+
+def test_vs_is_refused_with_connect(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["bw", "--vs", "nixl", "--connect", "00"])
+    assert "--connect" in str(e.value.code)
+
+
+def test_vs_accepts_only_known_peers(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["bw", "--vs", "bogus"])
+    assert e.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
