@@ -173,7 +173,7 @@ struct kx_rail {
     int awake;             /* holds (kx_rail_hold_awake): poll as if operations were outstanding */
     int poll_owner;        /* 1 while a thread reads the CQ (kx_poll + queue): one reader at a time */
     int drivers;           /* waiting threads driving progress themselves: the progress thread parks */
-    int parked;            /* futex word: the progress thread is parked while drivers > 0 */
+    int yielded;           /* futex word: the progress thread yields the CQ to driving waiters (drivers > 0) */
     int drive_got;         /* the last driver got what it waited for (else it now blocks) */
     int64_t spin_ns;       /* how long a waiter drives before it blocks (0: never drives) */
     int endpoint_closed;

@@ -287,9 +287,9 @@ static int kx_drive(kx_rail *r, const int *flag, void *const *ptr, int64_t windo
     }
     __atomic_store_n(&r->drive_got, got, __ATOMIC_RELAXED);
     __atomic_sub_fetch(&r->drivers, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&r->parked, __ATOMIC_SEQ_CST)) {
-        __atomic_store_n(&r->parked, 0, __ATOMIC_SEQ_CST);
-        kx_futex(&r->parked, FUTEX_WAKE_PRIVATE, 1, NULL);
+    if (__atomic_load_n(&r->yielded, __ATOMIC_SEQ_CST)) {
+        __atomic_store_n(&r->yielded, 0, __ATOMIC_SEQ_CST);
+        kx_futex(&r->yielded, FUTEX_WAKE_PRIVATE, 1, NULL);
     }
     kx_leave(r);
     return got;
@@ -337,12 +337,12 @@ int64_t kx_drive_for_message(kx_rail *r, void *const *head, int64_t slice_ns)
 /* while waiters drive, stay off the CQ: park until the last one leaves (or a bound passes) */
 static void kx_park(kx_rail *r)
 {
-    __atomic_store_n(&r->parked, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&r->yielded, 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&r->drivers, __ATOMIC_SEQ_CST) > 0 && !r->stop) {
         struct timespec ts = {0, KX_PARK_NS};
-        kx_futex(&r->parked, FUTEX_WAIT_PRIVATE, 1, &ts);
+        kx_futex(&r->yielded, FUTEX_WAIT_PRIVATE, 1, &ts);
     }
-    __atomic_store_n(&r->parked, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&r->yielded, 0, __ATOMIC_SEQ_CST);
 }
 
 void *kx_progress_main(void *arg)
