@@ -1,4 +1,4 @@
-# The two commands of the README: `make bench` and `make test`. Everything else is set-up.
+# The commands of the README: `make bench`, `make test` and `make demo`. Everything else is set-up.
 SHELL := /bin/bash
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
@@ -7,7 +7,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3 $$HOME/.pyenv/versions/
 	  c=$$(command -v $$p 2>/dev/null) || continue; \
 	  $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$c; break; }; done)
 
-.PHONY: all sysdeps venv build test ctest bench clean
+.PHONY: all sysdeps venv build test ctest bench demo clean
 
 all: build
 
@@ -40,6 +40,9 @@ test: build ctest
 
 bench: build
 	$(VENV)/bin/kvxfer-bench bw
+
+demo: build
+	$(VENV)/bin/kvxfer-demo
 
 clean:
 	rm -rf build kvxfer/_fabric.c kvxfer/_fabric*.so *.egg-info

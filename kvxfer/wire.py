@@ -216,7 +216,9 @@ def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int, pa
     several rails the triples are first cut by ``stripe_bounds`` and each chunk is counted
     on its own (rails never merge writes with each other).
     For ``write_pages`` the triples are ``(src_offset + src_pages*src_stride,
-    dst_offset + dst_pages*dst_stride, page_bytes)``.
+    dst_offset + dst_pages*dst_stride, page_bytes)``. For ``Engine.write_groups`` /
+    ``write_pairs`` count each group on its own and add (groups never merge, even when
+    contiguous); with ``rail=`` pinned, count with ``rails=1``.
     """
     so = np.ascontiguousarray(src_offsets, dtype=np.uint64).ravel()
     do = np.ascontiguousarray(dst_offsets, dtype=np.uint64).ravel()

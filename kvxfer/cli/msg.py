@@ -66,6 +66,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--placement", choices=("both", "per_layer", "layer_major"), default="both")
     p.add_argument("--context", type=int, default=0, metavar="BYTES", help="context bytes per request (default 0)")
     p.add_argument("--progress", choices=("block", "spin"), default="block")
+    p.add_argument("--serve", choices=("inline", "requests"), default="inline",
+                   help="prefill side: answer on the messenger thread (on_request, inline_requests=True; "
+                        "default) or from a server thread that takes requests()")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.set_defaults(func=run_msg)
 
@@ -104,36 +107,45 @@ def _prefill_main(argv: list[str]) -> int:
     ap.add_argument("--placement", required=True)
     ap.add_argument("--provider", required=True)
     ap.add_argument("--progress", default="block")
+    ap.add_argument("--serve", default="inline")
     args = ap.parse_args(argv)
     sh = Sharding(1)
     layouts = _layouts(args)
     engines, ms = [], {}
     node = None if args.provider.startswith("shm") else LOOPBACK
+    cursor = [0]
+    inline = args.serve == "inline"
     for name, lay in layouts.items():
         e = kvxfer.Engine(args.provider, node, progress=args.progress)
         engines.append(e)
         kv = [np.full(s, 7, np.uint8) for s in lay.region_sizes(sh)]
-        ms[name] = kvxfer.Messenger(e, lay, sh, {0: kv}, peer_timeout=30)
+        ms[name] = kvxfer.Messenger(e, lay, sh, {0: kv}, peer_timeout=30,
+                                    on_request=(lambda req, name=name: answer_in(name, req)) if inline else None,
+                                    inline_requests=inline)
     pong = kvxfer.Engine(args.provider, node, progress=args.progress)
     engines.append(pong)
     pbuf = np.zeros(8, np.uint8)
     pmr = pong.register(pbuf)
     stop = threading.Event()
 
-    def serve(m):
-        pages = args.pages
-        k = 0
+    def send_one(m, req):
+        n = len(req.dst_pages)
+        src = (np.arange(n) + cursor[0]) % args.pages
+        cursor[0] += n
+        m.send(req, src).finish(b"c" * req.peer.handshake.context_bytes if req.peer.handshake.context_slots else None)
+
+    def answer_in(name, req):          # --serve inline: on the messenger thread that read it
+        send_one(ms[name], req)
+
+    def serve(m):                      # --serve requests: a server thread takes requests()
         try:
             while not stop.is_set():
                 for req in m.requests(timeout=0.2):
-                    n = len(req.dst_pages)
-                    src = (np.arange(n) + k) % pages
-                    k += n
-                    m.send(req, src).finish(b"c" * req.peer.handshake.context_bytes if req.peer.handshake.context_slots else None)
+                    send_one(m, req)
         except kvxfer.errors.ClosedError:
             pass
 
-    threads = [threading.Thread(target=serve, args=(m,), daemon=True) for m in ms.values()]
+    threads = [] if inline else [threading.Thread(target=serve, args=(m,), daemon=True) for m in ms.values()]
     for t in threads:
         t.start()
     print(json.dumps({"blobs": {k: m.handshake().hex() for k, m in ms.items()},
@@ -170,7 +182,7 @@ def _pct(a: list[float], q: float) -> float:
 class _Prefill:
     def __init__(self, args: Any, provider: str) -> None:
         cmd = [sys.executable, "-m", "kvxfer.cli.msg", "_prefill", "--provider", provider, "--progress", args.progress,
-               "--placement", args.placement]
+               "--placement", args.placement, "--serve", args.serve]
         for name in ("layers", "kv_heads", "head_dim", "page_size", "pages"):
             cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -60,6 +60,7 @@ __all__ = ["Messenger", "PeerGroup", "Receive", "Request", "Send", "context_stri
 IMM_LIMIT = 2**31
 _FINAL = ("done", "failed", "aborted")
 _STAGING_SLOTS = 64
+_ONE = np.ones(1, np.int64)
 
 
 def context_stride(context_bytes: int) -> int:
@@ -130,6 +131,9 @@ class PeerGroup:
         self.acked = threading.Event()
         self.heartbeat = min(m.peer_timeout, hs.peer_timeout) / 4
         self._template: Optional[list] = None       # one page's writes (Messenger._batches)
+        self._pair_template: Optional[list] = None  # the same per rank pair, for write_pairs (_posts)
+        self._orders: dict[tuple, np.ndarray] = {}  # (region pairs, pages) -> the planner's order
+        self._ctx_pairs: dict[int, Any] = {}        # staging region id -> (staging, context) RegionPairs
         self._geometry = hs.layout.resolve(hs.sharding)
 
     @property
@@ -170,6 +174,7 @@ class Receive:
         self.error: Optional[BaseException] = None
         self.fenced = False
         self._event = threading.Event()
+        self._armed = threading.Event()     # the counter exists (ANNOUNCE handled) or final
         self._callbacks: list[Callable[[Receive], Any]] = []
         self._counter: Any = None
         self._announced: Optional[int] = None
@@ -196,7 +201,10 @@ class Receive:
         """Block until final; return ``"done"`` or ``"aborted"``, raise ``error`` if failed,
         ``TimeoutError`` if ``timeout`` seconds pass first (the request goes on)."""
         timeout = _timeout_arg(timeout)
-        if not self._event.wait(timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._event.is_set():
+            self._wait_counter(deadline)
+        if not self._event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"request {self.request_id!r} is still {self._state} after {timeout} s")
         if self._state == "failed" and self.error is not None:
             raise self.error
@@ -215,6 +223,29 @@ class Receive:
     def expected(self) -> Optional[int]:
         """The announced message count (None before the ANNOUNCE)."""
         return self._announced
+
+    def _wait_counter(self, deadline: Optional[float]) -> None:
+        """The caller's thread waits on the engine's counter itself (a native, GIL-free wait
+        woken by the progress thread) once the ANNOUNCE armed it, and completes the request:
+        no hop through the engine's callback dispatcher. That callback still runs (for
+        callers that never wait); completing twice is a no-op."""
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._armed.wait(left):
+            return
+        c = self._counter
+        while c is not None and not self._event.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            try:
+                c.wait(0.2 if left is None else min(left, 0.2))     # slices: a failure sets _event
+            except TimeoutError:
+                continue
+            except KvxferError:                  # discarded (abort, failure) or engine closed
+                return
+            if c.state == "done":
+                self._m._on_counter(self)
+            return
 
     def add_done_callback(self, fn: Callable[["Receive"], Any]) -> None:
         """``fn(receive)`` once final, on the messenger's dispatcher thread."""
@@ -394,7 +425,13 @@ class Messenger:
     big), or is a sequence in the order of ``ranks`` (default: every rank of ``sharding``).
     ``context_slots`` x ``context_bytes`` is the decoder-side space for per-request context
     data. ``secret`` (bytes, >= 16) authenticates handshakes and control messages with
-    HMAC-SHA256; peers must share it. ``on_request(request)`` replaces ``requests()``.
+    HMAC-SHA256; peers must share it. ``on_request(request)`` replaces ``requests()``; it runs
+    on the callback thread, or with ``inline_requests=True`` on the messenger thread that read
+    the REQUEST (no thread hand-off: the lowest latency, but it must not block, since every
+    control message waits for it; ``send(...).finish()`` is fine). ``placements`` maps a
+    source rank to its GPU's ``Placement`` (``Topology.assign``) or directly to a local rail
+    index: that rank's writes go over the engine rail nearest to it (``Engine.nearest_rail``);
+    without one they are striped over every rail.
     Streaming (``layer_counter``, ``stream``, ``schedule``; kvxfer/messenger/stream.py):
     ``counter_device`` puts the layer counter in pinned host memory mapped into that CUDA
     device; ``watch_poll_us``, ``watch_cpus`` and ``watch_rt_priority`` tune its native
@@ -404,7 +441,8 @@ class Messenger:
     def __init__(self, engine: Any, layout: KVLayout, sharding: Sharding, kv: Any, *,
                  ranks: Optional[Iterable[int]] = None, context_slots: int = 0, context_bytes: int = 0,
                  peer_timeout: float = 10.0, secret: Optional[bytes] = None,
-                 on_request: Optional[Callable[[Request], Any]] = None, counter_device: Optional[int] = None,
+                 on_request: Optional[Callable[[Request], Any]] = None, inline_requests: bool = False,
+                 placements: Optional[Mapping[int, Any]] = None, counter_device: Optional[int] = None,
                  watch_poll_us: float = 10.0, watch_cpus: Optional[Iterable[int]] = None,
                  watch_rt_priority: int = 0) -> None:
         if not isinstance(layout, KVLayout):
@@ -430,6 +468,7 @@ class Messenger:
         if self.context_slots and self.context_bytes + 8 > engine.max_write:
             raise InvalidArgumentError(f"context_bytes {context_bytes} exceeds one message of this engine")
         self._on_request = on_request
+        self._inline_requests = bool(inline_requests)
         if counter_device is not None and (isinstance(counter_device, bool) or not isinstance(counter_device, int)
                                            or counter_device < 0):
             raise InvalidArgumentError(f"counter_device must be a CUDA device ordinal, got {counter_device!r}")
@@ -441,6 +480,7 @@ class Messenger:
         self._watcher: Any = None
         self._counter_release: Optional[Callable[[], None]] = None
         self.ranks, regions = self._ranks(kv, ranks, sharding)
+        self._rails = self._rails_of(engine, placements, self.ranks)
         self.uid = int.from_bytes(os.urandom(8), "little") | 1
         self._lock = threading.RLock()
         self._closed = False
@@ -525,6 +565,29 @@ class Messenger:
         if not rs or len(set(rs)) != len(rs):
             raise InvalidArgumentError(f"ranks must be distinct and at least one, got {list(rs)}")
         return tuple(int(r) for r in rs), regions
+
+    @staticmethod
+    def _rails_of(engine: Any, placements: Optional[Mapping[int, Any]], ranks: tuple) -> dict[int, int]:
+        """Source rank -> the local rail its writes take (absent: striped over every rail)."""
+        if placements is None:
+            return {}
+        if not isinstance(placements, Mapping):
+            raise InvalidArgumentError("placements must map source ranks to a Placement or a rail index")
+        out = {}
+        for r, p in placements.items():
+            if r not in ranks:
+                raise InvalidArgumentError(f"placements names rank {r!r}, which this messenger does not hold")
+            if isinstance(p, (int, np.integer)) and not isinstance(p, bool):
+                if not 0 <= int(p) < engine.rails:
+                    raise InvalidArgumentError(f"rail {p} of rank {r} is not one of the engine's {engine.rails}")
+                out[r] = int(p)
+            elif hasattr(p, "domains"):
+                k = engine.nearest_rail(p)
+                if k is not None:
+                    out[r] = k
+            else:
+                raise InvalidArgumentError(f"placement of rank {r} is neither a Placement nor a rail index: {p!r}")
+        return out
 
     # -- life cycle ---------------------------------------------------------------------
     def handshake(self) -> bytes:
@@ -833,6 +896,7 @@ class Messenger:
             cbs, r._callbacks = r._callbacks, []
             self._count("receive_" + state)
         r._event.set()
+        r._armed.set()
         for fn in cbs:
             self._dispatch(fn, r)
 
@@ -883,7 +947,7 @@ class Messenger:
         if len(self.ranks) != self.sharding.tp_size:
             raise UnsupportedError(f"sending needs every rank of TP{self.sharding.tp_size} in this messenger; "
                                    f"it holds {list(self.ranks)}")
-        batches = self._batches(pg, request, src_pages)
+        posts = self._posts(pg, request, src_pages)
         s = Send(self, request)
         with self._lock:
             if request.send is not None:
@@ -899,11 +963,10 @@ class Messenger:
                 return s
         err: Optional[BaseException] = None
         try:
-            for src, dst, sr, dr, so, do, ln in batches:
+            for src, post in posts:          # one engine call per rank pair (write_pairs)
                 if s._abort_req:
                     break
-                s._transfers.append(self.engine.write_batch(self._local[src][sr], pg.peer, pg.remote[dst][dr],
-                                                            so, do, ln, imm=request.imm))
+                s._transfers.append(post(imm=request.imm, rail=self._rails.get(src)))
         except KvxferError as exc:
             err = exc
         count = sum(t.num_writes for t in s._transfers) + (1 if pg.handshake.context_slots else 0)
@@ -1071,7 +1134,7 @@ class Messenger:
                             [g[0] for g in groups], self._local[src][sr], pg.peer, pg.remote[dst][dr],
                             np.concatenate([g[1] for g in groups]), np.concatenate([g[2] for g in groups]),
                             np.concatenate([g[3] for g in groups]), starts, imm=req.imm, tag=p.id,
-                            rail=src % nrails))
+                            rail=self._rails.get(src, src % nrails)))
             except KvxferError as exc:
                 err = exc
             if err is None and end == req.num_tokens:
@@ -1127,7 +1190,8 @@ class Messenger:
             arr[base + 8:base + 8 + n] = np.frombuffer(data, np.uint8)
         s._transfers.append(self._watcher.arm(st.end, mr, pg.peer, pg.context_region, np.array([base], np.uint64),
                                               np.array([s.request.slot * stride], np.uint64),
-                                              np.array([8 + n], np.uint64), imm=s.request.imm, tag=st.passes[-1]))
+                                              np.array([8 + n], np.uint64), imm=s.request.imm, tag=st.passes[-1],
+                                              rail=self._rails.get(self.ranks[0], 0)))
 
     def _maybe_done_posting(self, s: Send) -> None:
         """A streaming Send whose last chunk was scheduled and whose context is armed has
@@ -1185,6 +1249,73 @@ class Messenger:
                 out[layer].append((s, d, sr, dr, (a[None, :] + soff[:, None]).ravel(),
                                    (b[None, :] + doff[:, None]).ravel(),
                                    np.broadcast_to(c, (len(sp), len(c))).ravel()))
+        return out
+
+    def _posts(self, pg: PeerGroup, request: Request, src_pages: Any) -> list:
+        """A request's writes as ``(src rank, post)``, one per rank pair: ``post(imm=, rail=)``
+        is ONE engine call (``write_pairs`` over the pair's region pairs, or ``write_groups``)
+        and returns one ``Transfer``. Same writes, same order as ``_batches``; the template
+        road shifts one page's writes of all region pairs at once (see ``_batches``)."""
+        sh = self.sharding
+        eng = self.engine
+        if sh.replicated or self.layout.kv_heads < sh.tp_size:
+            out = []
+            by_pair: dict[tuple[int, int], list] = {}
+            for s_, d, sr, dr, so, do, ln in self._batches(pg, request, src_pages):
+                by_pair.setdefault((s_, d), []).append((self._local[s_][sr], pg.remote[d][dr], so, do, ln))
+            for (s_, d), groups in by_pair.items():
+                out.append((s_, lambda imm, rail, g=groups: eng.write_groups(pg.peer, g, imm=imm, rail=rail)))
+            return out
+        sp = self._src_pages(src_pages, len(request.dst_pages))
+        dp = request.dst_pages
+        n = len(sp)
+        if n > 1:
+            order = np.argsort(sp, kind="stable")
+            sp, dp = sp[order], dp[order]
+        t = pg._pair_template
+        if t is None:
+            t = pg._pair_template = self._make_pair_template(pg)
+        ds = self._geometry.page_stride
+        dd = pg._geometry.page_stride
+        out = []
+        for s_, pairs, so, do, ln, counts, key in t:
+            if n == 1:
+                a, b, c, k = so + int(sp[0]) * ds, do + int(dp[0]) * dd, ln, counts
+            else:
+                idx = pg._orders.get((id(pairs), n))
+                if idx is None:
+                    # (region pair, layer, page, entry): the planner's order within each pair
+                    m = len(so)
+                    page = np.repeat(np.arange(n), m)
+                    entry = np.tile(np.arange(m), n)
+                    idx = np.lexsort((entry, page, np.tile(key, n)))
+                    if len(pg._orders) < 64:
+                        pg._orders[(id(pairs), n)] = idx
+                a = (so[None, :] + (sp * ds)[:, None].astype(np.uint64)).ravel()[idx]
+                b = (do[None, :] + (dp * dd)[:, None].astype(np.uint64)).ravel()[idx]
+                c = np.tile(ln, n)[idx]
+                k = counts * n
+            out.append((s_, lambda imm, rail, p=pairs, a=a, b=b, c=c, k=k: eng.write_pairs(p, a, b, c, k, imm=imm,
+                                                                                          rail=rail)))
+        return out
+
+    def _make_pair_template(self, pg: PeerGroup) -> list:
+        """``_make_template`` per rank pair: ``(s, RegionPairs, so, do, ln, counts, key)`` with
+        the region pairs' writes concatenated and ``key`` = region pair x layers + layer."""
+        by_pair: dict[tuple[int, int], list] = {}
+        for s_, d, sr, dr, so, do, ln, lay in self._make_template(pg):
+            by_pair.setdefault((s_, d), []).append((sr, dr, so, do, ln, lay))
+        out = []
+        nl = max(1, self.layout.num_layers)
+        for (s_, d), rows in by_pair.items():
+            pairs = self.engine.region_pairs(pg.peer, [(self._local[s_][sr], pg.remote[d][dr])
+                                                       for sr, dr, *_ in rows])
+            so = np.concatenate([r[2] for r in rows]).astype(np.uint64)
+            do = np.concatenate([r[3] for r in rows]).astype(np.uint64)
+            ln = np.concatenate([r[4] for r in rows]).astype(np.uint64)
+            counts = np.array([len(r[4]) for r in rows], np.int64)
+            key = np.concatenate([i * nl + r[5].astype(np.int64) for i, r in enumerate(rows)])
+            out.append((s_, pairs, so, do, ln, counts, key))
         return out
 
     def _batches(self, pg: PeerGroup, request: Request, src_pages: Any) -> list:
@@ -1324,8 +1455,13 @@ class Messenger:
         if n:
             arr[base + 8:base + 8 + n] = np.frombuffer(data, np.uint8)
         dst = s.request.slot * stride
-        return self.engine.write_batch(mr, pg.peer, pg.context_region, np.array([base], np.uint64),
-                                       np.array([dst], np.uint64), np.array([8 + n], np.uint64), imm=s.request.imm)
+        pairs = pg._ctx_pairs.get(id(mr))
+        if pairs is None:
+            pairs = pg._ctx_pairs[id(mr)] = self.engine.region_pairs(pg.peer, [(mr, pg.context_region)])
+        # one message, on the rail of this node's first rank when placements pin it
+        return self.engine.write_pairs(pairs, np.array([base], np.uint64), np.array([dst], np.uint64),
+                                       np.array([8 + n], np.uint64), _ONE, imm=s.request.imm,
+                                       rail=self._rails.get(self.ranks[0]))
 
     def _staging_slot(self, stride: int) -> tuple:
         with self._lock:
@@ -1668,7 +1804,14 @@ class Messenger:
             self._drop("bad_request")
             self._try_send(pg, C.REJECT, imm=m.imm, reason=reason)
             return
-        if self._on_request is not None:
+        if self._on_request is not None and self._inline_requests:
+            try:                             # on this thread: no hand-off before the writes
+                self._on_request(req)
+            except Exception:
+                with self._lock:
+                    self._count("callback_errors")
+                traceback.print_exc()
+        elif self._on_request is not None:
             self._dispatch(self._on_request, req)
         else:
             with self._inbox_cv:
@@ -1690,11 +1833,18 @@ class Messenger:
             self._finish_receive(r, "done", fenced=True)
             return
         try:
-            c = self.engine.expect(r.imm, int(m.count), callback=lambda _c, r=r: self._on_counter(r))
+            # everything already landed (small requests: the data overtakes the ANNOUNCE): no
+            # callback, so the engine's dispatcher thread is not woken for nothing. Banked
+            # arrivals only grow (nothing but this messenger discards the imm), so the
+            # expectation completes at once.
+            landed = self.engine.banked(r.imm) >= m.count
+            c = self.engine.expect(r.imm, int(m.count),
+                                   callback=None if landed else (lambda _c, r=r: self._on_counter(r)))
         except KvxferError as exc:
             self._finish_receive(r, "failed", exc, fenced=False)
             return
         r._counter = c
+        r._armed.set()                     # a caller in Receive.wait now waits on c natively
         if c.done:                         # everything had landed already: no thread hop
             self._on_counter(r)
 

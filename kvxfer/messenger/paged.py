@@ -6,11 +6,10 @@ descriptor blob; a peer turns the blob into a region table indexed by the planne
 ids with ``remote_layout``; ``post_plan`` posts a ``TransferPlan``'s writes for one
 (source rank, destination rank), or one layer of them, and returns one ``PlanTransfer``.
 
-Only the engine's public API is used. The engine writes from one local region to one remote
-region per ``write_batch``, so a plan spanning several region pairs (one region per layer,
-say) becomes one engine ``Transfer`` per region pair, all with the same imm; the planner's
-groups of one region pair are concatenated across layers first, so a layer-major layout
-posts a whole request in one native call.
+Only the engine's public API is used. A plan spanning several region pairs (one region per
+layer, say) is posted by one ``Engine.write_groups`` call, one group per region pair (the
+planner's groups of one region pair concatenated across layers first), so a rank pair is
+one engine ``Transfer`` whatever the layout.
 """
 
 from __future__ import annotations
@@ -151,7 +150,7 @@ def plan_batches(plan: Any, src_rank: int, dst_rank: int) -> list[tuple[int, int
 
 
 class PlanTransfer:
-    """The engine transfers of one plan post (one per region pair), seen as one transfer."""
+    """The engine transfer(s) of one plan post, seen as one transfer."""
 
     __slots__ = ("transfers", "imm")
 
@@ -205,11 +204,13 @@ def transfer_posted(t: Any) -> int:
 
 
 def post_plan(engine: Any, plan: Any, src_rank: int, dst_rank: int, src: LayoutRegions, peer: Any,
-              dst: RemoteLayout, *, imm: Optional[int] = None, layers: Optional[Iterable[int]] = None
-              ) -> PlanTransfer:
+              dst: RemoteLayout, *, imm: Optional[int] = None, layers: Optional[Iterable[int]] = None,
+              rail: Optional[int] = None) -> PlanTransfer:
     """Post every write of ``plan`` from ``src_rank`` to ``dst_rank`` (or of ``layers`` only)
-    with ``imm``. Region ids are checked against both tables before anything is posted; the
-    engine checks every offset. The target expects ``result.num_writes`` arrivals."""
+    with ``imm``, in one ``Engine.write_groups`` call (one region pair per group; ``rail``
+    pins it to one local rail). Region ids are checked against both tables before anything
+    is posted; the engine checks every offset. The target expects ``result.num_writes``
+    arrivals."""
     p = plan
     if layers is not None:
         layers = list(layers)
@@ -229,12 +230,5 @@ def post_plan(engine: Any, plan: Any, src_rank: int, dst_rank: int, src: LayoutR
     for sr, dr, *_ in batches:
         if not (0 <= sr < len(src)) or not (0 <= dr < len(dst)):
             raise InvalidArgumentError(f"plan names region pair ({sr}, {dr}); tables have {len(src)} and {len(dst)}")
-    out = []
-    try:
-        for sr, dr, so, do, ln in batches:
-            out.append(engine.write_batch(src[sr], peer, dst[dr], so, do, ln, imm=imm))
-    except BaseException:
-        for t in out:
-            t.cancel()
-        raise
-    return PlanTransfer(out, imm)
+    groups = [(src[sr], dst[dr], so, do, ln) for sr, dr, so, do, ln in batches]
+    return PlanTransfer([engine.write_groups(peer, groups, imm=imm, rail=rail)], imm)

@@ -1,0 +1,133 @@
+"""The demo over real kvxfer messengers, one test body per provider: prefill nodes are
+processes (messenger + TP=2 worker processes), the decode node is this process. Any token
+mismatch with the colocated run fails. Also the kill-the-prefiller drill."""
+
+from __future__ import annotations
+
+import pytest
+
+kvxfer = pytest.importorskip("kvxfer")
+try:
+    from kvxfer import _fabric  # noqa: F401
+except ImportError as exc:  # pragma: no cover
+    pytest.skip(f"kvxfer._fabric not built: {exc}", allow_module_level=True)
+
+from kvxfer.demo import cli
+from kvxfer.demo.flow import DemoConfig, run
+
+pytestmark = pytest.mark.timeout(300)
+PROVIDERS = ["tcp;ofi_rxm", "shm"]
+
+
+def _available(p: str) -> bool:
+    try:
+        kvxfer.Engine(p, "127.0.0.1").close()
+        return True
+    except kvxfer.errors.KvxferError:
+        return False
+
+
+_AVAIL = {p: _available(p) for p in PROVIDERS}
+
+
+@pytest.fixture(params=PROVIDERS)
+def provider(request):
+    if not _AVAIL[request.param]:
+        pytest.skip(f"provider {request.param} is not available here")
+    return request.param
+
+
+@pytest.mark.parametrize("attention,decode_tp", [("gqa", 1), ("mla", 4)])
+def test_tokens_identical_over_the_messenger(provider, attention, decode_tp):
+    dc = DemoConfig(prompts=7, min_len=1, max_len=140, max_new=8, attention=attention, decode_tp=decode_tp,
+                    chunk=32, max_batch=3, arrival_ms=10, decode_pool_pages=30, transport=provider, seed=7)
+    r = run(dc)
+    assert not r.failed, [s.error for s in r.requests if s.error]
+    assert r.identical, f"mismatching requests: {r.mismatches}"
+    moved = [s for s in r.requests if s.prompt_len > 1]
+    assert all(s.pages == -(-(s.prompt_len - 1) // 16) and s.bytes > 0 and s.writes > 0 for s in moved)
+    assert all(s.node == 0 for s in moved)
+
+
+def test_kill_the_prefiller(provider):
+    """Prefill node 0 is SIGKILLed after its first prefill: its other requests fail within the
+    peer timeout (plus a margin), node 1 serves the rest with identical tokens, and the run
+    (so every process) ends cleanly."""
+    pt = 1.5
+    dc = DemoConfig(prompts=10, min_len=20, max_len=160, max_new=6, chunk=64, max_batch=4, arrival_ms=3,
+                    transport=provider, prefill_nodes=2, kill_prefiller_after=1, peer_timeout=pt, seed=11)
+    r = run(dc)
+    failed = [s for s in r.requests if s.error]
+    served = [s for s in r.requests if not s.error]
+    assert failed, "node 0 had requests in flight when it was killed"
+    assert all(s.node == 0 for s in failed)
+    assert all("PeerError" in s.error for s in failed), [s.error for s in failed]
+    assert all(s.failed_after <= pt + 3.0 for s in failed), [s.failed_after for s in failed]
+    assert any(s.node == 1 for s in served) and r.identical
+    assert sorted(r.failed) == [s.rid for s in failed]
+
+
+def test_cli_default_transport_is_a_messenger(capsys):
+    if not _AVAIL["shm"]:
+        pytest.skip("shm is not available here")
+    rc = cli.main(["--prompts", "3", "--max-len", "40", "--max-new", "4", "-q", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "transport shm" in out and "tokens identical to colocated: yes" in out
+
+
+def test_model_mismatch_fails_before_any_request(provider):
+    import threading
+
+    from kvxfer.demo.flow import DecodeNode
+    from kvxfer.demo.model import ModelConfig
+    from kvxfer.demo.nodes import MessengerTransport
+
+    dec = DecodeNode(ModelConfig(seed=1), 1, 8)
+    try:
+        with pytest.raises(kvxfer.errors.LayoutError, match="another model"):
+            MessengerTransport(ModelConfig(seed=2), DemoConfig(transport=provider), dec, 8, 4, threading.Event())
+    finally:
+        dec.close()
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) in the middle of a
+    run: exit status 130 and no process of the run left. libfabric replaces the SIGINT
+    handler with one that exits at once; the demo gives it back to Python."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if not _AVAIL["shm"]:
+        pytest.skip("shm is not available here")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-m", "kvxfer.demo.cli", "--prompts", "40", "--transport", "shm"],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        seen = []
+        while time.monotonic() < deadline:
+            line = p.stderr.readline()
+            seen.append(line)
+            if "decoding" in line or not line:
+                break
+        assert any("decoding" in x for x in seen), "".join(seen)
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 130, err
+        assert "interrupted" in err
+        left: list[str] = []
+        for _ in range(100):  # the resource tracker and workers may take a moment to go
+            left = subprocess.run(["pgrep", "-a", "-s", str(p.pid)], capture_output=True, text=True).stdout.splitlines()
+            if not left:
+                break
+            time.sleep(0.1)
+        assert not left, f"processes of the run left: {left}"
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
