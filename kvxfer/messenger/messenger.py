@@ -210,6 +210,20 @@ class Receive:
             raise self.error
         return self._state
 
+    @property
+    def arrived(self) -> int:
+        """Messages of this request credited so far (0 until the prefiller announced its
+        count): progress, e.g. layers landing while a stream runs."""
+        c = self._counter
+        if c is None:
+            return 0
+        return c.count if c.done else c.arrived
+
+    @property
+    def expected(self) -> Optional[int]:
+        """The announced message count (None before the ANNOUNCE)."""
+        return self._announced
+
     def _wait_counter(self, deadline: Optional[float]) -> None:
         """The caller's thread waits on the engine's counter itself (a native, GIL-free wait
         woken by the progress thread) once the ANNOUNCE armed it, and completes the request:
@@ -232,19 +246,6 @@ class Receive:
             if c.state == "done":
                 self._m._on_counter(self)
             return
-    @property
-    def arrived(self) -> int:
-        """Messages of this request credited so far (0 until the prefiller announced its
-        count): progress, e.g. layers landing while a stream runs."""
-        c = self._counter
-        if c is None:
-            return 0
-        return c.count if c.done else c.arrived
-
-    @property
-    def expected(self) -> Optional[int]:
-        """The announced message count (None before the ANNOUNCE)."""
-        return self._announced
 
     def add_done_callback(self, fn: Callable[["Receive"], Any]) -> None:
         """``fn(receive)`` once final, on the messenger's dispatcher thread."""
@@ -997,73 +998,6 @@ class Messenger:
             self._queue_reap(s)
         return s
 
-    def _posts(self, pg: PeerGroup, request: Request, src_pages: Any) -> list:
-        """A request's writes as ``(src rank, post)``, one per rank pair: ``post(imm=, rail=)``
-        is ONE engine call (``write_pairs`` over the pair's region pairs, or ``write_groups``)
-        and returns one ``Transfer``. Same writes, same order as ``_batches``; the template
-        road shifts one page's writes of all region pairs at once (see ``_batches``)."""
-        sh = self.sharding
-        eng = self.engine
-        if sh.replicated or self.layout.kv_heads < sh.tp_size:
-            out = []
-            by_pair: dict[tuple[int, int], list] = {}
-            for s_, d, sr, dr, so, do, ln in self._batches(pg, request, src_pages):
-                by_pair.setdefault((s_, d), []).append((self._local[s_][sr], pg.remote[d][dr], so, do, ln))
-            for (s_, d), groups in by_pair.items():
-                out.append((s_, lambda imm, rail, g=groups: eng.write_groups(pg.peer, g, imm=imm, rail=rail)))
-            return out
-        sp = self._src_pages(src_pages, len(request.dst_pages))
-        dp = request.dst_pages
-        n = len(sp)
-        if n > 1:
-            order = np.argsort(sp, kind="stable")
-            sp, dp = sp[order], dp[order]
-        t = pg._pair_template
-        if t is None:
-            t = pg._pair_template = self._make_pair_template(pg)
-        ds = self._geometry.page_stride
-        dd = pg._geometry.page_stride
-        out = []
-        for s_, pairs, so, do, ln, counts, key in t:
-            if n == 1:
-                a, b, c, k = so + int(sp[0]) * ds, do + int(dp[0]) * dd, ln, counts
-            else:
-                idx = pg._orders.get((id(pairs), n))
-                if idx is None:
-                    # (region pair, layer, page, entry): the planner's order within each pair
-                    m = len(so)
-                    page = np.repeat(np.arange(n), m)
-                    entry = np.tile(np.arange(m), n)
-                    idx = np.lexsort((entry, page, np.tile(key, n)))
-                    if len(pg._orders) < 64:
-                        pg._orders[(id(pairs), n)] = idx
-                a = (so[None, :] + (sp * ds)[:, None].astype(np.uint64)).ravel()[idx]
-                b = (do[None, :] + (dp * dd)[:, None].astype(np.uint64)).ravel()[idx]
-                c = np.tile(ln, n)[idx]
-                k = counts * n
-            out.append((s_, lambda imm, rail, p=pairs, a=a, b=b, c=c, k=k: eng.write_pairs(p, a, b, c, k, imm=imm,
-                                                                                          rail=rail)))
-        return out
-
-    def _make_pair_template(self, pg: PeerGroup) -> list:
-        """``_make_template`` per rank pair: ``(s, RegionPairs, so, do, ln, counts, key)`` with
-        the region pairs' writes concatenated and ``key`` = region pair x layers + layer."""
-        by_pair: dict[tuple[int, int], list] = {}
-        for s_, d, sr, dr, so, do, ln, lay in self._make_template(pg):
-            by_pair.setdefault((s_, d), []).append((sr, dr, so, do, ln, lay))
-        out = []
-        nl = max(1, self.layout.num_layers)
-        for (s_, d), rows in by_pair.items():
-            pairs = self.engine.region_pairs(pg.peer, [(self._local[s_][sr], pg.remote[d][dr])
-                                                       for sr, dr, *_ in rows])
-            so = np.concatenate([r[2] for r in rows]).astype(np.uint64)
-            do = np.concatenate([r[3] for r in rows]).astype(np.uint64)
-            ln = np.concatenate([r[4] for r in rows]).astype(np.uint64)
-            counts = np.array([len(r[4]) for r in rows], np.int64)
-            key = np.concatenate([i * nl + r[5].astype(np.int64) for i, r in enumerate(rows)])
-            out.append((s_, pairs, so, do, ln, counts, key))
-        return out
-
     # -- streaming (layer by layer; see kvxfer/messenger/stream.py) ---------------------------
     @property
     def layer_counter(self) -> LayerCounter:
@@ -1200,7 +1134,7 @@ class Messenger:
                             [g[0] for g in groups], self._local[src][sr], pg.peer, pg.remote[dst][dr],
                             np.concatenate([g[1] for g in groups]), np.concatenate([g[2] for g in groups]),
                             np.concatenate([g[3] for g in groups]), starts, imm=req.imm, tag=p.id,
-                            rail=src % nrails))
+                            rail=self._rails.get(src, src % nrails)))
             except KvxferError as exc:
                 err = exc
             if err is None and end == req.num_tokens:
@@ -1256,7 +1190,8 @@ class Messenger:
             arr[base + 8:base + 8 + n] = np.frombuffer(data, np.uint8)
         s._transfers.append(self._watcher.arm(st.end, mr, pg.peer, pg.context_region, np.array([base], np.uint64),
                                               np.array([s.request.slot * stride], np.uint64),
-                                              np.array([8 + n], np.uint64), imm=s.request.imm, tag=st.passes[-1]))
+                                              np.array([8 + n], np.uint64), imm=s.request.imm, tag=st.passes[-1],
+                                              rail=self._rails.get(self.ranks[0], 0)))
 
     def _maybe_done_posting(self, s: Send) -> None:
         """A streaming Send whose last chunk was scheduled and whose context is armed has
@@ -1314,6 +1249,73 @@ class Messenger:
                 out[layer].append((s, d, sr, dr, (a[None, :] + soff[:, None]).ravel(),
                                    (b[None, :] + doff[:, None]).ravel(),
                                    np.broadcast_to(c, (len(sp), len(c))).ravel()))
+        return out
+
+    def _posts(self, pg: PeerGroup, request: Request, src_pages: Any) -> list:
+        """A request's writes as ``(src rank, post)``, one per rank pair: ``post(imm=, rail=)``
+        is ONE engine call (``write_pairs`` over the pair's region pairs, or ``write_groups``)
+        and returns one ``Transfer``. Same writes, same order as ``_batches``; the template
+        road shifts one page's writes of all region pairs at once (see ``_batches``)."""
+        sh = self.sharding
+        eng = self.engine
+        if sh.replicated or self.layout.kv_heads < sh.tp_size:
+            out = []
+            by_pair: dict[tuple[int, int], list] = {}
+            for s_, d, sr, dr, so, do, ln in self._batches(pg, request, src_pages):
+                by_pair.setdefault((s_, d), []).append((self._local[s_][sr], pg.remote[d][dr], so, do, ln))
+            for (s_, d), groups in by_pair.items():
+                out.append((s_, lambda imm, rail, g=groups: eng.write_groups(pg.peer, g, imm=imm, rail=rail)))
+            return out
+        sp = self._src_pages(src_pages, len(request.dst_pages))
+        dp = request.dst_pages
+        n = len(sp)
+        if n > 1:
+            order = np.argsort(sp, kind="stable")
+            sp, dp = sp[order], dp[order]
+        t = pg._pair_template
+        if t is None:
+            t = pg._pair_template = self._make_pair_template(pg)
+        ds = self._geometry.page_stride
+        dd = pg._geometry.page_stride
+        out = []
+        for s_, pairs, so, do, ln, counts, key in t:
+            if n == 1:
+                a, b, c, k = so + int(sp[0]) * ds, do + int(dp[0]) * dd, ln, counts
+            else:
+                idx = pg._orders.get((id(pairs), n))
+                if idx is None:
+                    # (region pair, layer, page, entry): the planner's order within each pair
+                    m = len(so)
+                    page = np.repeat(np.arange(n), m)
+                    entry = np.tile(np.arange(m), n)
+                    idx = np.lexsort((entry, page, np.tile(key, n)))
+                    if len(pg._orders) < 64:
+                        pg._orders[(id(pairs), n)] = idx
+                a = (so[None, :] + (sp * ds)[:, None].astype(np.uint64)).ravel()[idx]
+                b = (do[None, :] + (dp * dd)[:, None].astype(np.uint64)).ravel()[idx]
+                c = np.tile(ln, n)[idx]
+                k = counts * n
+            out.append((s_, lambda imm, rail, p=pairs, a=a, b=b, c=c, k=k: eng.write_pairs(p, a, b, c, k, imm=imm,
+                                                                                          rail=rail)))
+        return out
+
+    def _make_pair_template(self, pg: PeerGroup) -> list:
+        """``_make_template`` per rank pair: ``(s, RegionPairs, so, do, ln, counts, key)`` with
+        the region pairs' writes concatenated and ``key`` = region pair x layers + layer."""
+        by_pair: dict[tuple[int, int], list] = {}
+        for s_, d, sr, dr, so, do, ln, lay in self._make_template(pg):
+            by_pair.setdefault((s_, d), []).append((sr, dr, so, do, ln, lay))
+        out = []
+        nl = max(1, self.layout.num_layers)
+        for (s_, d), rows in by_pair.items():
+            pairs = self.engine.region_pairs(pg.peer, [(self._local[s_][sr], pg.remote[d][dr])
+                                                       for sr, dr, *_ in rows])
+            so = np.concatenate([r[2] for r in rows]).astype(np.uint64)
+            do = np.concatenate([r[3] for r in rows]).astype(np.uint64)
+            ln = np.concatenate([r[4] for r in rows]).astype(np.uint64)
+            counts = np.array([len(r[4]) for r in rows], np.int64)
+            key = np.concatenate([i * nl + r[5].astype(np.int64) for i, r in enumerate(rows)])
+            out.append((s_, pairs, so, do, ln, counts, key))
         return out
 
     def _batches(self, pg: PeerGroup, request: Request, src_pages: Any) -> list:
