@@ -94,3 +94,21 @@ def test_checker_catches_a_missing_write_and_an_overrun():
     assert chk.check(1) == (0, False)
     chk.buf[: case.nbytes] = chk.expected
     assert chk.check(2) == (0, True)      # the guard was restored
+
+
+# -- lat beside the floor ------------------------------------------------------------------
+def test_lat_row_shows_the_floor_and_the_ratio():
+    s = {"size": 8, "p50_us": 30.0, "p99_us": 90.0, "min_us": 20.0, "mean_us": 35.0, "iterations": 10,
+         "check": "ok"}
+    row = bench.lat_row("shm", s, {"p50_us": 10.0})
+    assert "10.0 us" in row and " 3.0 " in row and row.endswith("ok")
+    assert bench.lat_row("shm", s, None).count(" - ") >= 1          # no floor: dashes, no ratio
+    assert bench.lat_row("shm", s, {"error": "no compiler"}).count(" - ") >= 1
+
+
+def test_floor_without_its_source_says_why(monkeypatch, tmp_path):
+    from kvxfer.cli import _floor
+
+    monkeypatch.setattr(_floor, "source", lambda: tmp_path / "missing.c")
+    with pytest.raises(_floor.FloorUnavailable, match="not found"):
+        _floor.run_floor("shm")
