@@ -58,6 +58,7 @@ __all__ = ["MessengerTransport", "prefill_node_main", "python_signals"]
 
 _CTX = mp.get_context("spawn")
 START_TIMEOUT = 90.0
+WATCH_POLL_US = 20000.0  #: the watcher's safety poll; every bump here is a CPU bump that signals it
 
 
 def python_signals() -> None:
@@ -90,8 +91,11 @@ def prefill_node_main(spec: dict[str, Any], conn: Any) -> None:
         eng = kvxfer.Engine(spec["provider"], "127.0.0.1")
         python_signals()
         workers = WorkerGroup(cfg, spec["tp"], spec["num_pages"], spec["chunk"], layer_signal=spec["stream"])
+        # the relay's CPU bump wakes the watcher at once; its poll (default 10 us while writes are
+        # armed, for a counter a GPU kernel writes) would only take a core from the TP ranks
         m = kvxfer.Messenger(eng, workers.layout, workers.sharding,
-                             {r: c.regions for r, c in enumerate(workers.caches)}, peer_timeout=spec["peer_timeout"])
+                             {r: c.regions for r, c in enumerate(workers.caches)}, peer_timeout=spec["peer_timeout"],
+                             watch_poll_us=WATCH_POLL_US)
         conn.send(("ready", m.handshake(), cfg.fingerprint(), os.getpid(), workers.pids))
         _serve(cfg, m, workers, conn, PagePool(spec["num_pages"]), spec["stream"])
     except BaseException:
@@ -126,9 +130,12 @@ def _prefill_streaming(m: Any, workers: Any, req: Any, tokens: np.ndarray, src: 
     the passes it scheduled (their Sends abort with the fence) and re-raises."""
     s = m.stream(req, src)
     passes: list[Any] = []
+    s.schedule_s = 0.0  # type: ignore[attr-defined]
 
     def before_chunk(a: int, b: int) -> None:
+        t = time.perf_counter()
         passes.append(m.schedule([(s, a, b)]))
+        s.schedule_s += time.perf_counter() - t  # type: ignore[attr-defined]
 
     try:
         ctx, _ = workers.prefill(req.request_id, tokens, src, before_chunk=before_chunk)
@@ -141,8 +148,6 @@ def _prefill_streaming(m: Any, workers: Any, req: Any, tokens: np.ndarray, src: 
 
 
 def _serve(cfg: ModelConfig, m: Any, workers: Any, conn: Any, pool: PagePool, stream: bool) -> None:
-    import kvxfer
-
     stop = threading.Event()
     lock = threading.Lock()
     freed = threading.Condition(lock)
@@ -167,9 +172,23 @@ def _serve(cfg: ModelConfig, m: Any, workers: Any, conn: Any, pool: PagePool, st
         stop.set()
 
     threading.Thread(target=reader, name="kvxfer-demo-router", daemon=True).start()
+    relay = None
     if stream:
-        threading.Thread(target=_relay_layers, args=(workers, m, stop), name="kvxfer-demo-layers",
-                         daemon=True).start()
+        relay = threading.Thread(target=_relay_layers, args=(workers, m, stop), name="kvxfer-demo-layers",
+                                 daemon=True)
+        relay.start()
+    try:
+        _serve_loop(m, workers, pool, stream, stop, lock, freed, prompts, tell)
+    finally:  # the relay stops before the messenger closes (it waits 0.1 s at a time)
+        stop.set()
+        if relay is not None:
+            relay.join(2.0)
+
+
+def _serve_loop(m: Any, workers: Any, pool: PagePool, stream: bool, stop: threading.Event, lock: Any,
+                freed: threading.Condition, prompts: dict[Any, np.ndarray], tell: Any) -> None:
+    import kvxfer
+
     waiting: deque[Any] = deque()
     while not stop.is_set():
         try:
@@ -215,6 +234,7 @@ def _serve(cfg: ModelConfig, m: Any, workers: Any, conn: Any, pool: PagePool, st
                 prompts.pop(req.request_id, None)
             tell(("prefilled", req.request_id, {"t_prefill_start": t0, "t_prefill_end": t1, "t_posted": t2,
                                                 "t_last_layer": t_last, "streamed": streamed,
+                                                "schedule_s": getattr(s, "schedule_s", 0.0),
                                                 "pages": len(src), "bytes": plan.num_bytes,
                                                 "writes": s.num_writes}))
 

@@ -18,8 +18,8 @@ with ``layer_signal=True``, also posts a semaphore per layer: the node process w
 word of its own process, so the layer crosses processes here; see :mod:`kvxfer.demo.nodes`).
 
 The node drives the chunks: ``prefill`` sends one command per chunk to every rank and waits
-for all of them, calling ``before_chunk(start, end)`` first, where a streaming node schedules
-the forward pass with its messenger.
+for all of them; ``before_chunk(start, end)`` runs before each pass is sent (pass ``k + 1``'s
+while pass ``k`` computes), where a streaming node schedules the pass with its messenger.
 """
 
 from __future__ import annotations
@@ -241,7 +241,10 @@ class WorkerGroup:
                 before_chunk: Callable[[int, int], None] | None = None) -> tuple[np.ndarray, float]:
         """Prefill ``tokens`` (the prompt less its last token) into ``pages`` on every rank,
         one forward pass per chunk; ``before_chunk(start, end)`` runs before each pass is
-        sent to the ranks (a streaming node schedules the pass there)."""
+        sent to the ranks, the first before anything is sent and pass ``k + 1``'s while the
+        ranks compute pass ``k`` (a streaming node schedules the pass there: planning is then
+        off the critical path). So when it runs for pass ``k``, every layer of passes
+        ``< k - 1`` is done and none of pass ``k``."""
         tokens = np.asarray(tokens, np.int64)
         pages = np.asarray(pages)
         if pages.ndim != 1 or (pages.size and pages.dtype.kind not in "iu"):
@@ -259,10 +262,11 @@ class WorkerGroup:
         if self.broken:
             raise PeerError(f"this TP group is broken ({self.broken}); close it and start another")
         pages = np.asarray(pages, np.int64)
+        chunks = prefill_chunks(len(tokens), self.chunk)
         ctx, dt = None, 0.0
-        for a, b in prefill_chunks(len(tokens), self.chunk):
-            if before_chunk is not None:
-                before_chunk(a, b)
+        if before_chunk is not None:
+            before_chunk(*chunks[0])
+        for k, (a, b) in enumerate(chunks):
             last = b == len(tokens)
             for r, c in enumerate(self._conns):
                 try:
@@ -270,6 +274,8 @@ class WorkerGroup:
                 except OSError as e:
                     self._break(f"TP rank {r} is gone")
                     raise PeerError(f"TP rank {r} is gone (its pipe: {e})") from e
+            if before_chunk is not None and not last:
+                before_chunk(*chunks[k + 1])  # while pass k computes: off the critical path
             results = self._gather("done", timeout)
             dt += results[0][3]
             self.t_last_layer = results[0][4]
