@@ -92,6 +92,7 @@ class RequestStats:
     prefill: float = 0.0  #: prefill compute on the TP group
     tail: float = 0.0  #: the lead rank's last layer computed until the receive is done
     streamed: bool = False  #: its KV moved layer by layer (False: every layer after the last)
+    schedule: float = 0.0  #: streaming: the prefill node's time in ``Messenger.schedule`` (inside ``prefill``)
     wait: float = 0.0  #: receive done until its first decode step starts (batch full)
     first_step: float = 0.0  #: the first decode step (the last prompt token)
     ttft: float = 0.0  #: arrival until the first token
@@ -141,7 +142,7 @@ class Handoff:
     write of it can land any more, so its pages may be reused; ``context()`` the context as
     float32; the prefill node's figures arrive in ``figures`` (``t_prefill_start``,
     ``t_prefill_end``, ``t_last_layer`` on the machine's monotonic clock, ``streamed``,
-    ``pages``, ``bytes``, ``writes``).
+    ``schedule_s``, ``pages``, ``bytes``, ``writes``).
     """
 
     def __init__(self) -> None:
@@ -439,6 +440,7 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
                 st.queued = f["t_prefill_start"] - t_arrival[i]
                 st.prefill = f["t_prefill_end"] - f["t_prefill_start"]
                 st.streamed = bool(f.get("streamed", False))
+                st.schedule = float(f.get("schedule_s", 0.0))
                 if i in t_done:
                     st.tail = t_done[i] - f.get("t_last_layer", f["t_prefill_end"])
     finally:

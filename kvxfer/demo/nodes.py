@@ -124,18 +124,20 @@ def _relay_layers(workers: Any, m: Any, stop: threading.Event) -> None:
                 return
 
 
-def _prefill_streaming(m: Any, workers: Any, req: Any, tokens: np.ndarray, src: np.ndarray) -> tuple[Any, Any]:
+def _prefill_streaming(m: Any, workers: Any, req: Any, tokens: np.ndarray,
+                       src: np.ndarray) -> tuple[Any, np.ndarray, float]:
     """Prefill ``tokens`` chunk by chunk, scheduling each pass with the messenger before it
     runs; the context is handed to ``finish`` after the last pass. A failed prefill abandons
-    the passes it scheduled (their Sends abort with the fence) and re-raises."""
+    the passes it scheduled (their Sends abort with the fence) and re-raises. Returns the
+    Send, the context and the seconds spent in ``schedule``."""
     s = m.stream(req, src)
     passes: list[Any] = []
-    s.schedule_s = 0.0  # type: ignore[attr-defined]
+    spent = [0.0]
 
     def before_chunk(a: int, b: int) -> None:
         t = time.perf_counter()
         passes.append(m.schedule([(s, a, b)]))
-        s.schedule_s += time.perf_counter() - t  # type: ignore[attr-defined]
+        spent[0] += time.perf_counter() - t
 
     try:
         ctx, _ = workers.prefill(req.request_id, tokens, src, before_chunk=before_chunk)
@@ -144,7 +146,7 @@ def _prefill_streaming(m: Any, workers: Any, req: Any, tokens: np.ndarray, src: 
             if p.layers_done < p.end - p.base:
                 p.abandon()
         raise
-    return s, ctx
+    return s, ctx, spent[0]
 
 
 def _serve(cfg: ModelConfig, m: Any, workers: Any, conn: Any, pool: PagePool, stream: bool) -> None:
@@ -211,8 +213,9 @@ def _serve_loop(m: Any, workers: Any, pool: PagePool, stream: bool, stop: thread
                 break
             t0 = time.monotonic()
             streamed = stream and len(tokens) > 1  # nothing to prefill: no pass to schedule
+            sched = 0.0
             if streamed:
-                s, ctx = _prefill_streaming(m, workers, req, tokens[:-1], src)
+                s, ctx, sched = _prefill_streaming(m, workers, req, tokens[:-1], src)
             else:
                 ctx, _ = workers.prefill(req.request_id, tokens[:-1], src)
             t1 = time.monotonic()
@@ -234,7 +237,7 @@ def _serve_loop(m: Any, workers: Any, pool: PagePool, stream: bool, stop: thread
                 prompts.pop(req.request_id, None)
             tell(("prefilled", req.request_id, {"t_prefill_start": t0, "t_prefill_end": t1, "t_posted": t2,
                                                 "t_last_layer": t_last, "streamed": streamed,
-                                                "schedule_s": getattr(s, "schedule_s", 0.0),
+                                                "schedule_s": sched,
                                                 "pages": len(src), "bytes": plan.num_bytes,
                                                 "writes": s.num_writes}))
 

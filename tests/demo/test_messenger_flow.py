@@ -47,7 +47,7 @@ def test_tokens_identical_over_the_messenger(provider, attention, decode_tp):
     assert r.identical, f"mismatching requests: {r.mismatches}"
     moved = [s for s in r.requests if s.prompt_len > 1]
     assert all(s.pages == -(-(s.prompt_len - 1) // 16) and s.bytes > 0 and s.writes > 0 for s in moved)
-    assert all(s.node == 0 and s.streamed for s in moved)
+    assert all(s.node == 0 and s.streamed and s.schedule > 0 for s in moved)
     assert any(s.prompt_len - 1 > 2 * dc.chunk for s in moved)  # several passes per request
 
 
