@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="SIGKILL prefill node 0 once it prefilled N requests and holds another "
                         "(needs --prefill-nodes 2)")
     p.add_argument("--peer-timeout", type=float, default=d.peer_timeout, help="messenger dead-peer timeout (s)")
+    p.add_argument("--no-stream", action="store_true",
+                   help="move every layer after the last one is computed (default: layer by layer, "
+                        "as the lead TP rank computes them; messenger transports only)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
@@ -78,14 +81,24 @@ def _table(r: Report) -> str:
         f"{moved / 1e6:.1f} MB of KV moved",
         f"TTFT ms p50 {np.percentile(ttft, 50):.1f} p90 {np.percentile(ttft, 90):.1f}; transfer tail ms p50 "
         f"{np.percentile(tail, 50) if tail.size else 0:.1f} p90 {np.percentile(tail, 90) if tail.size else 0:.1f}",
-        "tail = last layer computed -> KV and context landed at the decoder (no layer streaming yet: "
-        "every layer moves after the last)",
+        f"layer streaming: {_streaming(r)}; tail = the lead rank's last layer computed -> KV and "
+        "context landed at the decoder",
         f"draft tokens accepted: {sum(s.accepted for s in r.requests)} of "
         f"{sum(len(s.tokens) for s in r.requests)}",
         f"tokens identical to colocated: {'yes' if r.identical else 'NO (requests ' + str(r.mismatches) + ')'}"
         + (f" ({len(r.failed)} request(s) failed: {r.failed})" if r.failed else ""),
     ]
     return "\n".join(lines)
+
+
+def _streaming(r: Report) -> str:
+    moved = [s for s in r.requests if s.pages and not s.error]
+    if r.config["transport"] == "numpy":
+        return "off (numpy transport: every layer after the last)"
+    if not r.config["stream"]:
+        return "off (--no-stream: every layer moves after the last)"
+    n = sum(1 for s in moved if s.streamed)
+    return f"on ({n} of {len(moved)} transfers moved layer by layer, chunk {r.config['chunk']} tokens)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     max_batch=a.max_batch, arrival_ms=a.arrival_ms, decode_pool_pages=a.decode_pages,
                     transport="tcp;ofi_rxm" if a.transport == "tcp" else a.transport,
                     prefill_nodes=a.prefill_nodes, kill_prefiller_after=a.kill_prefiller_after,
-                    peer_timeout=a.peer_timeout, seed=a.seed)
+                    peer_timeout=a.peer_timeout, stream=not a.no_stream, seed=a.seed)
     show = None
     if not a.quiet and not a.json:
         def show(line: str) -> None:

@@ -19,8 +19,12 @@ Life of a request (decode node's view):
 Transports: ``numpy`` (the prefill node is a thread of this process; KV moves as numpy
 copies that follow ``kvxfer.plan``: no fabric) and ``shm`` / ``tcp;ofi_rxm`` (the prefill
 node is its own process with a ``kvxfer.Messenger``; see :mod:`kvxfer.demo.nodes`).
-Without layer streaming (the messenger's layer counter), every layer is moved after the last
-layer is computed, so the "transfer tail" below is the whole transfer.
+The messenger transports stream by default (``stream=True``): each chunk's forward pass is
+scheduled with the prefill messenger and the lead TP rank's per-layer signal bumps its layer
+counter, so a layer's completed pages move while the next layers compute and the "transfer
+tail" (the lead rank's last layer until the decoder's receive is done) is about the last
+layer's share plus the context. With ``stream=False``, and always with ``numpy``, every layer
+moves after the last one is computed: the tail is the whole transfer.
 
 A one-token prompt has nothing to prefill: the decoder takes it at once, with a zero context
 (the convention), and nothing is transferred.
@@ -68,6 +72,7 @@ class DemoConfig:
     prefill_nodes: int = 1  #: prefill nodes (messenger transports); requests go round-robin
     kill_prefiller_after: int = 0  #: >0: SIGKILL prefill node 0 once it has prefilled this many and has another
     peer_timeout: float = 3.0  #: the messenger's dead-peer timeout (s)
+    stream: bool = True  #: messenger transports: move each layer as it is computed (False: after the last)
     seed: int = 0
 
     def model(self) -> ModelConfig:
@@ -85,7 +90,9 @@ class RequestStats:
     writes: int = 0  #: planner writes
     queued: float = 0.0  #: arrival until its prefill starts (pages, the prefill node's queue)
     prefill: float = 0.0  #: prefill compute on the TP group
-    tail: float = 0.0  #: last layer computed until the receive is done (here: the whole transfer)
+    tail: float = 0.0  #: the lead rank's last layer computed until the receive is done
+    streamed: bool = False  #: its KV moved layer by layer (False: every layer after the last)
+    schedule: float = 0.0  #: streaming: the prefill node's time in ``Messenger.schedule`` (inside ``prefill``)
     wait: float = 0.0  #: receive done until its first decode step starts (batch full)
     first_step: float = 0.0  #: the first decode step (the last prompt token)
     ttft: float = 0.0  #: arrival until the first token
@@ -134,7 +141,8 @@ class Handoff:
     ``done``: every page and the context landed, or it failed (``error``); ``fenced``: no
     write of it can land any more, so its pages may be reused; ``context()`` the context as
     float32; the prefill node's figures arrive in ``figures`` (``t_prefill_start``,
-    ``t_prefill_end`` on the machine's monotonic clock, ``pages``, ``bytes``, ``writes``).
+    ``t_prefill_end``, ``t_last_layer`` on the machine's monotonic clock, ``streamed``,
+    ``schedule_s``, ``pages``, ``bytes``, ``writes``).
     """
 
     def __init__(self) -> None:
@@ -261,8 +269,8 @@ class NumpyTransport:
                 writes, nbytes = copy_plan(plan, self.workers.src_regions, [c.regions for c in dec.group.caches])
                 h.ctx = ctx
                 self.pool.release(src)
-                h.figures = {"t_prefill_start": t0, "t_prefill_end": t1, "pages": npf, "bytes": nbytes,
-                             "writes": writes}
+                h.figures = {"t_prefill_start": t0, "t_prefill_end": t1, "t_last_layer": self.workers.t_last_layer,
+                             "streamed": False, "pages": npf, "bytes": nbytes, "writes": writes}
             except BaseException as e:  # the request fails; the node keeps serving
                 h.error = e
             h.t_done = time.monotonic()
@@ -431,8 +439,10 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
             if "t_prefill_start" in f:
                 st.queued = f["t_prefill_start"] - t_arrival[i]
                 st.prefill = f["t_prefill_end"] - f["t_prefill_start"]
+                st.streamed = bool(f.get("streamed", False))
+                st.schedule = float(f.get("schedule_s", 0.0))
                 if i in t_done:
-                    st.tail = t_done[i] - f["t_prefill_end"]
+                    st.tail = t_done[i] - f.get("t_last_layer", f["t_prefill_end"])
     finally:
         if transport is not None:
             transport.close()

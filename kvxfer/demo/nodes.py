@@ -11,12 +11,25 @@ Who says what:
   tokens)``, the tokens the prefill node will compute;
 * decoder messenger → prefill messenger: ``receive(peer, rid, dst_pages, num_tokens)`` (the
   REQUEST, with the destination pages);
-* the prefill node, once it has both: allocates source pages, prefills on its TP group, then
-  ``send(request, src_pages)`` (every layer's pages) and ``finish(context)`` (the last
-  prefilled hidden state, ``hidden x float32`` bytes, into the decoder's context slot); the
-  source pages go back to its pool in the ``Send``'s done callback;
+* the prefill node, once it has both: allocates source pages and, **streaming** (the
+  default), opens ``stream(request, src_pages)`` and calls ``schedule([(send, start, end)])``
+  before each chunk's forward pass; the lead TP rank posts a semaphore after each layer's
+  attention all-reduce and the node's relay thread (``kvxfer-demo-layers``) bumps
+  ``Messenger.layer_counter``, so the watcher posts layer ``l``'s completed pages while
+  layer ``l + 1`` computes; ``finish(context)`` (the last prefilled hidden state, ``hidden x
+  float32`` bytes, into the decoder's context slot) is written after the last layer. With
+  ``stream=False`` (``--no-stream``) it prefills everything, then ``send(request,
+  src_pages)`` posts every layer at once. The source pages go back to its pool in the
+  ``Send``'s done callback;
 * prefill node → router: ``("prefilled", rid, figures)`` (its clock is the machine's
-  monotonic clock, so the decoder can compute the transfer tail).
+  monotonic clock, so the decoder can compute the transfer tail from ``t_last_layer``, when
+  the lead rank finished the last layer).
+
+The cross-process hop costs the streaming path one semaphore wake-up of the relay thread per
+layer (a futex wake and a GIL acquire in the node process) before the native watcher sees
+the bump; the model's ranks never wait for it. The alternative, a watcher polling a word the
+lead rank writes in shared memory, needs a messenger that takes a caller's counter word,
+which the streaming API does not offer.
 
 The decoder checks the prefill node's model digest before ``connect``; the messenger's own
 handshake then checks layouts, shardings and engine parameters.
@@ -45,6 +58,7 @@ __all__ = ["MessengerTransport", "prefill_node_main", "python_signals"]
 
 _CTX = mp.get_context("spawn")
 START_TIMEOUT = 90.0
+WATCH_POLL_US = 20000.0  #: the watcher's safety poll; every bump here is a CPU bump that signals it
 
 
 def python_signals() -> None:
@@ -76,11 +90,14 @@ def prefill_node_main(spec: dict[str, Any], conn: Any) -> None:
         cfg = ModelConfig(**spec["model"])
         eng = kvxfer.Engine(spec["provider"], "127.0.0.1")
         python_signals()
-        workers = WorkerGroup(cfg, spec["tp"], spec["num_pages"], spec["chunk"])
+        workers = WorkerGroup(cfg, spec["tp"], spec["num_pages"], spec["chunk"], layer_signal=spec["stream"])
+        # the relay's CPU bump wakes the watcher at once; its poll (default 10 us while writes are
+        # armed, for a counter a GPU kernel writes) would only take a core from the TP ranks
         m = kvxfer.Messenger(eng, workers.layout, workers.sharding,
-                             {r: c.regions for r, c in enumerate(workers.caches)}, peer_timeout=spec["peer_timeout"])
+                             {r: c.regions for r, c in enumerate(workers.caches)}, peer_timeout=spec["peer_timeout"],
+                             watch_poll_us=WATCH_POLL_US)
         conn.send(("ready", m.handshake(), cfg.fingerprint(), os.getpid(), workers.pids))
-        _serve(cfg, m, workers, conn, PagePool(spec["num_pages"]))
+        _serve(cfg, m, workers, conn, PagePool(spec["num_pages"]), spec["stream"])
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
@@ -95,9 +112,44 @@ def prefill_node_main(spec: dict[str, Any], conn: Any) -> None:
             eng.close()
 
 
-def _serve(cfg: ModelConfig, m: Any, workers: Any, conn: Any, pool: PagePool) -> None:
-    import kvxfer
+def _relay_layers(workers: Any, m: Any, stop: threading.Event) -> None:
+    """The lead rank's per-layer signal -> ``m.layer_counter.bump`` (blocks; never spins)."""
+    lc = m.layer_counter
+    while not stop.is_set():
+        n = workers.wait_layers(0.1)
+        if n:
+            try:
+                lc.bump(n)
+            except ClosedError:
+                return
 
+
+def _prefill_streaming(m: Any, workers: Any, req: Any, tokens: np.ndarray,
+                       src: np.ndarray) -> tuple[Any, np.ndarray, float]:
+    """Prefill ``tokens`` chunk by chunk, scheduling each pass with the messenger before it
+    runs; the context is handed to ``finish`` after the last pass. A failed prefill abandons
+    the passes it scheduled (their Sends abort with the fence) and re-raises. Returns the
+    Send, the context and the seconds spent in ``schedule``."""
+    s = m.stream(req, src)
+    passes: list[Any] = []
+    spent = [0.0]
+
+    def before_chunk(a: int, b: int) -> None:
+        t = time.perf_counter()
+        passes.append(m.schedule([(s, a, b)]))
+        spent[0] += time.perf_counter() - t
+
+    try:
+        ctx, _ = workers.prefill(req.request_id, tokens, src, before_chunk=before_chunk)
+    except BaseException:
+        for p in passes:
+            if p.layers_done < p.end - p.base:
+                p.abandon()
+        raise
+    return s, ctx, spent[0]
+
+
+def _serve(cfg: ModelConfig, m: Any, workers: Any, conn: Any, pool: PagePool, stream: bool) -> None:
     stop = threading.Event()
     lock = threading.Lock()
     freed = threading.Condition(lock)
@@ -122,6 +174,23 @@ def _serve(cfg: ModelConfig, m: Any, workers: Any, conn: Any, pool: PagePool) ->
         stop.set()
 
     threading.Thread(target=reader, name="kvxfer-demo-router", daemon=True).start()
+    relay = None
+    if stream:
+        relay = threading.Thread(target=_relay_layers, args=(workers, m, stop), name="kvxfer-demo-layers",
+                                 daemon=True)
+        relay.start()
+    try:
+        _serve_loop(m, workers, pool, stream, stop, lock, freed, prompts, tell)
+    finally:  # the relay stops before the messenger closes (it waits 0.1 s at a time)
+        stop.set()
+        if relay is not None:
+            relay.join(2.0)
+
+
+def _serve_loop(m: Any, workers: Any, pool: PagePool, stream: bool, stop: threading.Event, lock: Any,
+                freed: threading.Condition, prompts: dict[Any, np.ndarray], tell: Any) -> None:
+    import kvxfer
+
     waiting: deque[Any] = deque()
     while not stop.is_set():
         try:
@@ -143,9 +212,16 @@ def _serve(cfg: ModelConfig, m: Any, workers: Any, conn: Any, pool: PagePool) ->
             if src is None:
                 break
             t0 = time.monotonic()
-            ctx, _ = workers.prefill(req.request_id, tokens[:-1], src)
+            streamed = stream and len(tokens) > 1  # nothing to prefill: no pass to schedule
+            sched = 0.0
+            if streamed:
+                s, ctx, sched = _prefill_streaming(m, workers, req, tokens[:-1], src)
+            else:
+                ctx, _ = workers.prefill(req.request_id, tokens[:-1], src)
             t1 = time.monotonic()
-            s = m.send(req, src)
+            t_last = workers.t_last_layer if len(tokens) > 1 else t1
+            if not streamed:
+                s = m.send(req, src)
 
             def release(_s: Any, src: np.ndarray = src) -> None:
                 with freed:
@@ -160,6 +236,8 @@ def _serve(cfg: ModelConfig, m: Any, workers: Any, conn: Any, pool: PagePool) ->
             with lock:
                 prompts.pop(req.request_id, None)
             tell(("prefilled", req.request_id, {"t_prefill_start": t0, "t_prefill_end": t1, "t_posted": t2,
+                                                "t_last_layer": t_last, "streamed": streamed,
+                                                "schedule_s": sched,
                                                 "pages": len(src), "bytes": plan.num_bytes,
                                                 "writes": s.num_writes}))
 
@@ -226,7 +304,7 @@ class MessengerTransport:
         self.eng = self.m = None
         try:
             spec = {"model": cfg.to_dict(), "provider": dc.transport, "tp": dc.prefill_tp, "num_pages": prefill_pages,
-                    "chunk": dc.chunk, "peer_timeout": dc.peer_timeout}
+                    "chunk": dc.chunk, "peer_timeout": dc.peer_timeout, "stream": dc.stream}
             env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
             saved = {k: os.environ.get(k) for k in env}
             os.environ.update(env)

@@ -12,7 +12,14 @@ all-reduce is shared memory plus a barrier:
 Two scratch areas alternate, so one barrier per all-reduce suffices: a rank that reaches
 all-reduce ``k + 2`` has passed barrier ``k + 1``, which every rank reaches only after it has
 read area ``k % 2``. Barriers block (semaphores), never spin. The lead rank bumps a shared
-64-bit layer counter after each layer's attention all-reduce (``RankModel.on_layer``).
+64-bit layer counter after each layer's attention all-reduce (``RankModel.on_layer``) and,
+with ``layer_signal=True``, also posts a semaphore per layer: the node process waits on it
+(``wait_layers``) and bumps its messenger's layer counter (the messenger's watcher polls a
+word of its own process, so the layer crosses processes here; see :mod:`kvxfer.demo.nodes`).
+
+The node drives the chunks: ``prefill`` sends one command per chunk to every rank and waits
+for all of them; ``before_chunk(start, end)`` runs before each pass is sent (pass ``k + 1``'s
+while pass ``k`` computes), where a streaming node schedules the pass with its messenger.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,8 +47,8 @@ BARRIER_TIMEOUT = 60.0
 
 
 def _worker(rank: int, tp: int, cfg_dict: dict[str, Any], num_pages: int, chunk: int, conn: Any,
-            path: str, barrier: Any, scratch: Any, counter: Any) -> None:
-    """A TP rank: allocate and publish the KV shard, then serve ``prefill`` commands."""
+            path: str, barrier: Any, scratch: Any, counter: Any, signal: Any) -> None:
+    """A TP rank: allocate and publish the KV shard, then serve ``chunk`` commands."""
     from kvxfer.buffers import KVBuffer
     from kvxfer.messenger.workers import publish
 
@@ -53,9 +61,13 @@ def _worker(rank: int, tp: int, cfg_dict: dict[str, Any], num_pages: int, chunk:
         publish(path, rank, bufs, timeout=60)
         area = np.frombuffer(scratch, F32).reshape(2, cfg.units, chunk, cfg.hidden)
         bumps = np.frombuffer(counter, np.uint64)
+        t_layer = [0.0]
 
         def bump(layer: int) -> None:
             bumps[0] += 1
+            if signal is not None:
+                signal.release()
+            t_layer[0] = time.monotonic()
 
         cache = RankCache(layout, sharding, [b.numpy() for b in bufs])
         model = RankModel(cfg, rank, tp, cache, on_layer=bump if rank == 0 else None)
@@ -77,21 +89,17 @@ def _worker(rank: int, tp: int, cfg_dict: dict[str, Any], num_pages: int, chunk:
             msg = conn.recv()
             if msg[0] == "stop":
                 break
-            _, rid, tokens, pages = msg
+            _, rid, tokens, start, pages, last = msg
             t0 = time.perf_counter()
-            tokens = np.asarray(tokens, np.int64)
-            ctx = None
-            for a, b in prefill_chunks(len(tokens), chunk):
-                g = model.forward(tokens[a:b], a, pages)
-                try:
-                    parts = g.send(None)
-                    while True:
-                        parts = g.send(allreduce(parts))
-                except StopIteration as e:
-                    h_last = e.value
-                if b == len(tokens):
-                    ctx = np.array(h_last[-1], F32)
-            conn.send(("done", rid, ctx if rank == 0 else None, time.perf_counter() - t0))
+            g = model.forward(np.asarray(tokens, np.int64), start, pages)
+            try:
+                parts = g.send(None)
+                while True:
+                    parts = g.send(allreduce(parts))
+            except StopIteration as e:
+                h_last = e.value
+            ctx = np.array(h_last[-1], F32) if last and rank == 0 else None
+            conn.send(("done", rid, ctx, time.perf_counter() - t0, t_layer[0]))
     except BaseException:
         try:
             barrier.abort()
@@ -107,12 +115,16 @@ class WorkerGroup:
     """Start ``tp`` worker processes, import their KV shards, and run prefills on them.
 
     ``prefill(rid, tokens, pages)`` blocks until every rank is done and returns the context
-    (the lead's last hidden state; zeros for an empty prefill) and the compute time.
+    (the lead's last hidden state; zeros for an empty prefill) and the compute time;
+    ``t_last_layer`` is then when the lead finished the last layer (monotonic clock).
     ``caches[r]`` are the node's views of rank r's shard (``RankCache``), what a transport
-    reads; ``layer_counter`` is the lead rank's per-layer bump count.
+    reads; ``layer_counter`` is the lead rank's per-layer bump count. ``layer_signal=True``:
+    the lead also posts a semaphore per layer, which ``wait_layers`` takes (someone must, or
+    the count grows).
     """
 
-    def __init__(self, cfg: ModelConfig, tp: int, num_pages: int, chunk: int, *, start_timeout: float = 60.0) -> None:
+    def __init__(self, cfg: ModelConfig, tp: int, num_pages: int, chunk: int, *, start_timeout: float = 60.0,
+                 layer_signal: bool = False) -> None:
         from kvxfer.messenger.workers import collect
 
         cfg.check_tp(tp)
@@ -122,6 +134,8 @@ class WorkerGroup:
         self._scratch = _CTX.RawArray("f", 2 * cfg.units * chunk * cfg.hidden)
         self._counter = _CTX.RawArray("Q", 1)
         self.layer_counter = np.frombuffer(self._counter, np.uint64)
+        self._signal = _CTX.Semaphore(0) if layer_signal else None
+        self.t_last_layer = 0.0
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self.broken = ""  #: why the group stopped working ('' while it works)
@@ -138,7 +152,7 @@ class WorkerGroup:
                 parent, child = _CTX.Pipe()
                 p = _CTX.Process(target=_worker, name=f"kvxfer-demo-tp{r}", daemon=True,
                                  args=(r, tp, cfg.to_dict(), num_pages, chunk, child, path, self._barrier,
-                                       self._scratch, self._counter))
+                                       self._scratch, self._counter, self._signal))
                 p.start()
                 child.close()
                 self._procs.append(p)
@@ -211,8 +225,26 @@ class WorkerGroup:
         except Exception:
             pass
 
-    def prefill(self, rid: Any, tokens: np.ndarray, pages: np.ndarray, timeout: float = 120.0) -> tuple[np.ndarray, float]:
-        """Prefill ``tokens`` (the prompt less its last token) into ``pages`` on every rank."""
+    def wait_layers(self, timeout: float) -> int:
+        """Block (up to ``timeout``) until the lead rank finished a layer; return how many
+        layers it finished since the last call (0 on timeout). Needs ``layer_signal=True``."""
+        if self._signal is None:
+            raise InvalidArgumentError("this group was made without layer_signal=True")
+        if not self._signal.acquire(timeout=timeout):
+            return 0
+        n = 1
+        while self._signal.acquire(block=False):
+            n += 1
+        return n
+
+    def prefill(self, rid: Any, tokens: np.ndarray, pages: np.ndarray, timeout: float = 120.0,
+                before_chunk: Callable[[int, int], None] | None = None) -> tuple[np.ndarray, float]:
+        """Prefill ``tokens`` (the prompt less its last token) into ``pages`` on every rank,
+        one forward pass per chunk; ``before_chunk(start, end)`` runs before each pass is
+        sent to the ranks, the first before anything is sent and pass ``k + 1``'s while the
+        ranks compute pass ``k`` (a streaming node schedules the pass there: planning is then
+        off the critical path). So when it runs for pass ``k``, every layer of passes
+        ``< k - 1`` is done and none of pass ``k``."""
         tokens = np.asarray(tokens, np.int64)
         pages = np.asarray(pages)
         if pages.ndim != 1 or (pages.size and pages.dtype.kind not in "iu"):
@@ -229,14 +261,26 @@ class WorkerGroup:
             return np.zeros(self.cfg.hidden, F32), 0.0
         if self.broken:
             raise PeerError(f"this TP group is broken ({self.broken}); close it and start another")
-        for r, c in enumerate(self._conns):
-            try:
-                c.send(("prefill", rid, tokens, np.asarray(pages, np.int64)))
-            except OSError as e:
-                self._break(f"TP rank {r} is gone")
-                raise PeerError(f"TP rank {r} is gone (its pipe: {e})") from e
-        results = self._gather("done", timeout)
-        ctx, dt = results[0][2], results[0][3]
+        pages = np.asarray(pages, np.int64)
+        chunks = prefill_chunks(len(tokens), self.chunk)
+        ctx, dt = None, 0.0
+        if before_chunk is not None:
+            before_chunk(*chunks[0])
+        for k, (a, b) in enumerate(chunks):
+            last = b == len(tokens)
+            for r, c in enumerate(self._conns):
+                try:
+                    c.send(("chunk", rid, tokens[a:b], a, pages, last))
+                except OSError as e:
+                    self._break(f"TP rank {r} is gone")
+                    raise PeerError(f"TP rank {r} is gone (its pipe: {e})") from e
+            if before_chunk is not None and not last:
+                before_chunk(*chunks[k + 1])  # while pass k computes: off the critical path
+            results = self._gather("done", timeout)
+            dt += results[0][3]
+            self.t_last_layer = results[0][4]
+            if last:
+                ctx = results[0][2]
         assert ctx is not None
         return ctx, dt
 

@@ -63,6 +63,42 @@ def test_worker_shards_hold_the_reference_kv():
         assert ctx2.tobytes() == ref_ctx.tobytes()
 
 
+def test_layer_signal_is_exact_and_ordered_with_the_passes():
+    """The streaming node's contract with the TP group: ``before_chunk`` runs once per chunk
+    (boundaries inside pages: chunk 24, page 16), in order, before that pass computes
+    anything and after every layer of the pass before the previous one (pass k + 1 is
+    scheduled while pass k computes); the lead signals exactly once per layer."""
+    cfg = ModelConfig()
+    prompt = np.random.default_rng(6).integers(0, cfg.vocab, 80)
+    pages = np.arange(5)
+    with WorkerGroup(cfg, 2, 8, 24, layer_signal=True) as w:
+        seen: list[tuple[int, int]] = []
+        got = [0]
+
+        def drain() -> None:
+            while n := w.wait_layers(0.0):
+                got[0] += n
+
+        def before_chunk(a: int, b: int) -> None:
+            k = len(seen)
+            drain()
+            assert max(k - 1, 0) * cfg.layers <= got[0] <= k * cfg.layers, (k, got[0])
+            seen.append((a, b))
+
+        w.prefill("r", prompt[:-1], pages, before_chunk=before_chunk)
+        while got[0] < 4 * cfg.layers:
+            n = w.wait_layers(10.0)
+            assert n, "a layer was never signalled"
+            got[0] += n
+        assert w.wait_layers(0.05) == 0  # no extra signal
+        assert seen == [(0, 24), (24, 48), (48, 72), (72, 79)]
+        assert got[0] == int(w.layer_counter[0]) == 4 * cfg.layers
+        assert w.t_last_layer > 0
+    with WorkerGroup(cfg, 1, 8, 24) as w:
+        with pytest.raises(InvalidArgumentError, match="layer_signal"):
+            w.wait_layers(0.01)
+
+
 def test_model_mismatch_fails_the_handshake():
     dec = DecodeNode(ModelConfig(seed=1), 1, 8)
     try:
@@ -124,8 +160,9 @@ def test_dead_worker_fails_the_group_not_hangs():
 def test_worker_error_comes_back_with_its_traceback():
     cfg = ModelConfig()
     with WorkerGroup(cfg, 2, 8, 64) as w:
-        w._conns[1].send(("prefill", "r", np.arange(40), np.array([0])))  # bypasses the checks: too few pages
-        w._conns[0].send(("prefill", "r", np.arange(40), np.array([0])))
+        # bypasses the checks: too few pages
+        w._conns[1].send(("chunk", "r", np.arange(40), 0, np.array([0]), True))
+        w._conns[0].send(("chunk", "r", np.arange(40), 0, np.array([0]), True))
         with pytest.raises(PeerError, match="Traceback") as e:
             w._gather("done", 60)
         assert "page table has 1 pages" in str(e.value)

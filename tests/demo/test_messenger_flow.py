@@ -39,14 +39,25 @@ def provider(request):
 
 @pytest.mark.parametrize("attention,decode_tp", [("gqa", 1), ("mla", 4)])
 def test_tokens_identical_over_the_messenger(provider, attention, decode_tp):
+    # streaming (the default), chunk 24: chunk boundaries inside pages (page size 16)
     dc = DemoConfig(prompts=7, min_len=1, max_len=140, max_new=8, attention=attention, decode_tp=decode_tp,
-                    chunk=32, max_batch=3, arrival_ms=10, decode_pool_pages=30, transport=provider, seed=7)
+                    chunk=24, max_batch=3, arrival_ms=10, decode_pool_pages=30, transport=provider, seed=7)
     r = run(dc)
     assert not r.failed, [s.error for s in r.requests if s.error]
     assert r.identical, f"mismatching requests: {r.mismatches}"
     moved = [s for s in r.requests if s.prompt_len > 1]
     assert all(s.pages == -(-(s.prompt_len - 1) // 16) and s.bytes > 0 and s.writes > 0 for s in moved)
-    assert all(s.node == 0 for s in moved)
+    assert all(s.node == 0 and s.streamed and s.schedule > 0 for s in moved)
+    assert any(s.prompt_len - 1 > 2 * dc.chunk for s in moved)  # several passes per request
+
+
+def test_no_stream_moves_after_the_last_layer(provider):
+    """``stream=False``: the same tokens, every request sent after its prefill (not streamed)."""
+    dc = DemoConfig(prompts=4, min_len=2, max_len=90, max_new=4, chunk=24, max_batch=2, arrival_ms=5,
+                    transport=provider, stream=False, seed=8)
+    r = run(dc)
+    assert not r.failed and r.identical, (r.mismatches, [s.error for s in r.requests if s.error])
+    assert all(not s.streamed and s.pages > 0 for s in r.requests)
 
 
 def test_kill_the_prefiller(provider):
@@ -73,6 +84,11 @@ def test_cli_default_transport_is_a_messenger(capsys):
     rc = cli.main(["--prompts", "3", "--max-len", "40", "--max-new", "4", "-q", "--seed", "3"])
     out = capsys.readouterr().out
     assert rc == 0 and "transport shm" in out and "tokens identical to colocated: yes" in out
+    assert "layer streaming: on (2 of 2 transfers" in out
+    rc = cli.main(["--prompts", "2", "--min-len", "30", "--max-len", "40", "--max-new", "2", "--json", "--no-stream"])
+    js = __import__("json").loads(capsys.readouterr().out)
+    assert rc == 0 and js["config"]["stream"] is False and not any(q["streamed"] for q in js["requests"])
+    assert all("tail" in q for q in js["requests"])
 
 
 def test_model_mismatch_fails_before_any_request(provider):
