@@ -16,25 +16,7 @@ from kvxfer.demo import cli
 from kvxfer.demo.flow import DemoConfig, run
 
 pytestmark = pytest.mark.timeout(300)
-PROVIDERS = ["tcp;ofi_rxm", "shm"]
-
-
-def _available(p: str) -> bool:
-    try:
-        kvxfer.Engine(p, "127.0.0.1").close()
-        return True
-    except kvxfer.errors.KvxferError:
-        return False
-
-
-_AVAIL = {p: _available(p) for p in PROVIDERS}
-
-
-@pytest.fixture(params=PROVIDERS)
-def provider(request):
-    if not _AVAIL[request.param]:
-        pytest.skip(f"provider {request.param} is not available here")
-    return request.param
+from _providers import available, provider  # noqa: E402,F401  (the shared fixture)
 
 
 @pytest.mark.parametrize("attention,decode_tp", [("gqa", 1), ("mla", 4)])
@@ -79,7 +61,7 @@ def test_kill_the_prefiller(provider):
 
 
 def test_cli_default_transport_is_a_messenger(capsys):
-    if not _AVAIL["shm"]:
+    if not available("shm"):
         pytest.skip("shm is not available here")
     rc = cli.main(["--prompts", "3", "--max-len", "40", "--max-new", "4", "-q", "--seed", "3"])
     out = capsys.readouterr().out
@@ -116,7 +98,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
     import sys
     import time
 
-    if not _AVAIL["shm"]:
+    if not available("shm"):
         pytest.skip("shm is not available here")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -12,25 +12,7 @@ try:
 except ImportError as exc:  # pragma: no cover
     pytest.skip(f"kvxfer._fabric not built: {exc}", allow_module_level=True)
 
-PROVIDERS = ["tcp;ofi_rxm", "shm"]
-
-
-def _available(p: str) -> bool:
-    try:
-        kvxfer.Engine(p, "127.0.0.1").close()
-        return True
-    except kvxfer.errors.KvxferError:
-        return False
-
-
-_AVAIL = {p: _available(p) for p in PROVIDERS}
-
-
-@pytest.fixture(params=PROVIDERS)
-def provider(request):
-    if not _AVAIL[request.param]:
-        pytest.skip(f"provider {request.param} is not available here")
-    return request.param
+from _providers import provider  # noqa: E402,F401  (the shared fixture)
 
 
 @pytest.fixture

@@ -15,22 +15,4 @@ except ImportError as exc:  # pragma: no cover
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 STRESS = os.environ.get("KVXFER_STRESS", "") not in ("", "0")
-PROVIDERS = ["tcp;ofi_rxm", "shm"]
-
-
-def _available(p: str) -> bool:
-    try:
-        kvxfer.Engine(p, "127.0.0.1").close()
-        return True
-    except kvxfer.errors.KvxferError:
-        return False
-
-
-_AVAIL = {p: _available(p) for p in PROVIDERS}
-
-
-@pytest.fixture(params=PROVIDERS)
-def provider(request):
-    if not _AVAIL[request.param]:
-        pytest.skip(f"provider {request.param} is not available here")
-    return request.param
+from _providers import provider  # noqa: E402,F401  (the shared fixture)
