@@ -18,7 +18,7 @@ between slices, so Ctrl-C is answered.
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
-from libc.string cimport strcpy
+from libc.string cimport memset, strcpy
 from libc.stdlib cimport malloc, calloc, free
 from kvxfer._core cimport *
 
@@ -664,23 +664,13 @@ cdef class RegionHandle:
         self.mr = NULL
 
 
-@cython.no_gc_clear  # __dealloc__ needs its Rail (GC clears Rail.pending first, so it outlives them)
-cdef class TransferHandle:
-    """The native side of a Transfer on one rail: planned, posted and completed messages."""
-
-    cdef readonly Rail rail
-    cdef kx_transfer *x
-    cdef readonly RegionHandle region   # the source registration, alive while the transfer is
-
-    def __dealloc__(self):
-        if self.x != NULL:
-            with nogil:
-                kx_transfer_release(self.rail.r, self.x)
-            self.x = NULL
+cdef class _TransferState:
+    """What a transfer's native side reports, read from one ``kx_transfer_state``:
+    ``TransferHandle`` reads its one transfer, ``TransferSet`` sums its groups'."""
 
     cdef kx_transfer_state _state(self):
         cdef kx_transfer_state s
-        kx_transfer_get_state(self.x, &s)
+        memset(&s, 0, sizeof(s))
         return s
 
     @property
@@ -705,12 +695,32 @@ cdef class TransferHandle:
 
     @property
     def linked(self):
-        """Still on the rail's in-flight list: the provider may still own its contexts."""
+        """Still on the rail's in-flight list (for a set: some group is): the provider may still own its contexts."""
         return bool(self._state().linked)
 
     @property
     def errno(self):
         return self._state().error
+
+
+@cython.no_gc_clear  # __dealloc__ needs its Rail (GC clears Rail.pending first, so it outlives them)
+cdef class TransferHandle(_TransferState):
+    """The native side of a Transfer on one rail: planned, posted and completed messages."""
+
+    cdef readonly Rail rail
+    cdef kx_transfer *x
+    cdef readonly RegionHandle region   # the source registration, alive while the transfer is
+
+    def __dealloc__(self):
+        if self.x != NULL:
+            with nogil:
+                kx_transfer_release(self.rail.r, self.x)
+            self.x = NULL
+
+    cdef kx_transfer_state _state(self):
+        cdef kx_transfer_state s
+        kx_transfer_get_state(self.x, &s)
+        return s
 
     def cancel(self):
         """Post nothing more of this transfer; what was posted still completes."""
@@ -723,7 +733,7 @@ cdef class TransferHandle:
 
 
 @cython.no_gc_clear  # __dealloc__ needs its Rail (GC clears Rail.pending_sets first, so it outlives them)
-cdef class TransferSet:
+cdef class TransferSet(_TransferState):
     """The native side of one ``Engine.write_groups`` call on one rail: one ``kx_transfer``
     per group, seen as one (planned, posted and completed are sums; done when all are)."""
 
@@ -763,35 +773,6 @@ cdef class TransferSet:
     @property
     def groups(self):
         return self.n
-
-    @property
-    def planned(self):
-        return self._state().planned
-
-    @property
-    def posted(self):
-        return self._state().posted
-
-    @property
-    def completed(self):
-        return self._state().completed
-
-    @property
-    def posting_done(self):
-        return bool(self._state().posting_done)
-
-    @property
-    def done(self):
-        return bool(self._state().done)
-
-    @property
-    def linked(self):
-        """Some group is still on the rail's in-flight list (the provider may own its contexts)."""
-        return bool(self._state().linked)
-
-    @property
-    def errno(self):
-        return self._state().error
 
     def cancel(self):
         """Post nothing more of any group; what was posted still completes."""
