@@ -194,6 +194,11 @@ struct kx_rail {
     struct kx_local *self_local;   /* this endpoint, as other rails of this process see it */
     int parked;                /* the endpoint is left open, unprogressed, never closed (kx_rail_park) */
     int took_msgs;             /* a control message arrived (someone connected to us) */
+    int shm;                   /* counted among this process's open shm rails (rail.c, deferral) */
+    int deferred;              /* shm: closing, but its fids wait for the process's last shm rail */
+    int domain_requested;      /* deferred: kx_rail_close_domain was called */
+    int free_requested;        /* deferred: kx_rail_free was called; the final pass frees it */
+    struct kx_rail *deferred_next;
 
     kx_rxbuf rx[KX_RX_BUFS];
     struct fid_mr *rx_mr;  /* the receive slab's registration (FI_MR_LOCAL providers) */

@@ -129,6 +129,8 @@ static int kx_rail_post_receives(kx_rail *r, const char **call)
     return 0;
 }
 
+static void kx_shm_count(kx_rail *r);
+
 int kx_rail_open(const char *prov, const char *node, const char *domain, int hmem, int spin,
                  kx_rail *join, kx_rail **out, char *errcall, size_t errcall_len)
 {
@@ -176,6 +178,7 @@ int kx_rail_open(const char *prov, const char *node, const char *domain, int hme
         kx_rail_free(r);
         return ret;
     }
+    kx_shm_count(r);
     *out = r;
     return 0;
 }
@@ -276,25 +279,20 @@ static void kx_rail_abandon(kx_rail *r)
     pthread_mutex_unlock(&h->lock);
 }
 
-void kx_rail_close_endpoint(kx_rail *r)
+/* The endpoint's fids and what the provider may still write into (the receive slab). */
+static void kx_rail_close_fids(kx_rail *r)
 {
-    if (r->endpoint_closed)
-        return;
-    kx_rail_quiesce(r);
-    r->endpoint_closed = 1;
-    if (r->leaked || r->parked) {
-        kx_rail_abandon(r);
-        return;
-    }
     if (r->ep) { fi_close(&r->ep->fid); r->ep = NULL; }
     kx_peers_free(r);
     if (r->rx_mr) { fi_close(&r->rx_mr->fid); r->rx_mr = NULL; }
     if (r->av) { fi_close(&r->av->fid); r->av = NULL; }
     if (r->cq) { fi_close(&r->cq->fid); r->cq = NULL; }
-    /* domain and fabric stay open until kx_rail_close_domain: registrations go first,
-     * after the endpoint (rxm's endpoint close still touches the descriptors of what it
-     * cancels), and a domain with registrations refuses to close */
     if (r->rx[0].data) { free(r->rx[0].data); r->rx[0].data = NULL; }
+}
+
+/* Pending transfers and counters fail; the hub's shared state goes with its last rail. */
+static void kx_rail_settle(kx_rail *r)
+{
     kx_hub *h = r->hub;
     pthread_mutex_lock(&h->lock);
     r->q_head = r->q_tail = NULL;
@@ -314,20 +312,127 @@ void kx_rail_close_endpoint(kx_rail *r)
     pthread_mutex_unlock(&h->lock);
 }
 
-void kx_rail_close_domain(kx_rail *r)
+static void kx_rail_close_domain_fids(kx_rail *r)
 {
-    kx_rail_close_endpoint(r);
-    if (r->leaked || r->parked)
-        return;
     if (r->domain) { fi_close(&r->domain->fid); r->domain = NULL; }
     if (r->fabric) { fi_close(&r->fabric->fid); r->fabric = NULL; }
     if (r->info) { fi_freeinfo(r->info); r->info = NULL; }
 }
 
+/* shm endpoints of one process share each other's regions: a peer of this process is
+ * reached through a pointer to its region, not a mapping of its own. libfabric 1.17 then
+ * crashes (SIGSEGV in fi_cq_read, 8 of 20 runs of tests/stress/test_shm_close.py before this
+ * rule) when an engine closes while another engine of the process still progresses and had
+ * begun to connect to it. So a closing shm rail quiesces and settles at once but keeps its
+ * fids, and the process's last open shm rail closes them all, with no progress thread left
+ * running, in the order they closed. Cross-process peers map regions of their own and are not
+ * affected; the cost is one idle region (16 MiB of mostly untouched shared memory) per engine
+ * closed while another shm engine of the process stays open. */
+static pthread_mutex_t kx_shm_lock = PTHREAD_MUTEX_INITIALIZER;
+static int kx_shm_open;
+static kx_rail *kx_shm_deferred, **kx_shm_deferred_tail = &kx_shm_deferred;
+
+static void kx_shm_count(kx_rail *r)
+{
+    if (!r->info || strcmp(r->info->fabric_attr->prov_name, "shm") != 0)
+        return;
+    pthread_mutex_lock(&kx_shm_lock);
+    kx_shm_open++;
+    r->shm = 1;
+    pthread_mutex_unlock(&kx_shm_lock);
+}
+
+/* Returns 1 when r was deferred; else the deferred rails (in closing order) to finish now. */
+static int kx_shm_defer(kx_rail *r, kx_rail **finish)
+{
+    *finish = NULL;
+    if (!r->shm)
+        return 0;
+    pthread_mutex_lock(&kx_shm_lock);
+    r->shm = 0;
+    if (--kx_shm_open > 0) {
+        r->deferred = 1;
+        r->deferred_next = NULL;
+        *kx_shm_deferred_tail = r;
+        kx_shm_deferred_tail = &r->deferred_next;
+        pthread_mutex_unlock(&kx_shm_lock);
+        return 1;
+    }
+    *finish = kx_shm_deferred;
+    kx_shm_deferred = NULL;
+    kx_shm_deferred_tail = &kx_shm_deferred;
+    pthread_mutex_unlock(&kx_shm_lock);
+    return 0;
+}
+
+static void kx_shm_finish(kx_rail *list)
+{
+    while (list) {
+        kx_rail *r = list;
+        list = r->deferred_next;
+        kx_rail_close_fids(r);
+        pthread_mutex_lock(&kx_shm_lock);
+        int dom = r->domain_requested, fr = r->free_requested;
+        r->deferred = 0;
+        pthread_mutex_unlock(&kx_shm_lock);
+        if (dom || fr)
+            kx_rail_close_domain_fids(r);
+        if (fr) {
+            kx_hub_unref(r->hub);
+            free(r);
+        }
+    }
+}
+
+/* 1 while r is deferred (and notes what its owner asked for); 0 once its fids are closed */
+static int kx_shm_still_deferred(kx_rail *r, int freeing)
+{
+    pthread_mutex_lock(&kx_shm_lock);
+    int d = r->deferred;
+    if (d) {
+        r->domain_requested = 1;
+        if (freeing)
+            r->free_requested = 1;
+    }
+    pthread_mutex_unlock(&kx_shm_lock);
+    return d;
+}
+
+void kx_rail_close_endpoint(kx_rail *r)
+{
+    if (r->endpoint_closed)
+        return;
+    kx_rail_quiesce(r);
+    r->endpoint_closed = 1;
+    if (r->leaked || r->parked) {
+        kx_rail_abandon(r);
+        return;
+    }
+    kx_rail *finish;
+    if (kx_shm_defer(r, &finish)) {
+        kx_rail_settle(r);
+        return;
+    }
+    kx_shm_finish(finish);
+    kx_rail_close_fids(r);
+    /* domain and fabric stay open until kx_rail_close_domain: registrations go first,
+     * after the endpoint (rxm's endpoint close still touches the descriptors of what it
+     * cancels), and a domain with registrations refuses to close */
+    kx_rail_settle(r);
+}
+
+void kx_rail_close_domain(kx_rail *r)
+{
+    kx_rail_close_endpoint(r);
+    if (r->leaked || r->parked || kx_shm_still_deferred(r, 0))
+        return;
+    kx_rail_close_domain_fids(r);
+}
+
 void kx_rail_free(kx_rail *r)
 {
     kx_rail_close_domain(r);
-    if (r->leaked || r->parked)
+    if (r->leaked || r->parked || kx_shm_still_deferred(r, 1))
         return;
     if (r->pdir)      /* a rail that failed to open before its endpoint existed */
         kx_peers_free(r);

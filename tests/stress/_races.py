@@ -11,6 +11,8 @@ Races (same = both engines in this process; cross = the target is a `serve` proc
   close_initiator_{same,cross}  the initiator closes while flooding; the target must live on
   post_closed_{same,cross}      the target closed; then write, write_pages and send to it
   sigkill                       the target process is SIGKILLed mid-flood (cross only)
+  cancel_first_same             the first transfer to a new peer is cancelled at once (shm's
+                                connection handshake left half-way), then both engines close
 Each iteration records: ok, the error type the initiator saw, seconds from the event to a
 PeerError (peer_s), seconds each close took (close_s), threads left over (threads_left).
 """
@@ -188,14 +190,15 @@ class Server:
 
 # -- iterations -----------------------------------------------------------------------------
 
-def _pair_same(provider):
+def _pair_same(provider, first_write=True):
     a, b = _engine(provider), _engine(provider)
     src = np.ones(NBYTES, np.uint8)
     dst = np.zeros(NBYTES, np.uint8)
     ms, md = a.register(src), b.register(dst)
     peer, rr = a.connect(b.address), a.remote(md.descriptor())
     # one message first: shm maps a peer lazily (docs/architecture.md, known limits)
-    a.write(ms, 0, peer, rr, 0, 8, imm=1).wait(10)
+    if first_write:
+        a.write(ms, 0, peer, rr, 0, 8, imm=1).wait(10)
     return a, b, ms, peer, rr, (src, dst)
 
 
@@ -236,8 +239,25 @@ def iteration(race, provider, state, rng):
     rec = {"race": race}
     base = _threads()
     if race.endswith("_same"):
-        a, b, ms, peer, rr, keep = _pair_same(provider)
-        if race == "close_target_same":
+        a, b, ms, peer, rr, keep = _pair_same(provider, first_write=race != "cancel_first_same")
+        if race == "cancel_first_same":
+            from kvxfer import errors
+
+            n = NBYTES // 1024         # small pages: more posts queued behind the handshake
+            t = a.write_pages(ms, np.arange(n), peer, rr, np.random.default_rng(rng.getrandbits(32)).permutation(n), 1024, imm=3)
+            t.cancel()
+            try:
+                t.wait(PEER_DEADLINE * 3)
+            except errors.PeerError as exc:          # cancelled before all was posted
+                rec["error"] = type(exc).__name__
+            if t.posted:           # the fence: every posted write must still land
+                c = b.expect(3, t.posted)
+                try:
+                    c.wait(PEER_DEADLINE * 3)
+                except errors.TimeoutError:
+                    rec["fence_lost"] = f"{c.arrived}/{t.posted}"
+            rec["close_s"] = [_timed_close(a), _timed_close(b)]
+        elif race == "close_target_same":
             fl = Flood(a, ms, peer, rr)
             fl.pump()
             time.sleep(rng.uniform(0, 0.02))

@@ -27,6 +27,9 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+WARM_MESSAGES = 400_000
+
+
 def soak(provider: str, n: int) -> dict:
     import kvxfer
 
@@ -37,7 +40,12 @@ def soak(provider: str, n: int) -> dict:
     peer, rr = a.connect(b.address), a.remote(md.descriptor())
     pages = np.arange(64)
     rev = pages[::-1].copy()
-    warm = max(1000, n // 10)
+    # Warm-up: libfabric's pools are touched for the first time, page by page: tcp;ofi_rxm's
+    # grow RSS by ~48 B per message until ~300,000 messages (two engines), then stay flat
+    # (docs/reliability.md, finding 7). The warm-up covers 400,000 messages or n/10 transfers.
+    per = a.write_pages(ms, pages, peer, rr, rev, 4096, imm=7).num_writes
+    b.expect(7, per).wait(10)
+    warm = max(1000, n // 10, -(-WARM_MESSAGES // per))
     samples = []
     t0 = time.monotonic()
     for i in range(n + warm):
@@ -54,9 +62,11 @@ def soak(provider: str, n: int) -> dict:
     a.close()
     b.close()
     return {
-        "provider": provider, "transfers": n, "seconds": round(time.monotonic() - t0, 1),
+        "provider": provider, "transfers": n, "warm_up_transfers": warm, "messages_per_transfer": per,
+        "seconds": round(time.monotonic() - t0, 1),
         "rss_slope_bytes_per_transfer": round(slope, 2),
         "rss_growth_bytes": int(ys[-1] - ys[0]),
+        "rss_mib": [round(y / 2**20, 2) for y in ys],
         "fds": [samples[0][2], samples[-1][2]], "threads": [samples[0][3], samples[-1][3]],
     }
 

@@ -106,6 +106,7 @@ def run(race: str, provider: str, n: int, hang_s: float = 90.0, seed: int | None
         "slow_closes": sum(1 for c in closes if c > 1.0),
         "parked": sum(1 for r in ok if r.get("parked")),
         "target_broken": sum(1 for r in ok if r.get("target_broken")),
+        "fence_lost": sum(1 for r in ok if r.get("fence_lost")),
         "close_max_s": round(max(closes), 4) if closes else None,
         "peer_error_p50_s": round(statistics.median(peer), 4) if peer else None,
         "peer_error_max_s": round(max(peer), 4) if peer else None,
