@@ -670,9 +670,10 @@ class Engine:
     (on shm, two rails copy in parallel). ``peer_timeout``: seconds a peer may leave writes
     or sends outstanding without completing any (or refuse every post) before it is declared
     dead (its transfers and later posts fail with ``PeerError``; the only dead-peer signal shm
-    has); None: never. ``delivery_complete``: a write completes only once the target placed it,
-    so a write the target refuses fails at the sender (default: on for rxm providers, where tcp
-    otherwise reports a refused write as done).
+    has); None: never. ``delivery_complete``: a transfer completes only once the target placed
+    it, so a write the target refuses fails at the sender (default: on for rxm providers, where
+    tcp otherwise reports a refused write as done; only each transfer's last message carries
+    FI_DELIVERY_COMPLETE, src/post.c says why).
     """
 
     def __init__(

@@ -158,9 +158,16 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         __atomic_add_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
         if (__atomic_load_n(&x->posted, __ATOMIC_ACQUIRE) == __atomic_load_n(&x->completed, __ATOMIC_ACQUIRE))
             __atomic_store_n(&x->last_ns, kx_now_ns(), __ATOMIC_RELEASE);   /* its stall clock starts */
-        __atomic_add_fetch(&x->posted, 1, __ATOMIC_RELEASE);
+        int64_t index = __atomic_fetch_add(&x->posted, 1, __ATOMIC_RELEASE);
         kx_peer_count(r, x->peer, 1);
-        ssize_t ret = fi_writemsg(r->ep, &msg, x->flags);
+        /* delivery-complete only on the transfer's last message: the messages of a transfer
+         * go in order over one connection, so the target has processed every earlier one
+         * when it acknowledges the last, and a refused one drops the connection, failing
+         * the last (docs/reliability.md, finding 6); the others complete on transmit */
+        uint64_t flags = x->flags;
+        if (index + 1 < x->planned)
+            flags &= ~(uint64_t)FI_DELIVERY_COMPLETE;
+        ssize_t ret = fi_writemsg(r->ep, &msg, flags);
         kx_peer_leave(r, x->peer);
         if (ret == 0) {
             kx_peer_accepted(r, x->peer);

@@ -111,6 +111,29 @@ def test_guessed_key_does_not_reach_another_region(pair, provider):
     assert not secret.any()
 
 
+@pytest.mark.parametrize("last_refused", [False, True])
+def test_refused_write_fails_its_transfer(pair, provider, last_refused):
+    """A write the target refuses (here: beyond the region a forged descriptor claims) fails
+    its transfer with PeerError, whichever of the transfer's messages it is: rxm acknowledges
+    only a transfer's last message (delivery-complete), after the target processed the others
+    in order, and a refusal drops the connection (docs/reliability.md, finding 6)."""
+    if provider == "shm":
+        pytest.skip("shm checks neither keys nor bounds at the target: nothing is refused")
+    a, b = pair
+    page = 4096
+    dst = np.zeros(16 * page, np.uint8)
+    md = b.register(dst)
+    d = wire.Descriptor.decode(md.descriptor())
+    forged = wire.Descriptor(d.provider, d.base, 64 * page, d.keys, d.virt_addr, d.raw, d.device, d.owner).encode()
+    src = a.register(np.full(8 * page, 0xEE, np.uint8))
+    outside, inside = [40, 42, 44, 46], [0, 2, 4, 6]
+    pages = (inside + outside) if last_refused else (outside + inside)
+    t = a.write_pages(src, np.arange(8), a.connect(b.address), a.remote(forged), np.array(pages), page)
+    assert t.num_writes == 2              # 4 pieces per message: one refused, one in bounds
+    with pytest.raises(errors.PeerError):
+        t.wait(10)
+
+
 def test_descriptor_bound_to_its_engine(provider):
     with kvxfer.Engine(provider, "127.0.0.1") as a, kvxfer.Engine(provider, "127.0.0.1") as b, \
             kvxfer.Engine(provider, "127.0.0.1") as c:
