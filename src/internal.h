@@ -286,6 +286,9 @@ typedef struct kx_peer {
     int64_t out;          /* operations outstanding to it */
     int64_t last_ns;
     int64_t refused_ns;   /* since when every post to it was refused (-FI_EAGAIN), 0: not */
+    pid_t pid;            /* shm, another process: its pid (0: none) */
+    const volatile int *lockw;   /* shm, another process: its region's spin lock, read only (NULL: unknown layout) */
+    void *map;            /* the page lockw lies in (our own read-only mapping) */
 } kx_peer;
 
 int kx_local_publish(kx_rail *r);

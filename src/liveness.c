@@ -29,8 +29,11 @@
  * count after checking `closed`; the owner's teardown sets `closed` and waits for `busy` to
  * drain before it closes its endpoint, so a post never reaches a closed endpoint. */
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdio.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <netinet/in.h>
 
@@ -95,6 +98,8 @@ void kx_local_retire(kx_rail *r)
     while (__atomic_load_n(&c->busy, __ATOMIC_SEQ_CST) && kx_now_ns() < until)
         sched_yield();
 }
+
+static int kx_pidfd_exited(int fd);
 
 static kx_local *kx_local_find(const void *name, size_t len)
 {
@@ -170,6 +175,123 @@ static kx_peer *kx_peer_get(kx_rail *r, fi_addr_t fa)
     return __atomic_load_n(&p->used, __ATOMIC_ACQUIRE) ? p : NULL;
 }
 
+/* shm's region lock. shm 1.17 takes a peer's region spin lock inside fi_writemsg and fi_send
+ * to queue a command, and a process holds its own while it progresses: a peer SIGKILLed
+ * holding it leaves every later post spinning in pthread_spin_lock for good (2 of 10
+ * `sigkill` iterations leaked such a thread). The pidfd says so only once the dying process
+ * has finished exiting, milliseconds later. So kvxfer maps the first page of a peer's region
+ * read-only itself and, when the lock is held at the moment of a post, waits outside libfabric
+ * (not spinning) until it is free, the peer is seen dying or dead, or `peer_timeout` passes.
+ * The layout is libfabric's, not ours: it is used only when the page matches what 1.17 writes
+ * (struct smr_region: version 4 at byte 0, the owner's pid at 4, the lock at 24, holding the
+ * unlocked or locked value of this libc's pthread spin lock); anything else turns it off. */
+#define KX_SMR_VERSION 4
+#define KX_SMR_PID_OFF 4
+#define KX_SMR_LOCK_OFF 24
+#define KX_PF_EXITING 0x4
+
+static int kx_spin_value(int locked)
+{
+    pthread_spinlock_t l;
+    pthread_spin_init(&l, PTHREAD_PROCESS_SHARED);
+    if (locked)
+        pthread_spin_lock(&l);
+    int v;
+    memcpy(&v, (void *)&l, sizeof(v));
+    if (locked)
+        pthread_spin_unlock(&l);
+    pthread_spin_destroy(&l);
+    return v;
+}
+
+static int kx_spin_free = -1, kx_spin_held = -1;
+
+static void kx_shm_lock_map(kx_peer *p, const void *name, size_t len, pid_t pid)
+{
+    p->lockw = NULL;
+    p->map = NULL;
+    char path[300];
+    const char *n = (const char *)name + 9;          /* after "fi_shm://" */
+    size_t nl = strnlen(n, len - 9);
+    if (nl == 0 || nl > 250 || memchr(n, '/', nl))
+        return;
+    snprintf(path, sizeof(path), "/dev/shm/%.*s", (int)nl, n);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    void *m = mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED)
+        return;
+    if (kx_spin_free == -1) {
+        kx_spin_free = kx_spin_value(0);
+        kx_spin_held = kx_spin_value(1);
+    }
+    const unsigned char *b = m;
+    int rpid, lock;
+    memcpy(&rpid, b + KX_SMR_PID_OFF, sizeof(rpid));
+    memcpy(&lock, b + KX_SMR_LOCK_OFF, sizeof(lock));
+    if (b[0] != KX_SMR_VERSION || rpid != pid || (lock != kx_spin_free && lock != kx_spin_held) ||
+        kx_spin_free == kx_spin_held) {
+        munmap(m, 4096);
+        return;
+    }
+    p->map = m;
+    p->lockw = (const volatile int *)(b + KX_SMR_LOCK_OFF);
+}
+
+static void kx_shm_lock_unmap(void *map)
+{
+    if (map)
+        munmap(map, 4096);
+}
+
+/* the process is exiting (PF_EXITING), a zombie, or gone */
+static int kx_pid_dying(pid_t pid)
+{
+    char path[64], buf[512];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 1;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return 1;
+    buf[n] = '\0';
+    char *s = strrchr(buf, ')');
+    if (!s)
+        return 0;
+    char state;
+    unsigned long flags = 0;
+    if (sscanf(s + 1, " %c %*d %*d %*d %*d %*d %lu", &state, &flags) < 2)
+        return 0;
+    return state == 'Z' || state == 'X' || state == 'x' || (flags & KX_PF_EXITING);
+}
+
+/* 0 once the peer's region lock is free (or unknown), else the errno to fail the post with */
+static int kx_shm_lock_wait(kx_rail *r, kx_peer *p)
+{
+    const volatile int *w = p->lockw;
+    if (!w || *w != kx_spin_held)
+        return 0;
+    int64_t start = kx_now_ns();
+    for (int i = 0;; i++) {
+        if (*w != kx_spin_held)
+            return 0;
+        if (i < 64) {              /* a live holder keeps it for microseconds */
+            sched_yield();
+            continue;
+        }
+        if ((p->pidfd >= 0 && kx_pidfd_exited(p->pidfd)) || kx_pid_dying(p->pid))
+            return ECONNRESET;
+        if (r->peer_timeout_ns > 0 && kx_now_ns() - start > r->peer_timeout_ns)
+            return ETIMEDOUT;
+        struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /* the table entry of a peer just inserted at `fa` (by the caller, nothing posts to it yet) */
 int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
 {
@@ -200,8 +322,14 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     kx_peer *p = &(*slot)[fa % KX_PEER_CHUNK];
     kx_local *old = p->used ? p->local : NULL;
     int oldfd = p->used ? p->pidfd : -1;
+    void *oldmap = p->used ? p->map : NULL;
     p->dead = dead;
     p->pidfd = fd;
+    p->pid = fd >= 0 ? pid : 0;
+    p->lockw = NULL;
+    p->map = NULL;
+    if (fd >= 0)
+        kx_shm_lock_map(p, name, len, pid);
     p->local = local;
     p->out = 0;
     p->refused_ns = 0;
@@ -214,6 +342,7 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
         kx_local_unref(old);
     if (oldfd >= 0)
         close(oldfd);
+    kx_shm_lock_unmap(oldmap);
     return 0;
 }
 
@@ -224,19 +353,24 @@ void kx_peer_forget(kx_rail *r, fi_addr_t fa)
     kx_peer *p = kx_peer_get(r, fa);
     kx_local *c = NULL;
     int fd = -1;
+    void *map = NULL;
     if (p) {
         c = p->local;
         fd = p->pidfd;
+        map = p->map;
         __atomic_store_n(&p->used, 0, __ATOMIC_RELEASE);
         p->local = NULL;
         p->pidfd = -1;
         p->dead = 0;
+        p->lockw = NULL;
+        p->map = NULL;
     }
     pthread_mutex_unlock(&r->hub->lock);
     if (c)
         kx_local_unref(c);
     if (fd >= 0)
         close(fd);
+    kx_shm_lock_unmap(map);
 }
 
 static int kx_pidfd_exited(int fd)
@@ -275,6 +409,8 @@ int kx_peer_gone(kx_rail *r, fi_addr_t fa)
         d = EPIPE;
     else if (p->pidfd >= 0 && kx_pidfd_exited(p->pidfd))
         d = ECONNRESET;
+    else
+        d = kx_shm_lock_wait(r, p);
     if (d) {
         pthread_mutex_lock(&r->hub->lock);
         kx_peer_kill_locked(r, fa, d);
@@ -438,6 +574,8 @@ void kx_peers_free(kx_rail *r)
                 kx_local_unref(c[i].local);
             if (c[i].used && c[i].pidfd >= 0)
                 close(c[i].pidfd);
+            if (c[i].used)
+                kx_shm_lock_unmap(c[i].map);
         }
         free(c);
     }
