@@ -277,8 +277,9 @@ def iteration(race, provider, state, rng):
             from kvxfer import errors
 
             c = None
+            region = b.register(keep[1])     # held: a dropped region is deregistered at once
             try:
-                c, cs, cp, crr, ckeep = _initiator(provider, b.address, b.register(keep[1]).descriptor())
+                c, cs, cp, crr, ckeep = _initiator(provider, b.address, region.descriptor())
             except errors.KvxferError as exc:
                 rec["target_broken"] = type(exc).__name__
             rec["close_s"] += ([_timed_close(c)] if c is not None else []) + [_timed_close(b)]
