@@ -194,11 +194,10 @@ struct kx_rail {
     struct kx_local *self_local;   /* this endpoint, as other rails of this process see it */
     int parked;                /* the endpoint is left open, unprogressed, never closed (kx_rail_park) */
     int took_msgs;             /* a control message arrived (someone connected to us) */
-    int shm;                   /* counted among this process's open shm rails (rail.c, deferral) */
-    int deferred;              /* shm: closing, but its fids wait for the process's last shm rail */
+    int shm;                   /* a shm rail: same-process peers share regions (rail.c, deferral) */
+    int deferred;              /* shm: closing, its fids wait until no open engine maps it (1), being closed (2) */
     int domain_requested;      /* deferred: kx_rail_close_domain was called */
-    int free_requested;        /* deferred: kx_rail_free was called; the final pass frees it */
-    struct kx_rail *deferred_next;
+    int free_requested;        /* deferred: kx_rail_free was called; the final step frees it */
 
     kx_rxbuf rx[KX_RX_BUFS];
     struct fid_mr *rx_mr;  /* the receive slab's registration (FI_MR_LOCAL providers) */
@@ -274,6 +273,12 @@ typedef struct kx_local {
     int refs;             /* the owning rail + every peer entry naming it (under kx_locals_lock) */
     int closed;           /* atomic: the owner is tearing down */
     int busy;             /* atomic: posts to it under way */
+    /* shm (rail.c, deferral): engines of this process whose progress may read this
+     * endpoint's region, and those this endpoint's progress may read (under kx_locals_lock) */
+    int mapped_by;        /* unquiesced rails holding this cell in their `held` */
+    struct kx_local **held;
+    int nheld, capheld;
+    struct kx_rail *deferred;   /* its rail, closing, waits for mapped_by == 0 */
     size_t len;
     uint8_t name[256];
 } kx_local;
@@ -307,6 +312,11 @@ int kx_is_peer_errno(int err);
 int kx_peers_scan(kx_rail *r);
 int64_t kx_outstanding_live(kx_rail *r);
 void kx_peers_free(kx_rail *r);
+void kx_local_release(kx_rail *r);
+int kx_local_defer(kx_rail *r);
+int kx_local_still_deferred(kx_rail *r, int freeing);
+int kx_local_deferred_done(kx_rail *r);
+void kx_rail_finish_deferred(kx_rail *r);
 void kx_transfer_fail_locked(kx_rail *r, kx_transfer *x, int err);
 
 /* ---- mr.c ------------------------------------------------------------------------- */

@@ -50,9 +50,8 @@
 static pthread_mutex_t kx_locals_lock = PTHREAD_MUTEX_INITIALIZER;
 static kx_local *kx_locals;
 
-static void kx_local_unref(kx_local *c)
+static void kx_local_unref_locked(kx_local *c)
 {
-    pthread_mutex_lock(&kx_locals_lock);
     if (--c->refs == 0) {
         for (kx_local **p = &kx_locals; *p; p = &(*p)->next) {
             if (*p == c) {
@@ -60,9 +59,148 @@ static void kx_local_unref(kx_local *c)
                 break;
             }
         }
+        free(c->held);
         free(c);
     }
+}
+
+static void kx_local_unref(kx_local *c)
+{
+    pthread_mutex_lock(&kx_locals_lock);
+    kx_local_unref_locked(c);
     pthread_mutex_unlock(&kx_locals_lock);
+}
+
+/* Same-process shm peers (the deferral rule of rail.c). shm 1.17 keeps a same-process peer's
+ * region by pointer: once X posts to Y, X's progress may read Y's region and Y's (which
+ * mapped X on X's first command) may read X's. So an endpoint's region must outlive the
+ * progress of every engine of this process that holds it. A rail's cell `held` lists the
+ * cells its progress may read; each holds a reference and counts in the cell's `mapped_by`.
+ * Links are made on connect, dropped when the holder removes the peer from its AV (only its
+ * own side) and when the holder's progress thread has been joined (all of them). A closing
+ * shm rail whose cell is still mapped by someone is deferred (kx_local_defer); the thread
+ * that drops `mapped_by` to 0 closes its fids (kx_rail_finish_deferred). Under the lock. */
+static int kx_hold_locked(kx_local *holder, kx_local *c)
+{
+    if (holder->nheld == holder->capheld) {
+        int cap = holder->capheld ? 2 * holder->capheld : 4;
+        kx_local **h = realloc(holder->held, (size_t)cap * sizeof(*h));
+        if (!h)
+            return -FI_ENOMEM;
+        holder->held = h;
+        holder->capheld = cap;
+    }
+    holder->held[holder->nheld++] = c;
+    c->refs++;
+    c->mapped_by++;
+    return 0;
+}
+
+/* drop one hold of c; returns c's rail when that ends its deferral (the caller finishes it) */
+static kx_rail *kx_unhold_locked(kx_local *c)
+{
+    kx_rail *finish = NULL;
+    if (--c->mapped_by == 0 && c->deferred) {
+        finish = c->deferred;
+        c->deferred = NULL;
+        finish->deferred = 2;
+    }
+    kx_local_unref_locked(c);
+    return finish;
+}
+
+static void kx_local_link(kx_rail *x, kx_local *y)
+{
+    kx_local *xc = x->self_local;
+    if (!x->shm || !xc || xc == y)
+        return;
+    pthread_mutex_lock(&kx_locals_lock);
+    if (kx_hold_locked(xc, y) == 0 && kx_hold_locked(y, xc) != 0) {
+        /* out of memory for the back link: keep X's region for good rather than risk it */
+        xc->refs++;
+        xc->mapped_by++;
+    }
+    pthread_mutex_unlock(&kx_locals_lock);
+}
+
+static void kx_local_unlink(kx_rail *x, kx_local *y)
+{
+    kx_local *xc = x->self_local;
+    kx_rail *finish = NULL;
+    if (!xc)
+        return;
+    pthread_mutex_lock(&kx_locals_lock);
+    for (int i = 0; i < xc->nheld; i++) {
+        if (xc->held[i] == y) {
+            xc->held[i] = xc->held[--xc->nheld];
+            finish = kx_unhold_locked(y);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&kx_locals_lock);
+    if (finish)
+        kx_rail_finish_deferred(finish);
+}
+
+/* r's progress thread has been joined: it reads no other region any more */
+void kx_local_release(kx_rail *r)
+{
+    kx_local *c = r->self_local;
+    if (!c)
+        return;
+    for (;;) {
+        kx_rail *finish = NULL;
+        pthread_mutex_lock(&kx_locals_lock);
+        while (c->nheld > 0 && !finish)
+            finish = kx_unhold_locked(c->held[--c->nheld]);
+        pthread_mutex_unlock(&kx_locals_lock);
+        if (!finish)
+            return;
+        kx_rail_finish_deferred(finish);
+    }
+}
+
+/* a closing shm rail: 1 if another engine's progress may still read its region (it is now
+ * deferred), else 0 (close it now) */
+int kx_local_defer(kx_rail *r)
+{
+    kx_local *c = r->self_local;
+    if (!r->shm || !c)
+        return 0;
+    pthread_mutex_lock(&kx_locals_lock);
+    int d = c->mapped_by > 0;
+    if (d) {
+        r->deferred = 1;
+        c->deferred = r;
+    }
+    pthread_mutex_unlock(&kx_locals_lock);
+    return d;
+}
+
+/* 1 while r is deferred or being closed by another thread (and notes what its owner asked
+ * for: the domain's close, its freeing); 0 once its fids are closed */
+int kx_local_still_deferred(kx_rail *r, int freeing)
+{
+    pthread_mutex_lock(&kx_locals_lock);
+    int d = r->deferred;
+    if (d) {
+        r->domain_requested = 1;
+        if (freeing)
+            r->free_requested = 1;
+    }
+    pthread_mutex_unlock(&kx_locals_lock);
+    return d;
+}
+
+/* the closing thread of a deferred rail, after kx_rail_close_fids: 1 to close its domain,
+ * 2 to close it and free the rail as well; 0: its owner will */
+int kx_local_deferred_done(kx_rail *r)
+{
+    pthread_mutex_lock(&kx_locals_lock);
+    int out = r->free_requested ? 2 : r->domain_requested ? 1 : 0;
+    r->deferred = 0;
+    pthread_mutex_unlock(&kx_locals_lock);
+    return out;
 }
 
 /* publish this rail's endpoint name (after fi_enable) */
@@ -343,6 +481,8 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     if (oldfd >= 0)
         close(oldfd);
     kx_shm_lock_unmap(oldmap);
+    if (local)
+        kx_local_link(r, local);
     return 0;
 }
 
@@ -366,8 +506,10 @@ void kx_peer_forget(kx_rail *r, fi_addr_t fa)
         p->map = NULL;
     }
     pthread_mutex_unlock(&r->hub->lock);
-    if (c)
+    if (c) {
+        kx_local_unlink(r, c);
         kx_local_unref(c);
+    }
     if (fd >= 0)
         close(fd);
     kx_shm_lock_unmap(map);

@@ -129,8 +129,6 @@ static int kx_rail_post_receives(kx_rail *r, const char **call)
     return 0;
 }
 
-static void kx_shm_count(kx_rail *r);
-
 int kx_rail_open(const char *prov, const char *node, const char *domain, int hmem, int spin,
                  kx_rail *join, kx_rail **out, char *errcall, size_t errcall_len)
 {
@@ -178,7 +176,7 @@ int kx_rail_open(const char *prov, const char *node, const char *domain, int hme
         kx_rail_free(r);
         return ret;
     }
-    kx_shm_count(r);
+    r->shm = r->info && strcmp(r->info->fabric_attr->prov_name, "shm") == 0;
     *out = r;
     return 0;
 }
@@ -242,8 +240,11 @@ void kx_rail_quiesce(kx_rail *r)
         }
         sched_yield();
     }
-    if (!r->thread_started)
+    if (!r->thread_started) {
+        if (!r->leaked)
+            kx_local_release(r);
         return;
+    }
     if (r->has_wait && r->cq)
         fi_cq_signal(r->cq);
     pthread_mutex_lock(&r->hub->lock);
@@ -257,6 +258,8 @@ void kx_rail_quiesce(kx_rail *r)
         r->leaked = 1;   /* stuck in the provider: leak everything it may touch */
     }
     r->thread_started = 0;
+    if (!r->leaked)
+        kx_local_release(r);     /* it reads no other engine's region any more */
 }
 
 /* a thread may still be inside libfabric: close nothing, free nothing, but let no waiter
@@ -319,83 +322,23 @@ static void kx_rail_close_domain_fids(kx_rail *r)
     if (r->info) { fi_freeinfo(r->info); r->info = NULL; }
 }
 
-/* shm endpoints of one process share each other's regions: a peer of this process is
- * reached through a pointer to its region, not a mapping of its own. libfabric 1.17 then
- * crashes (SIGSEGV in fi_cq_read, 8 of 20 runs of tests/stress/test_shm_close.py before this
- * rule) when an engine closes while another engine of the process still progresses and had
- * begun to connect to it. So a closing shm rail quiesces and settles at once but keeps its
- * fids, and the process's last open shm rail closes them all, with no progress thread left
- * running, in the order they closed. Cross-process peers map regions of their own and are not
- * affected; the cost is one idle region (16 MiB of mostly untouched shared memory) per engine
- * closed while another shm engine of the process stays open. */
-static pthread_mutex_t kx_shm_lock = PTHREAD_MUTEX_INITIALIZER;
-static int kx_shm_open;
-static kx_rail *kx_shm_deferred, **kx_shm_deferred_tail = &kx_shm_deferred;
-
-static void kx_shm_count(kx_rail *r)
+/* shm endpoints of one process reach each other's regions through a pointer: libfabric 1.17
+ * crashed (SIGSEGV in fi_cq_read, 8 of 20 runs of the `cancel_first_same` scenario) when an
+ * engine closed while another engine of the process, linked to it, still progressed. So a
+ * closing shm rail whose region another unquiesced rail of the process may read (liveness.c,
+ * kx_local_link) is quiesced and settled at once but keeps its fids; the rail that drops the
+ * last such hold (by quiescing or by removing it from its AV) closes them. Cross-process
+ * peers map regions of their own and are never deferred. */
+void kx_rail_finish_deferred(kx_rail *r)
 {
-    if (!r->info || strcmp(r->info->fabric_attr->prov_name, "shm") != 0)
-        return;
-    pthread_mutex_lock(&kx_shm_lock);
-    kx_shm_open++;
-    r->shm = 1;
-    pthread_mutex_unlock(&kx_shm_lock);
-}
-
-/* Returns 1 when r was deferred; else the deferred rails (in closing order) to finish now. */
-static int kx_shm_defer(kx_rail *r, kx_rail **finish)
-{
-    *finish = NULL;
-    if (!r->shm)
-        return 0;
-    pthread_mutex_lock(&kx_shm_lock);
-    r->shm = 0;
-    if (--kx_shm_open > 0) {
-        r->deferred = 1;
-        r->deferred_next = NULL;
-        *kx_shm_deferred_tail = r;
-        kx_shm_deferred_tail = &r->deferred_next;
-        pthread_mutex_unlock(&kx_shm_lock);
-        return 1;
+    kx_rail_close_fids(r);
+    int what = kx_local_deferred_done(r);
+    if (what)
+        kx_rail_close_domain_fids(r);
+    if (what == 2) {
+        kx_hub_unref(r->hub);
+        free(r);
     }
-    *finish = kx_shm_deferred;
-    kx_shm_deferred = NULL;
-    kx_shm_deferred_tail = &kx_shm_deferred;
-    pthread_mutex_unlock(&kx_shm_lock);
-    return 0;
-}
-
-static void kx_shm_finish(kx_rail *list)
-{
-    while (list) {
-        kx_rail *r = list;
-        list = r->deferred_next;
-        kx_rail_close_fids(r);
-        pthread_mutex_lock(&kx_shm_lock);
-        int dom = r->domain_requested, fr = r->free_requested;
-        r->deferred = 0;
-        pthread_mutex_unlock(&kx_shm_lock);
-        if (dom || fr)
-            kx_rail_close_domain_fids(r);
-        if (fr) {
-            kx_hub_unref(r->hub);
-            free(r);
-        }
-    }
-}
-
-/* 1 while r is deferred (and notes what its owner asked for); 0 once its fids are closed */
-static int kx_shm_still_deferred(kx_rail *r, int freeing)
-{
-    pthread_mutex_lock(&kx_shm_lock);
-    int d = r->deferred;
-    if (d) {
-        r->domain_requested = 1;
-        if (freeing)
-            r->free_requested = 1;
-    }
-    pthread_mutex_unlock(&kx_shm_lock);
-    return d;
 }
 
 void kx_rail_close_endpoint(kx_rail *r)
@@ -408,12 +351,10 @@ void kx_rail_close_endpoint(kx_rail *r)
         kx_rail_abandon(r);
         return;
     }
-    kx_rail *finish;
-    if (kx_shm_defer(r, &finish)) {
+    if (kx_local_defer(r)) {
         kx_rail_settle(r);
         return;
     }
-    kx_shm_finish(finish);
     kx_rail_close_fids(r);
     /* domain and fabric stay open until kx_rail_close_domain: registrations go first,
      * after the endpoint (rxm's endpoint close still touches the descriptors of what it
@@ -424,7 +365,7 @@ void kx_rail_close_endpoint(kx_rail *r)
 void kx_rail_close_domain(kx_rail *r)
 {
     kx_rail_close_endpoint(r);
-    if (r->leaked || r->parked || kx_shm_still_deferred(r, 0))
+    if (r->leaked || r->parked || kx_local_still_deferred(r, 0))
         return;
     kx_rail_close_domain_fids(r);
 }
@@ -432,7 +373,7 @@ void kx_rail_close_domain(kx_rail *r)
 void kx_rail_free(kx_rail *r)
 {
     kx_rail_close_domain(r);
-    if (r->leaked || r->parked || kx_shm_still_deferred(r, 1))
+    if (r->leaked || r->parked || kx_local_still_deferred(r, 1))
         return;
     if (r->pdir)      /* a rail that failed to open before its endpoint existed */
         kx_peers_free(r);

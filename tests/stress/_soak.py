@@ -72,15 +72,16 @@ def soak(provider: str, n: int) -> dict:
 
 
 def connects(provider: str, n: int) -> dict:
-    """n connects to one peer (deduplicated) and n/10 distinct peers, each disconnected."""
+    """n connects to one peer (deduplicated), then n connects to n/10 distinct peers (each
+    connected and disconnected 10 times: every connect a fresh address-vector insert)."""
     import kvxfer
 
     a = kvxfer.Engine(provider, "127.0.0.1")
     b = kvxfer.Engine(provider, "127.0.0.1")
-    r0, f0 = rss(), fds()
+    r0, f0, t0 = rss(), fds(), time.monotonic()
     peers = {id(a.connect(b.address)) for _ in range(n)}
     distinct = 0
-    for _ in range(max(1, n // 100)):
+    for _ in range(max(1, n // 10)):
         c = kvxfer.Engine(provider, "127.0.0.1")
         for _ in range(10):
             p = a.connect(c.address)
@@ -88,7 +89,7 @@ def connects(provider: str, n: int) -> dict:
             distinct += 1
         c.close()
     out = {"provider": provider, "same_peer_connects": n, "distinct_peers": len(peers),
-           "distinct_connects": distinct, "rss_growth_bytes": rss() - r0, "fd_growth": fds() - f0}
+           "distinct_connects": distinct, "distinct_engines": max(1, n // 10), "seconds": round(time.monotonic() - t0, 1), "rss_growth_bytes": rss() - r0, "fd_growth": fds() - f0}
     a.close()
     b.close()
     return out
