@@ -199,7 +199,7 @@ def _pair_same(provider, first_write=True):
     # one message first: shm maps a peer lazily (docs/architecture.md, known limits)
     if first_write:
         a.write(ms, 0, peer, rr, 0, 8, imm=1).wait(10)
-    return a, b, ms, peer, rr, (src, dst)
+    return a, b, ms, peer, rr, (src, dst, md)     # md held: a dropped region is deregistered
 
 
 def _initiator(provider, addr, desc):

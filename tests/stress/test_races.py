@@ -23,7 +23,6 @@ EXPECT_PEER_ERROR = {"close_target_same", "close_target_cross", "post_closed_sam
 KNOWN = {
     ("close_target_cross", "tcp;ofi_rxm"): "rxm crashes in fi_close after a quiet close under load",
     ("sigkill", "shm"): "a peer killed holding its shm lock in the last microseconds before a post",
-    ("cancel_first_same", "shm"): "writes posted during shm's connection handshake, then cancelled, never arrive",
 }
 
 
