@@ -161,11 +161,18 @@ def _check_options(progress, iov, max_write, pack_min, rails) -> None:
         raise InvalidArgumentError(f"rails must be a positive int, got {rails!r}")
 
 
+#: The longest watcher poll interval (µs) ``Engine.watcher`` takes: its nanoseconds fit an int64.
+MAX_POLL_US = 1e9
+
+
 def _check_cpus(cpus) -> tuple:
     """The progress threads' CPUs (from the caller or a placement): ones this process may use."""
     if cpus is None:
         return ()
-    cpus = tuple(cpus)
+    try:
+        cpus = tuple(cpus)
+    except TypeError:
+        raise InvalidArgumentError(f"cpus must list CPU numbers, got {cpus!r}") from None
     allowed = os.sched_getaffinity(0)
     bad = [c for c in cpus if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c not in allowed]
     if bad:
@@ -1097,8 +1104,8 @@ class Engine:
         """A native counter watcher that posts armed writes when a counter reaches their
         threshold (see ``Watcher``); pinned to ``cpus`` (default: the engine's)."""
         self._check_open()
-        if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not poll_us > 0:
-            raise InvalidArgumentError(f"poll_us must be a positive number, got {poll_us!r}")
+        if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not 0 < poll_us <= MAX_POLL_US:
+            raise InvalidArgumentError(f"poll_us must be a positive number up to {MAX_POLL_US:g}, got {poll_us!r}")
         cpus = self.cpus if cpus is None else _check_cpus(cpus)
         if isinstance(rt_priority, bool) or not isinstance(rt_priority, int) or not 0 <= rt_priority <= 99:
             raise InvalidArgumentError(f"rt_priority must be an int in 0..99, got {rt_priority!r}")

@@ -107,7 +107,10 @@ def _check_secret(secret: Optional[bytes]) -> Optional[bytes]:
     if secret is None:
         return None
     if isinstance(secret, str):
-        secret = secret.encode()
+        try:
+            secret = secret.encode()
+        except UnicodeEncodeError:
+            raise InvalidArgumentError("a str secret must be encodable as UTF-8") from None
     if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
         raise InvalidArgumentError("secret must be bytes (or str) of at least 16 bytes")
     return bytes(secret)

@@ -26,7 +26,7 @@ extern "C" __global__ void kx_layer_bump(unsigned long long *word)
 def alloc_mapped_word(device: int) -> tuple[int, int, Any]:
     """8 bytes (64 allocated) of pinned host memory mapped into ``device``: (host ptr,
     device ptr, a release function)."""
-    d = driver()
+    d = driver
     drv = d.load()
     d.make_current(device)
     flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
@@ -57,7 +57,7 @@ class Kernel:
                 from cuda import nvrtc  # type: ignore[no-redef]
             except ImportError:
                 raise UnsupportedError("bump_on needs cuda-python's nvrtc") from None
-        d = driver()
+        d = driver
         drv = d.load()
         d.make_current(device)
         major = d.attr(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR")

@@ -45,10 +45,16 @@ def pack_context(**arrays: Any) -> bytes:
     head = bytearray(MAGIC + struct.pack("<I", len(arrays)))
     items = []
     for name, a in arrays.items():
-        arr = np.require(np.asarray(a), requirements="C")   # keeps 0-d arrays 0-d
+        try:
+            arr = np.require(np.asarray(a), requirements="C")   # keeps 0-d arrays 0-d
+        except (TypeError, ValueError, OverflowError) as exc:   # e.g. ragged lists
+            raise InvalidArgumentError(f"context array {name!r} is not an array: {exc}") from None
         if arr.dtype.hasobject:
             raise InvalidArgumentError(f"context array {name!r} holds Python objects")
-        nm, dt = name.encode(), arr.dtype.str.encode()
+        try:
+            nm, dt = name.encode(), arr.dtype.str.encode()
+        except UnicodeEncodeError:
+            raise InvalidArgumentError(f"context array name {name!r} is not valid UTF-8") from None
         if len(nm) > 255 or len(dt) > 255 or arr.ndim > 255:
             raise InvalidArgumentError(f"context array {name!r}: name, dtype or rank too long")
         items.append((nm, dt, arr))
@@ -72,7 +78,10 @@ def pack_context(**arrays: Any) -> bytes:
 def unpack_context(data: Any) -> dict[str, np.ndarray]:
     """The named arrays of a ``pack_context`` blob (e.g. ``Receive.context``), as read-only
     views of it."""
-    buf = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+    try:
+        buf = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+    except (TypeError, ValueError, BufferError):
+        raise DescriptorError(f"a context blob is a C-contiguous buffer, not {type(data).__name__}") from None
     raw = buf.tobytes()
     n = len(buf)
     try:
@@ -106,5 +115,6 @@ def unpack_context(data: Any) -> dict[str, np.ndarray]:
         return out
     except DescriptorError:
         raise
-    except (IndexError, struct.error, UnicodeDecodeError, TypeError, ValueError) as exc:
+    except (IndexError, struct.error, UnicodeDecodeError, TypeError, ValueError, OverflowError,
+            SyntaxError) as exc:                     # np.dtype(",") raises SyntaxError
         raise DescriptorError(f"malformed context blob: {exc}") from None

@@ -445,17 +445,22 @@ class Messenger:
                  placements: Optional[Mapping[int, Any]] = None, counter_device: Optional[int] = None,
                  watch_poll_us: float = 10.0, watch_cpus: Optional[Iterable[int]] = None,
                  watch_rt_priority: int = 0) -> None:
+        from kvxfer.engine import MAX_POLL_US, Engine, _check_cpus   # here: the codecs import without libfabric
+
+        if not isinstance(engine, Engine):
+            raise InvalidArgumentError(f"engine must be a kvxfer Engine, got {type(engine).__name__}")
         if not isinstance(layout, KVLayout):
             raise InvalidArgumentError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if not isinstance(sharding, Sharding):
             raise InvalidArgumentError(f"sharding must be a Sharding, got {type(sharding).__name__}")
         layout.resolve(sharding)                      # LayoutError if they cannot meet
-        for name, v in (("context_slots", context_slots), ("context_bytes", context_bytes)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise InvalidArgumentError(f"{name} must be a non-negative int, got {v!r}")
+        # the bounds a peer's handshake decoder accepts (kvxfer/messenger/_codec.py)
+        for name, v, hi in (("context_slots", context_slots, 2**31 - 1), ("context_bytes", context_bytes, 2**40)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= hi:
+                raise InvalidArgumentError(f"{name} must be an int in [0, {hi}], got {v!r}")
         pt = _timeout_arg(peer_timeout, "peer_timeout")
-        if not pt:
-            raise InvalidArgumentError("peer_timeout must be positive")
+        if not pt or pt >= 1e6:
+            raise InvalidArgumentError(f"peer_timeout must be positive and under 1e6 s, got {peer_timeout!r}")
         if on_request is not None and not callable(on_request):
             raise InvalidArgumentError("on_request must be callable")
         self.secret = C._check_secret(secret)
@@ -472,10 +477,15 @@ class Messenger:
         if counter_device is not None and (isinstance(counter_device, bool) or not isinstance(counter_device, int)
                                            or counter_device < 0):
             raise InvalidArgumentError(f"counter_device must be a CUDA device ordinal, got {counter_device!r}")
-        if isinstance(watch_poll_us, bool) or not isinstance(watch_poll_us, (int, float)) or not watch_poll_us > 0:
-            raise InvalidArgumentError(f"watch_poll_us must be a positive number, got {watch_poll_us!r}")
-        self._counter_opts = (counter_device, float(watch_poll_us), None if watch_cpus is None else tuple(watch_cpus),
-                              watch_rt_priority)
+        if (isinstance(watch_poll_us, bool) or not isinstance(watch_poll_us, (int, float))
+                or not 0 < watch_poll_us <= MAX_POLL_US):
+            raise InvalidArgumentError(f"watch_poll_us must be a positive number up to {MAX_POLL_US:g}, "
+                                       f"got {watch_poll_us!r}")
+        rt = watch_rt_priority
+        if isinstance(rt, bool) or not isinstance(rt, int) or not 0 <= rt <= 99:
+            raise InvalidArgumentError(f"watch_rt_priority must be an int in 0..99, got {rt!r}")
+        self._counter_opts = (counter_device, float(watch_poll_us),
+                              None if watch_cpus is None else _check_cpus(watch_cpus), rt)
         self._counter: Optional[LayerCounter] = None
         self._watcher: Any = None
         self._counter_release: Optional[Callable[[], None]] = None
@@ -543,22 +553,25 @@ class Messenger:
 
     @staticmethod
     def _ranks(kv: Any, ranks: Optional[Iterable[int]], sharding: Sharding) -> tuple[tuple[int, ...], list]:
-        if isinstance(kv, Mapping):
-            keys = sorted(kv)
-            rs = tuple(keys) if ranks is None else tuple(ranks)
-            if sorted(rs) != keys:
-                raise InvalidArgumentError(f"kv holds ranks {keys} but ranks says {list(rs)}")
-            regions = [kv[r] for r in sorted(rs)]
-            rs = tuple(sorted(rs))
-        else:
-            if isinstance(kv, (str, bytes)) or not isinstance(kv, Sequence):
-                raise InvalidArgumentError("kv must map ranks to their regions, or list them per rank")
-            rs = tuple(range(sharding.tp_size)) if ranks is None else tuple(ranks)
-            if len(kv) != len(rs):
-                raise InvalidArgumentError(f"kv lists {len(kv)} rank(s) for ranks {list(rs)}")
-            order = sorted(range(len(rs)), key=lambda i: rs[i])
-            regions = [kv[i] for i in order]
-            rs = tuple(rs[i] for i in order)
+        try:
+            if isinstance(kv, Mapping):
+                keys = sorted(kv)
+                rs = tuple(keys) if ranks is None else tuple(ranks)
+                if sorted(rs) != keys:
+                    raise InvalidArgumentError(f"kv holds ranks {keys} but ranks says {list(rs)}")
+                regions = [kv[r] for r in sorted(rs)]
+                rs = tuple(sorted(rs))
+            else:
+                if isinstance(kv, (str, bytes)) or not isinstance(kv, Sequence):
+                    raise InvalidArgumentError("kv must map ranks to their regions, or list them per rank")
+                rs = tuple(range(sharding.tp_size)) if ranks is None else tuple(ranks)
+                if len(kv) != len(rs):
+                    raise InvalidArgumentError(f"kv lists {len(kv)} rank(s) for ranks {list(rs)}")
+                order = sorted(range(len(rs)), key=lambda i: rs[i])
+                regions = [kv[i] for i in order]
+                rs = tuple(rs[i] for i in order)
+        except TypeError:                     # ranks not iterable, ranks or keys that do not sort
+            raise InvalidArgumentError(f"ranks (and kv's keys) must be ints, got ranks={ranks!r}") from None
         for r in rs:
             if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < sharding.tp_size:
                 raise InvalidArgumentError(f"rank {r!r} is not a rank of TP{sharding.tp_size}")
@@ -607,6 +620,8 @@ class Messenger:
     def close(self, timeout: float = 5.0) -> None:
         """Fail what is in flight (``ClosedError``), tell peers (BYE), stop the threads and
         deregister. The engine stays open (the caller owns it)."""
+        if _timeout_arg(timeout) is None:      # checked before anything closes
+            raise InvalidArgumentError(f"close timeout must be a finite number of seconds, got {timeout!r}")
         with self._lock:
             if self._closed:
                 return
@@ -791,6 +806,8 @@ class Messenger:
             raise InvalidArgumentError(f"num_tokens {num_tokens} does not fit {len(pages)} page(s) of "
                                        f"{self.layout.page_size} tokens")
         rid_bytes = C.encode_request_id(request_id)
+        if isinstance(request_id, bytearray):
+            request_id = bytes(request_id)        # a key of the in-flight table; the prefiller sees bytes
         pages.flags.writeable = False
         with self._lock:
             self._check_open()
@@ -1062,6 +1079,10 @@ class Messenger:
         its count is announced now. Chunks of Sends already aborted are skipped. Everything
         is checked before anything is armed."""
         self._check_open()
+        try:
+            chunks = list(chunks)
+        except TypeError:
+            raise InvalidArgumentError(f"chunks must be an iterable of chunks, got {type(chunks).__name__}") from None
         lc = self.layer_counter
         work = []
         seen: set[int] = set()

@@ -83,7 +83,10 @@ def register_layout(engine: Any, layout: KVLayout, sharding: Sharding, regions: 
     region-id order) in one call. Each must be at least ``layout.region_sizes(sharding)``;
     on any refusal the regions registered so far are closed again."""
     sizes = layout.region_sizes(sharding)
-    regions = list(regions)
+    try:
+        regions = list(regions)
+    except TypeError:
+        raise InvalidArgumentError(f"regions must list one rank's regions, got {type(regions).__name__}") from None
     if len(regions) != len(sizes):
         raise InvalidArgumentError(f"layout has {len(sizes)} region(s) per rank, got {len(regions)}")
     done: list = []
@@ -126,7 +129,14 @@ def _split_table(blob: bytes) -> list[bytes]:
 
 def remote_layout(engine: Any, descriptors: bytes | Iterable[bytes]) -> RemoteLayout:
     """A region table from ``LayoutRegions.descriptor()`` (or a list of descriptors)."""
-    ds = _split_table(descriptors) if isinstance(descriptors, (bytes, bytearray, memoryview)) else list(descriptors)
+    if isinstance(descriptors, (bytes, bytearray, memoryview)):
+        ds = _split_table(descriptors)
+    else:
+        try:
+            ds = list(descriptors)
+        except TypeError:
+            raise DescriptorError(f"a region table is bytes or a list of descriptors, not "
+                                  f"{type(descriptors).__name__}") from None
     return RemoteLayout([engine.remote(d) for d in ds])
 
 

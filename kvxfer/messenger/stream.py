@@ -36,6 +36,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvxfer.errors import InvalidArgumentError, UnsupportedError
+from kvxfer.messenger._codec import MAX_PAGES
 
 __all__ = ["LayerCounter", "Pass", "pages_completed"]
 
@@ -45,8 +46,17 @@ _pass_ids = itertools.count(1)
 def pages_completed(num_tokens: int, page_size: int, start: int, end: int) -> np.ndarray:
     """Indices of the request's pages written by chunk ``[start, end)``: those whose last
     token (``min((p + 1) * page_size, num_tokens) - 1``) lies in the chunk."""
+    for name, v in (("num_tokens", num_tokens), ("page_size", page_size), ("start", start), ("end", end)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise InvalidArgumentError(f"{name} must be an int, got {v!r}")
+    num_tokens, page_size = int(num_tokens), int(page_size)
+    if not 1 <= page_size < 2**63 or not 0 <= num_tokens < 2**63 or -(-num_tokens // page_size) > MAX_PAGES:
+        raise InvalidArgumentError(f"{num_tokens} tokens in pages of {page_size} are not a request's "
+                                   f"(at most {MAX_PAGES} pages)")
     npages = -(-num_tokens // page_size)
-    last = np.minimum((np.arange(npages, dtype=np.int64) + 1) * page_size, num_tokens) - 1
+    start, end = (min(max(int(x), 0), num_tokens) for x in (start, end))     # int64-safe, same pages
+    last = np.full(npages, num_tokens - 1, np.int64)        # the last page ends at the last token
+    last[:-1] = np.arange(1, npages, dtype=np.int64) * page_size - 1   # the others: below num_tokens
     return np.flatnonzero((last >= start) & (last < end))
 
 
@@ -75,8 +85,8 @@ class LayerCounter:
 
     def bump(self, n: int = 1) -> int:
         """Add ``n`` (a CPU model, after each layer); returns the new value."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise InvalidArgumentError(f"bump takes a positive int, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n < 2**63:
+            raise InvalidArgumentError(f"bump takes a positive int below 2**63, got {n!r}")
         return self._w.bump(int(n))
 
     @property

@@ -24,7 +24,7 @@ REPLAYS = 5
 def _drv():
     from kvxfer._cuda import driver
 
-    d = driver()
+    d = driver
     drv = d.load()
     d.make_current(0)
     return d, drv
