@@ -292,8 +292,8 @@ typedef struct kx_peer {
     int64_t last_ns;
     int64_t refused_ns;   /* since when every post to it was refused (-FI_EAGAIN), 0: not */
     pid_t pid;            /* shm, another process: its pid (0: none) */
-    const volatile int *lockw;   /* shm, another process: its region's spin lock, read only (NULL: unknown layout) */
-    void *map;            /* the page lockw lies in (our own read-only mapping) */
+    volatile int *lockw;  /* shm, another process: its region's spin lock (NULL: unknown layout; written only by kx_peers_unstick) */
+    void *map;            /* the page lockw lies in (our own mapping of it) */
 } kx_peer;
 
 int kx_local_publish(kx_rail *r);
@@ -310,6 +310,7 @@ void kx_peer_uncount(kx_rail *r, fi_addr_t fa, int again);
 void kx_peer_accepted(kx_rail *r, fi_addr_t fa);
 int kx_is_peer_errno(int err);
 int kx_peers_scan(kx_rail *r);
+int kx_peers_unstick(kx_rail *r);
 int64_t kx_outstanding_live(kx_rail *r);
 void kx_peers_free(kx_rail *r);
 void kx_local_release(kx_rail *r);

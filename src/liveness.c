@@ -320,6 +320,12 @@ static kx_peer *kx_peer_get(kx_rail *r, fi_addr_t fa)
  * has finished exiting, milliseconds later. So kvxfer maps the first page of a peer's region
  * read-only itself and, when the lock is held at the moment of a post, waits outside libfabric
  * (not spinning) until it is free, the peer is seen dying or dead, or `peer_timeout` passes.
+ * A thread already inside shm's spin when the peer dies (the peer took the lock between our
+ * check and shm's, and was killed holding it: 2 of 1,000 `sigkill` iterations) can only be
+ * freed by releasing the dead peer's lock for it: kx_peers_unstick does that for peers whose
+ * process has exited (their region is garbage to everyone from then on), from every waiter
+ * whose 50 ms slice passed without news and from close(), so waits end with PeerError and
+ * close() joins the thread.
  * The layout is libfabric's, not ours: it is used only when the page matches what 1.17 writes
  * (struct smr_region: version 4 at byte 0, the owner's pid at 4, the lock at 24, holding the
  * unlocked or locked value of this libc's pthread spin lock); anything else turns it off. */
@@ -344,6 +350,15 @@ static int kx_spin_value(int locked)
 
 static int kx_spin_free = -1, kx_spin_held = -1;
 
+/* a lock word that is not free. glibc's x86-64 spin lock is free at 1, taken at 0, and each
+ * waiter's failed attempt decrements it further (a lock with waiters reads -1, -2, ...) */
+static int kx_lock_held(int v)
+{
+    if (kx_spin_free > kx_spin_held)
+        return v <= kx_spin_held;
+    return v != kx_spin_free;
+}
+
 static void kx_shm_lock_map(kx_peer *p, const void *name, size_t len, pid_t pid)
 {
     p->lockw = NULL;
@@ -354,10 +369,10 @@ static void kx_shm_lock_map(kx_peer *p, const void *name, size_t len, pid_t pid)
     if (nl == 0 || nl > 250 || memchr(n, '/', nl))
         return;
     snprintf(path, sizeof(path), "/dev/shm/%.*s", (int)nl, n);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0)
         return;
-    void *m = mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd, 0);
+    void *m = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (m == MAP_FAILED)
         return;
@@ -369,13 +384,13 @@ static void kx_shm_lock_map(kx_peer *p, const void *name, size_t len, pid_t pid)
     int rpid, lock;
     memcpy(&rpid, b + KX_SMR_PID_OFF, sizeof(rpid));
     memcpy(&lock, b + KX_SMR_LOCK_OFF, sizeof(lock));
-    if (b[0] != KX_SMR_VERSION || rpid != pid || (lock != kx_spin_free && lock != kx_spin_held) ||
-        kx_spin_free == kx_spin_held) {
+    if (b[0] != KX_SMR_VERSION || rpid != pid || kx_spin_free == kx_spin_held ||
+        (lock != kx_spin_free && !kx_lock_held(lock))) {
         munmap(m, 4096);
         return;
     }
     p->map = m;
-    p->lockw = (const volatile int *)(b + KX_SMR_LOCK_OFF);
+    p->lockw = (volatile int *)(b + KX_SMR_LOCK_OFF);
 }
 
 static void kx_shm_lock_unmap(void *map)
@@ -411,11 +426,11 @@ static int kx_pid_dying(pid_t pid)
 static int kx_shm_lock_wait(kx_rail *r, kx_peer *p)
 {
     const volatile int *w = p->lockw;
-    if (!w || *w != kx_spin_held)
+    if (!w || !kx_lock_held(*w))
         return 0;
     int64_t start = kx_now_ns();
     for (int i = 0;; i++) {
-        if (*w != kx_spin_held)
+        if (!kx_lock_held(*w))
             return 0;
         if (i < 64) {              /* a live holder keeps it for microseconds */
             sched_yield();
@@ -428,6 +443,26 @@ static int kx_shm_lock_wait(kx_rail *r, kx_peer *p)
         struct timespec ts = {0, 20000};
         nanosleep(&ts, NULL);
     }
+}
+
+/* Release the region lock of every cross-process shm peer whose process has exited and left
+ * it held (a progress thread of ours may be spinning on it inside libfabric). Returns how
+ * many it released. Only for teardown: a thread that entered the dead peer's critical
+ * section then finishes it against a region nobody reads any more. */
+int kx_peers_unstick(kx_rail *r)
+{
+    int n = 0;
+    size_t hi = __atomic_load_n(&r->peer_hi, __ATOMIC_ACQUIRE);
+    for (size_t fa = 0; fa < hi; fa++) {
+        kx_peer *p = kx_peer_get(r, (fi_addr_t)fa);
+        if (!p || !p->lockw || p->pidfd < 0)
+            continue;
+        if (kx_lock_held(*p->lockw) && kx_pidfd_exited(p->pidfd)) {
+            __atomic_store_n(p->lockw, kx_spin_free, __ATOMIC_SEQ_CST);
+            n++;
+        }
+    }
+    return n;
 }
 
 /* the table entry of a peer just inserted at `fa` (by the caller, nothing posts to it yet) */

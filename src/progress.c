@@ -320,7 +320,12 @@ int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns)
     int64_t left = slice_ns - (window > 0 ? kx_now_ns() - t0 : 0);
     if (left <= 0)
         return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
-    return kx_hub_wait_flag(r->hub, flag, left);
+    int got = kx_hub_wait_flag(r->hub, flag, left);
+    if (!got && kx_enter(r)) {   /* a silent slice: free a progress thread stuck on a dead shm peer */
+        kx_peers_unstick(r);
+        kx_leave(r);
+    }
+    return got;
 }
 
 int64_t kx_drive_for_message(kx_rail *r, void *const *head, int64_t slice_ns)

@@ -250,10 +250,22 @@ void kx_rail_quiesce(kx_rail *r)
     pthread_mutex_lock(&r->hub->lock);
     pthread_cond_broadcast(&r->hub->cond);
     pthread_mutex_unlock(&r->hub->lock);
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += 5;
-    if (pthread_timedjoin_np(r->thread, NULL, &ts) != 0) {
+    /* join within 5 s; a thread spinning in shm on the lock of a peer that died holding it is
+     * freed by releasing that lock (liveness.c, kx_peers_unstick) */
+    int joined = 0;
+    for (int step = 0; step < 100 && !joined; step++) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 50000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        joined = pthread_timedjoin_np(r->thread, NULL, &ts) == 0;
+        if (!joined && step >= 1)
+            kx_peers_unstick(r);
+    }
+    if (!joined) {
         pthread_detach(r->thread);
         r->leaked = 1;   /* stuck in the provider: leak everything it may touch */
     }
