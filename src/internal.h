@@ -162,7 +162,7 @@ struct kx_rail {
     int thread_started;
     volatile int stop;
     int spin;              /* busy-poll instead of blocking */
-    int posting;           /* threads inside a direct posting burst: the progress thread yields */
+    int posting;           /* callers inside their own posting burst (post.c, KX_CALLER_BUDGET): the progress thread yields */
     int busy;              /* threads inside any native call on the endpoint: teardown waits */
     int leaked;            /* the progress thread could not be joined: never free what it uses */
     int64_t outstanding;   /* tx operations posted and not completed (atomic) */

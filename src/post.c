@@ -17,10 +17,10 @@
 #include "internal.h"
 
 /* Bytes the calling thread posts itself before handing the rest to the progress thread.
- * Some providers copy inside the post call (shm's CMA path), so an unbounded direct post
+ * Some providers copy inside the post call (shm's CMA path), so an unbounded post by the caller
  * would make the caller pay for the whole transfer. */
-#ifndef KX_DIRECT_BUDGET
-#define KX_DIRECT_BUDGET (256 * 1024)
+#ifndef KX_CALLER_BUDGET
+#define KX_CALLER_BUDGET (256 * 1024)
 #endif
 
 int kx_walk_next(kx_transfer *x)
@@ -314,7 +314,7 @@ int kx_write(kx_rail *r, fi_addr_t peer, char *src_base, void *desc, uint64_t ds
     int walk_ended = 0;
     if (!queued && kx_enter(r)) {
         __atomic_add_fetch(&r->posting, 1, __ATOMIC_SEQ_CST);
-        walk_ended = kx_pump(r, x, KX_DIRECT_BUDGET);
+        walk_ended = kx_pump(r, x, KX_CALLER_BUDGET);
         __atomic_sub_fetch(&r->posting, 1, __ATOMIC_SEQ_CST);
         kx_leave(r);
     }
