@@ -75,7 +75,9 @@ def _only_kvxfer_errors(fn, *args, **kw):
 def test_decoders(data):
     good_a = wire.Address("tcp;ofi_rxm", (b"\x02\x00" + bytes(14),)).encode()
     good_d = wire.Descriptor("shm", 4096, 8192, (b"k" * 8,), True, owner=b"o" * 8).encode()
-    for codec, good in ((wire.Address, good_a), (wire.Descriptor, good_d)):
+    good_s = wire.Descriptor("shm", 4096, 8192, (b"k" * 8,), True, owner=b"o" * 8,
+                             host_share=wire.HostShare(4242, 9, 1, 77, 8192)).encode()     # version 2
+    for codec, good in ((wire.Address, good_a), (wire.Descriptor, good_d), (wire.Descriptor, good_s)):
         blob = data.draw(_mutations(good))
         r = _only_kvxfer_errors(codec.decode, blob)
         assert isinstance(r, (codec, errors.DescriptorError))
