@@ -71,6 +71,9 @@ struct kx_transfer {
     void *desc;
     uint64_t dst_base, key, flags;
     uint32_t imm;
+    kx_direct *direct;             /* direct write (direct.c): the peer region's mapping here, one reference */
+    char *direct_base;             /* ... its first byte */
+    int copied;                    /* direct: the built message's bytes are in place, its 0-byte write is due */
     int have_msg;                  /* a built message is waiting for queue space */
     int cancel;                    /* set by kx_transfer_cancel: post nothing more */
     int npieces;                   /* the built message: its pieces */
@@ -205,6 +208,7 @@ struct kx_rail {
 
     uint64_t stat_rx_err;  /* error completions not tied to a transfer */
     uint64_t stat_writes;  /* messages posted */
+    uint64_t stat_direct;  /* messages copied through a direct mapping (direct.c) */
 };
 
 static inline int64_t kx_now_ns(void)
@@ -318,6 +322,10 @@ int kx_local_still_deferred(kx_rail *r, int freeing);
 int kx_local_deferred_done(kx_rail *r);
 void kx_rail_finish_deferred(kx_rail *r);
 void kx_transfer_fail_locked(kx_rail *r, kx_transfer *x, int err);
+
+/* ---- direct.c -------------------------------------------------------------------- */
+void kx_direct_ref(kx_direct *d);    /* NULL: nothing */
+void kx_direct_copy(kx_transfer *x); /* copy the built message's pieces into x->direct */
 
 /* ---- mr.c ------------------------------------------------------------------------- */
 /* registration by a caller already inside a kx_enter bracket (or opening the rail) */

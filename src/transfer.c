@@ -7,6 +7,7 @@
 void kx_transfer_release_locked(kx_transfer *x)
 {
     if (--x->refs == 0) {
+        kx_direct_unref(x->direct);
         free(x->ops);
         free(x->owned);
         free(x);
