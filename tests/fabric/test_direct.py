@@ -4,6 +4,10 @@ Same bytes, same counts and the same fence as over RMA; everything else stays on
 
 import gc
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -11,7 +15,7 @@ import pytest
 
 import kvxfer
 from kvxfer import KVBuffer, wire
-from kvxfer.errors import ArgumentTypeError, InvalidArgumentError, OutOfBoundsError
+from kvxfer.errors import ArgumentTypeError, InvalidArgumentError, OutOfBoundsError, PeerError, TimeoutError
 from _providers import available
 from _target import Target
 
@@ -240,6 +244,53 @@ def test_mapping_lives_as_long_as_a_transfer_uses_it(shm):
             del t
         gc.collect()
         assert _mapped(share) == 0
+
+
+def test_dead_target_fails_a_direct_transfer_in_time(shm):
+    """The target stops, then dies, with a large direct transfer under way: the copies into
+    its memfd are harmless (the mapping keeps the pages), its 0-byte writes stop, wait() ends."""
+    n = 256 << 20
+    with kvxfer.Engine("shm", max_write=1 << 20) as eng:
+        tgt = Target("shm", n, memory="memfd")
+        try:
+            mr = eng.register(np.zeros(n, np.uint8))
+            peer, dst = eng.connect(tgt.address), eng.remote(tgt.descriptor)
+            assert dst.direct
+            os.kill(tgt.pid, signal.SIGSTOP)          # no progress at the target from now on
+            t = eng.write(mr, 0, peer, dst, 0, n, imm=1)
+            os.kill(tgt.pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises((PeerError, TimeoutError)):
+                t.wait(5)
+            assert time.monotonic() - start < 15
+        finally:
+            tgt.kill()
+
+
+def test_close_with_direct_transfers_queued_does_not_crash(shm):
+    """The sender closes while its progress thread is still copying: the copies stop with the
+    thread, and the mapping goes only after (a crash fails the child, not pytest)."""
+    n = 8192
+    with Target("shm", n * 4096, memory="memfd") as tgt:
+        code = textwrap.dedent(f"""
+            import numpy as np, kvxfer
+            for i in range(5):
+                a = kvxfer.Engine("shm")
+                src = np.ones({n} * 4096, np.uint8)
+                ms = a.register(src)
+                peer, rr = a.connect(bytes.fromhex({tgt.address.hex()!r})), a.remote(bytes.fromhex({tgt.descriptor.hex()!r}))
+                assert rr.direct
+                a.write(ms, 0, peer, rr, 0, 8, imm=9).wait(10)
+                t = a.write_pages(ms, np.arange({n}), peer, rr, np.random.default_rng(i).permutation({n}), 4096, imm=1)
+                del src, rr
+                a.close()
+            print("ok")
+        """)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+        assert tgt.proc.is_alive()
+        assert tgt.call("banked", 9) == 5
+    assert tgt.proc.exitcode == 0
 
 
 def test_forged_or_stale_shares_fall_back_to_rma(shm, tmp_path):
