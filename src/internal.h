@@ -73,7 +73,7 @@ struct kx_transfer {
     uint32_t imm;
     kx_direct *direct;             /* direct write (direct.c): the peer region's mapping here, one reference */
     char *direct_base;             /* ... its first byte */
-    int copied;                    /* direct: the built message's bytes are in place, its 0-byte write is due */
+    uint64_t copied;               /* direct: bytes of the built message in place (all: its 0-byte write is due) */
     int have_msg;                  /* a built message is waiting for queue space */
     int cancel;                    /* set by kx_transfer_cancel: post nothing more */
     int npieces;                   /* the built message: its pieces */
@@ -325,7 +325,7 @@ void kx_transfer_fail_locked(kx_rail *r, kx_transfer *x, int err);
 
 /* ---- direct.c -------------------------------------------------------------------- */
 void kx_direct_ref(kx_direct *d);    /* NULL: nothing */
-void kx_direct_copy(kx_transfer *x); /* copy the built message's pieces into x->direct */
+uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit);   /* more of the built message into x->direct */
 
 /* ---- mr.c ------------------------------------------------------------------------- */
 /* registration by a caller already inside a kx_enter bracket (or opening the rail) */

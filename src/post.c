@@ -156,11 +156,15 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         }
         if (x->direct) {
             /* a direct write (direct.c): the bytes go by memcpy into our mapping of the
-             * peer's region, once, and the message itself is a 0-byte write carrying the
-             * imm, so the target counts exactly what it counts otherwise */
-            if (!x->copied) {
-                kx_direct_copy(x);
-                x->copied = 1;
+             * peer's region, once (within the budget: a large message over several calls),
+             * and the message itself is a 0-byte write carrying the imm, so the target
+             * counts exactly what it counts otherwise */
+            if (x->copied < (uint64_t)bytes) {
+                budget -= (int64_t)kx_direct_copy(x, (uint64_t)budget);
+                if (x->copied < (uint64_t)bytes) {
+                    kx_peer_leave(r, x->peer);
+                    return 0;
+                }
                 __atomic_add_fetch(&r->stat_direct, 1, __ATOMIC_RELAXED);
             }
             if (!(x->flags & FI_REMOTE_CQ_DATA)) {
@@ -173,7 +177,6 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
                 pthread_mutex_unlock(&r->hub->lock);
                 x->have_msg = 0;
                 x->copied = 0;
-                budget -= bytes;
                 continue;
             }
             np = 1;
@@ -216,8 +219,10 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         if (ret == 0) {
             kx_peer_accepted(r, x->peer);
             x->have_msg = 0;
-            x->copied = 0;
-            budget -= bytes;
+            if (x->direct)
+                x->copied = 0;          /* its bytes were counted against the budget as copied */
+            else
+                budget -= bytes;
             __atomic_add_fetch(&r->stat_writes, 1, __ATOMIC_RELAXED);
             continue;
         }
