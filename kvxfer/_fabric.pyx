@@ -620,8 +620,8 @@ cdef class DirectMap:
     descriptor's host share (``path`` = ``/proc/<pid>/fd/<fd>``, checked to be the file
     ``dev``/``ino``, sealed against shrinking, holding ``[offset, offset + nbytes)``;
     src/direct.c). Writes through it are direct: a memcpy per message, plus a 0-byte write
-    carrying the imm. Native transfers and watch entries take their own references, so the
-    mapping outlives this handle until the last of them is freed. Raises FabricError
+    carrying the imm. Native transfers (until their posting ends) and armed watch entries
+    take their own references, so the mapping outlives this handle as long as they copy. Raises FabricError
     (``kx_direct_open``) when it cannot map; the engine then writes over RMA."""
 
     cdef kx_direct *d

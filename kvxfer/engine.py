@@ -347,7 +347,7 @@ class RemoteRegion:
 
     ``direct``: writes from host memory go as direct writes, through this process's own
     mapping of the peer's memfd (a ``_fabric.DirectMap``, held here and by every native
-    transfer still using it; unmapped once none does)."""
+    transfer still posting through it; unmapped once none does)."""
 
     def __init__(self, engine: "Engine", desc: wire.Descriptor, keys: tuple, direct: Any = None) -> None:
         self.engine = engine

@@ -71,7 +71,7 @@ struct kx_transfer {
     void *desc;
     uint64_t dst_base, key, flags;
     uint32_t imm;
-    kx_direct *direct;             /* direct write (direct.c): the peer region's mapping here, one reference */
+    kx_direct *direct;             /* direct write (direct.c): the peer region's mapping here, one reference until posting ends */
     char *direct_base;             /* ... its first byte */
     uint64_t copied;               /* direct: bytes of the built message in place (all: its 0-byte write is due) */
     int have_msg;                  /* a built message is waiting for queue space */

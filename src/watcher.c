@@ -96,6 +96,8 @@ static void post_batch(kx_watcher *w, kx_watch *batch)
         int ret = kx_write(e->rail, e->peer, e->src_base, e->desc, e->dst_base, e->key, e->direct, e->triples,
                            e->triples + e->n, e->triples + 2 * e->n, e->n, e->has_imm, e->imm, e->iov,
                            e->max_write, e->pack_min, &x);
+        kx_direct_unref(e->direct);    /* the entry posts no more; the transfer holds its own */
+        e->direct = NULL;
         int64_t t1 = kx_now_ns();
         pthread_mutex_lock(&w->lock);
         if (first && bump_ns && w->nlat < KX_LAT_SAMPLES) {

@@ -139,7 +139,8 @@ int kx_unmap_key(kx_rail *r, uint64_t key);
 /* Map bytes [offset, offset+len) of the memfd at `path` (a shm peer's /proc/<pid>/fd/<n>)
  * MAP_SHARED, once it is checked to be the file (dev, ino), to hold the range and to be
  * sealed against shrinking; a negative errno otherwise (the caller writes over RMA then).
- * *out holds the caller's reference; transfers and watch entries take their own. */
+ * *out holds the caller's reference; transfers (while posting) and armed watch entries take
+ * their own. */
 int kx_direct_open(const char *path, uint64_t dev, uint64_t ino, uint64_t offset, uint64_t len, kx_direct **out);
 char *kx_direct_base(const kx_direct *d);   /* where the region's first byte is mapped here */
 void kx_direct_unref(kx_direct *d);          /* the last reference unmaps */
@@ -153,7 +154,7 @@ int64_t kx_count_messages(const uint64_t *src_off, const uint64_t *dst_off, cons
 /* Post the triples' messages to `peer` (copies the triples; posts up to a budget itself,
  * queues the rest for the progress thread; never waits for the wire). `direct`: NULL, or
  * the peer region's mapping here: each message is then a memcpy into it and a 0-byte write
- * carrying the imm (none without imm); the transfer holds a reference until freed. *out
+ * carrying the imm (none without imm); the transfer holds a reference until posting ends. *out
  * holds two references: the caller's (kx_transfer_release) and the in-flight one. */
 int kx_write(kx_rail *r, fi_addr_t peer, char *src_base, void *desc, uint64_t dst_base, uint64_t key,
              kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,

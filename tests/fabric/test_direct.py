@@ -234,16 +234,21 @@ def test_mapping_lives_as_long_as_a_transfer_uses_it(shm):
             assert dst.direct and _mapped(share) == 1
             t = eng.write_pages(mr, np.arange(npages), peer, dst, perm, page, imm=12)
             in_flight = not t.done                       # 16 MiB: most of it still queued
-            del dst                                      # the RemoteRegion and its DirectMap go
-            gc.collect()
-            assert in_flight and _mapped(share) == 1
+            del dst                                      # the RemoteRegion and its DirectMap go;
+            gc.collect()                                 # the transfer's reference keeps the mapping
+            assert in_flight
             tgt.expect(12, t.num_writes)
             t.wait(20)
             assert tgt.wait(12) == ("ok", t.num_writes)
             assert np.array_equal(tgt.memory().reshape(npages, page)[perm], src.reshape(npages, page))
-            del t
-        gc.collect()
-        assert _mapped(share) == 0
+            assert _mapped(share) == 0           # posting over, the region gone: unmapped already
+            dst = eng.remote(tgt.descriptor)
+            t = eng.write_pages(mr, np.arange(npages), peer, dst, perm, page, imm=13)
+            t.wait(20)
+            assert _mapped(share) == 1           # the region still holds it
+            del dst
+            gc.collect()
+            assert _mapped(share) == 0
 
 
 def test_dead_target_fails_a_direct_transfer_in_time(shm):
