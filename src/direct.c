@@ -129,14 +129,12 @@ void kx_direct_unref(kx_direct *d)
 
 /* Copy up to `limit` more bytes of x's built message into the peer's memory, from where the
  * last call stopped (x->copied): a message may be larger than a caller's budget or a progress
- * round. Returns the bytes copied. Once the whole message is in place, the fence orders the
- * copy (non-temporal stores included) before the 0-byte write that tells the peer. */
+ * round. Returns the bytes copied. */
 uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit)
 {
-    uint64_t skip = x->copied, done = 0, total = 0;
-    for (int k = 0; k < x->npieces; k++) {
+    uint64_t skip = x->copied, done = 0;
+    for (int k = 0; k < x->npieces && done < limit; k++) {
         uint64_t len = x->piece_len[k];
-        total += len;
         if (skip >= len) {
             skip -= len;
             continue;
@@ -147,11 +145,7 @@ uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit)
         memcpy(x->direct_base + x->piece_dst[k] + skip, x->src_base + x->piece_src[k] + skip, n);
         done += n;
         skip = 0;
-        if (done == limit)
-            break;
     }
     x->copied += done;
-    if (x->copied >= total)
-        __atomic_thread_fence(__ATOMIC_SEQ_CST);
     return done;
 }

@@ -165,6 +165,9 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
                     kx_peer_leave(r, x->peer);
                     return 0;
                 }
+                /* the whole message is in place: order the copy (non-temporal stores
+                 * included) before the write that tells the peer */
+                __atomic_thread_fence(__ATOMIC_SEQ_CST);
                 __atomic_add_fetch(&r->stat_direct, 1, __ATOMIC_RELAXED);
             }
             if (!(x->flags & FI_REMOTE_CQ_DATA)) {
