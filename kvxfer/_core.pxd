@@ -33,6 +33,8 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
         pass
     ctypedef struct kx_watch:
         pass
+    ctypedef struct kx_direct:
+        pass
 
     ctypedef struct kx_rail_info:
         const char *provider
@@ -50,6 +52,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
 
     ctypedef struct kx_rail_stats:
         uint64_t writes_posted
+        uint64_t direct_writes
         uint64_t errors
         int64_t outstanding
 
@@ -102,11 +105,17 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     int kx_map_raw(kx_rail *r, uint64_t base, uint8_t *raw, size_t rawlen, uint64_t *key)
     int kx_unmap_key(kx_rail *r, uint64_t key)
 
+    # direct writes
+    int kx_direct_open(const char *path, uint64_t dev, uint64_t ino, uint64_t offset, uint64_t len,
+                       kx_direct **out)
+    char *kx_direct_base(const kx_direct *d)
+    void kx_direct_unref(kx_direct *d)
+
     # writes
     int64_t kx_count_messages(const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length,
                               size_t n, size_t iov, uint64_t max_write, uint64_t pack_min)
     int kx_write(kx_rail *r, fi_addr_t peer, char *src_base, void *desc, uint64_t dst_base, uint64_t key,
-                 const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
+                 kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
                  int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min,
                  kx_transfer **out)
     void kx_transfer_get_state(const kx_transfer *x, kx_transfer_state *out)
@@ -156,9 +165,9 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     uint64_t kx_watcher_bump(kx_watcher *w, uint64_t n)
     uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to)
     int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, char *src_base,
-                     void *desc, uint64_t dst_base, uint64_t key, const uint64_t *src_off, const uint64_t *dst_off,
-                     const uint64_t *length, size_t n, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
-                     uint64_t pack_min, kx_watch **out)
+                     void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct, const uint64_t *src_off,
+                     const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm, uint32_t imm,
+                     size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out)
     int64_t kx_watch_planned(const kx_watch *e)
     void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out)
     int kx_watch_disarm(kx_watcher *w, kx_watch *e)

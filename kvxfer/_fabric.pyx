@@ -4,7 +4,8 @@
 This module is deliberately thin. Validation, keep-alive of Python objects and the public
 names live in kvxfer.engine; here each class owns exactly one native handle and a
 reference to its parent: ``Rail`` (``kx_rail``), ``RegionHandle`` (a ``fid_mr``),
-``TransferHandle`` (``kx_transfer``), ``CounterHandle`` (``kx_counter``).
+``TransferHandle`` (``kx_transfer``), ``CounterHandle`` (``kx_counter``), ``DirectMap``
+(``kx_direct``: the mapping behind a direct write).
 
 One way to call native code: every call that returns a status goes through ``check()``,
 which turns a negative errno into an exception in one place (``error_from``); the failure
@@ -285,7 +286,8 @@ cdef class Rail:
     def stats(self):
         cdef kx_rail_stats s
         kx_rail_get_stats(self._rail(), &s)
-        return {"writes_posted": s.writes_posted, "errors": s.errors, "outstanding": s.outstanding}
+        return {"writes_posted": s.writes_posted, "direct_writes": s.direct_writes, "errors": s.errors,
+                "outstanding": s.outstanding}
 
     # -- addresses -------------------------------------------------------------------------
     def getname(self):
@@ -355,37 +357,39 @@ cdef class Rail:
 
     # -- writes ----------------------------------------------------------------------------
     def write(self, fi_addr_t peer, uintptr_t src_base, RegionHandle region, uint64_t dst_base, uint64_t key,
-              const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
-              imm, size_t iov, uint64_t max_write, uint64_t pack_min):
-        """Post every message of the triples (the message rule: src/post.c) without the GIL."""
+              DirectMap direct, const uint64_t[::1] src_off, const uint64_t[::1] dst_off,
+              const uint64_t[::1] length, imm, size_t iov, uint64_t max_write, uint64_t pack_min):
+        """Post every message of the triples (the message rule: src/post.c) without the GIL;
+        with ``direct`` (the peer region's DirectMap, or None) as direct writes."""
         cdef size_t n = length.shape[0]
         if n == 0:
-            return self._post(peer, src_base, region, dst_base, key, NULL, NULL, NULL, 0,
+            return self._post(peer, src_base, region, dst_base, key, direct, NULL, NULL, NULL, 0,
                               imm, iov, max_write, pack_min)
-        return self._post(peer, src_base, region, dst_base, key, &src_off[0], &dst_off[0], &length[0], n,
+        return self._post(peer, src_base, region, dst_base, key, direct, &src_off[0], &dst_off[0], &length[0], n,
                           imm, iov, max_write, pack_min)
 
     def write_one(self, fi_addr_t peer, uintptr_t src_base, RegionHandle region, uint64_t dst_base, uint64_t key,
-                  uint64_t src_off, uint64_t dst_off, uint64_t length, imm, size_t iov, uint64_t max_write,
-                  uint64_t pack_min):
+                  DirectMap direct, uint64_t src_off, uint64_t dst_off, uint64_t length, imm, size_t iov,
+                  uint64_t max_write, uint64_t pack_min):
         """`write` of one triple, without arrays: the small-write path (a control write, a
         layer's last write) pays no numpy."""
-        return self._post(peer, src_base, region, dst_base, key, &src_off, &dst_off, &length, 1,
+        return self._post(peer, src_base, region, dst_base, key, direct, &src_off, &dst_off, &length, 1,
                           imm, iov, max_write, pack_min)
 
     cdef object _post(self, fi_addr_t peer, uintptr_t src_base, RegionHandle region, uint64_t dst_base,
-                              uint64_t key, const uint64_t *so, const uint64_t *do_, const uint64_t *ln, size_t n,
-                              imm, size_t iov, uint64_t max_write, uint64_t pack_min):
+                              uint64_t key, DirectMap direct, const uint64_t *so, const uint64_t *do_,
+                              const uint64_t *ln, size_t n, imm, size_t iov, uint64_t max_write, uint64_t pack_min):
         cdef kx_rail *r = self._rail()
         cdef int has_imm = imm is not None
         cdef uint32_t imm_value = imm if has_imm else 0
         cdef kx_transfer *x = NULL
+        cdef kx_direct *d = _direct(direct)
         cdef int ret
         if region.rail is not self or region.mr == NULL:
             raise ClosedError("source registration is closed or belongs to another rail")
         region.busy += 1          # RegionHandle.close refuses while a post is under way
         with nogil:
-            ret = kx_write(r, peer, <char *>src_base, region.desc, dst_base, key, so, do_, ln, n,
+            ret = kx_write(r, peer, <char *>src_base, region.desc, dst_base, key, d, so, do_, ln, n,
                            has_imm, imm_value, iov, max_write, pack_min, &x)
         if ret:
             region.busy -= 1
@@ -410,14 +414,15 @@ cdef class Rail:
             kx_rail_hold_awake(r, delta)
 
     def write_groups(self, fi_addr_t peer, list regions, const uint64_t[::1] dst_base, const uint64_t[::1] key,
-                     const int64_t[::1] pair, const uint64_t[::1] src_off, const uint64_t[::1] dst_off,
-                     const uint64_t[::1] length, const int64_t[::1] starts, imm, size_t iov, uint64_t max_write,
-                     uint64_t pack_min):
+                     list directs, const int64_t[::1] pair, const uint64_t[::1] src_off,
+                     const uint64_t[::1] dst_off, const uint64_t[::1] length, const int64_t[::1] starts, imm,
+                     size_t iov, uint64_t max_write, uint64_t pack_min):
         """Post many groups to one peer in one GIL-free loop. Group g writes triples
         ``[starts[g], starts[g+1])`` from ``regions[pair[g]]`` (a RegionHandle of this rail,
         whose ``ptr`` is the source base) to the peer's region at ``dst_base[pair[g]]`` with
-        ``key[pair[g]]``: one ``kx_write`` (one native transfer, the message rule on its own)
-        per group. The caller validated every offset (kvxfer.engine.Engine.write_pairs)."""
+        ``key[pair[g]]``, directly where ``directs[pair[g]]`` is a DirectMap: one ``kx_write``
+        (one native transfer, the message rule on its own) per group. The caller validated
+        every offset (kvxfer.engine.Engine.write_pairs)."""
         cdef kx_rail *r = self._rail()
         cdef Py_ssize_t ng = pair.shape[0], npairs = len(regions), g, p
         cdef int has_imm = imm is not None
@@ -425,7 +430,7 @@ cdef class Rail:
         cdef int ret = 0
         cdef Py_ssize_t posted = 0
         cdef RegionHandle m
-        if starts.shape[0] != ng + 1 or dst_base.shape[0] < npairs or key.shape[0] < npairs:
+        if starts.shape[0] != ng + 1 or dst_base.shape[0] < npairs or key.shape[0] < npairs or len(directs) < npairs:
             raise InvalidArgumentError("write_groups: group tables differ in length")
         if ng and (starts[0] < 0 or starts[ng] > length.shape[0] or src_off.shape[0] < starts[ng]
                    or dst_off.shape[0] < starts[ng]):
@@ -441,11 +446,15 @@ cdef class Rail:
         t.xs = <kx_transfer **>calloc(ng, sizeof(kx_transfer *))
         cdef void **descs = <void **>malloc(ng * sizeof(void *))
         cdef char **bases = <char **>malloc(ng * sizeof(char *))
-        if t.xs == NULL or descs == NULL or bases == NULL:
+        cdef kx_direct **dmaps = <kx_direct **>malloc(npairs * sizeof(kx_direct *))
+        if t.xs == NULL or descs == NULL or bases == NULL or dmaps == NULL:
             free(descs)
             free(bases)
+            free(dmaps)
             raise MemoryError()
         try:
+            for p in range(npairs):        # the transfers take their own references
+                dmaps[p] = _direct(directs[p])
             for g in range(ng):
                 m = <RegionHandle?>t.regions[g]
                 if m.rail is not self or m.mr == NULL:
@@ -457,7 +466,7 @@ cdef class Rail:
             with nogil:
                 for g in range(ng):
                     p = pair[g]
-                    ret = kx_write(r, peer, bases[g], descs[g], dst_base[p], key[p],
+                    ret = kx_write(r, peer, bases[g], descs[g], dst_base[p], key[p], dmaps[p],
                                    &src_off[0] + starts[g], &dst_off[0] + starts[g], &length[0] + starts[g],
                                    <size_t>(starts[g + 1] - starts[g]), has_imm, imm_value, iov, max_write,
                                    pack_min, &t.xs[g])
@@ -473,6 +482,7 @@ cdef class Rail:
         finally:
             free(descs)
             free(bases)
+            free(dmaps)
         if ret:
             t.cancel()                   # what was posted completes; nothing more goes out
             check(ret, "kx_write")
@@ -603,6 +613,47 @@ cdef class Rail:
                 raise ClosedError("engine is closed")
             if _deadline_passed(deadline):
                 return None
+
+
+cdef class DirectMap:
+    """This process's own MAP_SHARED mapping of a shm peer's memfd region, opened from its
+    descriptor's host share (``path`` = ``/proc/<pid>/fd/<fd>``, checked to be the file
+    ``dev``/``ino``, sealed against shrinking, holding ``[offset, offset + nbytes)``;
+    src/direct.c). Writes through it are direct: a memcpy per message, plus a 0-byte write
+    carrying the imm. Native transfers (until their posting ends) and armed watch entries
+    take their own references, so the mapping outlives this handle as long as they copy. Raises FabricError
+    (``kx_direct_open``) when it cannot map; the engine then writes over RMA."""
+
+    cdef kx_direct *d
+    cdef readonly size_t nbytes
+
+    def __cinit__(self, str path, uint64_t dev, uint64_t ino, uint64_t offset, uint64_t nbytes):
+        cdef bytes p = path.encode()
+        cdef const char *cp = p
+        cdef int ret
+        self.d = NULL
+        with nogil:
+            ret = kx_direct_open(cp, dev, ino, offset, nbytes, &self.d)
+        check(ret, "kx_direct_open")
+        self.nbytes = nbytes
+
+    def __dealloc__(self):
+        if self.d != NULL:
+            with nogil:
+                kx_direct_unref(self.d)      # the last reference unmaps
+            self.d = NULL
+
+    @property
+    def base(self):
+        """Where the region's first byte is mapped in this process."""
+        return <uintptr_t>kx_direct_base(self.d)
+
+
+cdef inline kx_direct *_direct(object direct) except? NULL:
+    """The native mapping of a DirectMap, NULL for None (an RMA write)."""
+    if direct is None:
+        return NULL
+    return (<DirectMap?>direct).d
 
 
 @cython.no_gc_clear  # __dealloc__ needs its Rail (GC clears Rail.pending first, so it outlives them)
@@ -936,7 +987,7 @@ cdef class WatcherHandle:
         return v
 
     def arm(self, uint64_t threshold, uint64_t tag, Rail rail, fi_addr_t peer, uintptr_t src_base,
-            RegionHandle region, uint64_t dst_base, uint64_t key, const uint64_t[::1] src_off,
+            RegionHandle region, uint64_t dst_base, uint64_t key, DirectMap direct, const uint64_t[::1] src_off,
             const uint64_t[::1] dst_off, const uint64_t[::1] length, imm, size_t iov, uint64_t max_write,
             uint64_t pack_min):
         """Arm the triples' writes (copied) for when the counter reaches ``threshold``."""
@@ -949,6 +1000,7 @@ cdef class WatcherHandle:
         cdef const uint64_t *do_ = NULL
         cdef const uint64_t *ln = NULL
         cdef kx_watch *e = NULL
+        cdef kx_direct *d = _direct(direct)
         cdef int ret
         if n:
             so = &src_off[0]
@@ -957,7 +1009,7 @@ cdef class WatcherHandle:
         if region.rail is not rail or region.mr == NULL:
             raise ClosedError("source registration is closed or belongs to another rail")
         with nogil:
-            ret = kx_watch_arm(w, threshold, tag, r, peer, <char *>src_base, region.desc, dst_base, key,
+            ret = kx_watch_arm(w, threshold, tag, r, peer, <char *>src_base, region.desc, dst_base, key, d,
                                so, do_, ln, n, has_imm, imm_value, iov, max_write, pack_min, &e)
         check(ret, "kx_watch_arm")
         cdef WatchHandle h = WatchHandle.__new__(WatchHandle)
@@ -968,7 +1020,7 @@ cdef class WatcherHandle:
         return h
 
     def arm_groups(self, const uint64_t[::1] thresholds, uint64_t tag, Rail rail, fi_addr_t peer, uintptr_t src_base,
-                   RegionHandle region, uint64_t dst_base, uint64_t key, const uint64_t[::1] src_off,
+                   RegionHandle region, uint64_t dst_base, uint64_t key, DirectMap direct, const uint64_t[::1] src_off,
                    const uint64_t[::1] dst_off, const uint64_t[::1] length, const int64_t[::1] starts, imm,
                    size_t iov, uint64_t max_write, uint64_t pack_min):
         """Arm group g (triples ``[starts[g], starts[g+1])``) at ``thresholds[g]``, all in one
@@ -982,6 +1034,7 @@ cdef class WatcherHandle:
         cdef Py_ssize_t done_n = 0
         cdef int64_t a, b
         cdef uint64_t zero = 0
+        cdef kx_direct *d = _direct(direct)
         if starts.shape[0] != ng + 1:
             raise InvalidArgumentError("starts must have one more entry than thresholds")
         if region.rail is not rail or region.mr == NULL:
@@ -994,7 +1047,7 @@ cdef class WatcherHandle:
             for g in range(ng):
                 a = starts[g]
                 b = starts[g + 1]
-                ret = kx_watch_arm(w, thresholds[g], tag, r, peer, <char *>src_base, region.desc, dst_base, key,
+                ret = kx_watch_arm(w, thresholds[g], tag, r, peer, <char *>src_base, region.desc, dst_base, key, d,
                                    &src_off[a] if b > a else &zero, &dst_off[a] if b > a else &zero,
                                    &length[a] if b > a else &zero, <size_t>(b - a), has_imm, imm_value, iov,
                                    max_write, pack_min, &e)

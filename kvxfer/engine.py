@@ -5,6 +5,12 @@ checked here, before anything is posted; the native layer then posts whole batch
 the GIL released. What the progress thread reads stays alive natively: a transfer owns a
 copy of its offsets, each rail holds its pending transfers' source registrations, and a
 registration holds its buffer, until the last completion has been read.
+
+On shm, a region that is a shared memfd mapping (a host ``KVBuffer``, or any view of one)
+travels with a host share in its descriptor, and a peer engine maps it and writes into it
+directly: a memcpy per message, then a 0-byte write carrying the imm (src/direct.c). The
+target counts exactly what it counts over RMA. ``Engine(direct=False)`` or
+``KVXFER_SHM_DIRECT=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from kvxfer import _environ, wire
+from kvxfer import _environ, _maps, wire
 from kvxfer.errors import (
     ArgumentTypeError,
     ClosedError,
@@ -270,7 +276,7 @@ class MemoryRegion:
     """Local memory registered with the engine. Keeps its buffer alive until closed."""
 
     def __init__(self, engine: "Engine", handles: list, obj: Any, ptr: int, nbytes: int, device: str,
-                 remote: bool = True) -> None:
+                 remote: bool = True, host_share: Optional[wire.HostShare] = None) -> None:
         self.engine = engine
         self.remote = remote
         self._handles = handles      # one RegionHandle (registration) per rail
@@ -278,6 +284,7 @@ class MemoryRegion:
         self.ptr = ptr
         self.nbytes = nbytes
         self.device = device
+        self._host_share = host_share    # a shared memfd mapping: shm peers may write directly
 
     def descriptor(self) -> bytes:
         """Compact, versioned bytes a peer passes to ``Engine.remote`` to write here."""
@@ -290,6 +297,7 @@ class MemoryRegion:
         base = self.ptr if virt else 0
         if raw and handles[0].raw_base:      # what fi_mr_map_raw at the peer expects
             base = int(handles[0].raw_base)
+        share = _maps.refresh(self._host_share) if self._host_share is not None else None
         return wire.Descriptor(
             owner=wire.owner_digest(self.engine.address),
             provider=self.engine.provider,
@@ -299,6 +307,7 @@ class MemoryRegion:
             virt_addr=virt,
             raw=raw,
             device=self.device != "cpu",
+            host_share=share,
         ).encode()
 
     def _live(self) -> list:
@@ -341,18 +350,33 @@ class MemoryRegion:
 
 
 class RemoteRegion:
-    """A peer's region, decoded from its descriptor: where this engine may write."""
+    """A peer's region, decoded from its descriptor: where this engine may write.
 
-    def __init__(self, engine: "Engine", desc: wire.Descriptor, keys: tuple) -> None:
+    ``direct``: writes from host memory go as direct writes, through this process's own
+    mapping of the peer's memfd (a ``_fabric.DirectMap``, held here and by every native
+    transfer still posting through it; unmapped once none does)."""
+
+    def __init__(self, engine: "Engine", desc: wire.Descriptor, keys: tuple, direct: Any = None) -> None:
         self.engine = engine
         self.descriptor = desc
         self.nbytes = desc.nbytes
         self.base = desc.base
         self.keys = keys          # per local rail: the key of the remote rail it talks to
+        self._direct = direct
 
     @property
     def key(self) -> int:
         return self.keys[0]
+
+    @property
+    def direct(self) -> bool:
+        """Writes from host memory into this region are direct writes (shm, memfd-backed)."""
+        return self._direct is not None
+
+    def _direct_from(self, src: "MemoryRegion") -> Any:
+        """The mapping a write from ``src`` uses: none from device memory (memcpy reads
+        host memory only), so such a write goes over RMA."""
+        return self._direct if src.device == "cpu" else None
 
     def __repr__(self) -> str:
         return f"<RemoteRegion {self.nbytes} bytes, {len(self.descriptor.keys)} rail(s)>"
@@ -363,7 +387,7 @@ class RegionPairs:
     ``Engine.region_pairs``; ``Engine.write_pairs`` posts groups over them. Holds its regions
     (and so their buffers) alive; a region closed since is refused when posting."""
 
-    __slots__ = ("engine", "peer", "pairs", "src_sizes", "dst_sizes", "handles", "dst_base", "keys")
+    __slots__ = ("engine", "peer", "pairs", "src_sizes", "dst_sizes", "handles", "dst_base", "keys", "directs")
 
     def __init__(self, engine: "Engine", peer: Peer, pairs: list) -> None:
         self.engine = engine
@@ -377,6 +401,8 @@ class RegionPairs:
         #: per local rail: the source registrations and the destination keys of every pair
         self.handles = [[s._handles[k] for s, _ in pairs] for k in range(rails)]
         self.keys = [np.fromiter([d.keys[k] for _, d in pairs], np.uint64, n) for k in range(rails)]
+        #: per pair: the destination's direct mapping for this source, or None (RMA)
+        self.directs = [d._direct_from(s) for s, d in pairs]
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -598,8 +624,9 @@ class Watcher:
         handles = src._live()
         r = eng._rails[rail]
         h = self._h.arm(threshold, int(tag), r, peer.fi_addrs[rail], src.ptr, handles[rail], dst.base, dst.keys[rail],
-                        np.ascontiguousarray(so, np.uint64), np.ascontiguousarray(do, np.uint64),
-                        np.ascontiguousarray(ln, np.uint64), imm, eng.iov, eng.max_write, eng.pack_min)
+                        dst._direct_from(src), np.ascontiguousarray(so, np.uint64),
+                        np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), imm, eng.iov,
+                        eng.max_write, eng.pack_min)
         return WatchEntry(h, src, int(ln.sum()) if len(ln) else 0, imm, int(tag))
 
     def arm_groups(self, thresholds, src: "MemoryRegion", peer: "Peer", dst: "RemoteRegion", src_offsets,
@@ -632,7 +659,8 @@ class Watcher:
             raise InvalidArgumentError(f"rail {rail} is not one of this engine's {len(eng._rails)}")
         handles = src._live()
         hs = self._h.arm_groups(np.ascontiguousarray(th, np.uint64), int(tag), eng._rails[rail], peer.fi_addrs[rail],
-                                src.ptr, handles[rail], dst.base, dst.keys[rail], np.ascontiguousarray(so, np.uint64),
+                                src.ptr, handles[rail], dst.base, dst.keys[rail], dst._direct_from(src),
+                                np.ascontiguousarray(so, np.uint64),
                                 np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), st, imm,
                                 eng.iov, eng.max_write, eng.pack_min)
         cs = np.concatenate([[0], np.cumsum(ln, dtype=np.uint64)]).astype(np.uint64)
@@ -680,7 +708,15 @@ class Engine:
     has); None: never. ``delivery_complete``: a transfer completes only once the target placed
     it, so a write the target refuses fails at the sender (default: on for rxm providers, where
     tcp otherwise reports a refused write as done; only each transfer's last message carries
-    FI_DELIVERY_COMPLETE, src/post.c says why).
+    FI_DELIVERY_COMPLETE, src/post.c says why). ``direct`` (shm only; default: on unless the
+    environment says ``KVXFER_SHM_DIRECT=0``): regions that are shared memfd mappings are
+    offered to peers as host shares, and writes from host memory into a peer's such region
+    go as direct writes: this process maps the peer's memfd range itself and copies with
+    memcpy, then posts a 0-byte write carrying the imm per message (src/direct.c), instead of
+    the kernel's cross-process copy. shm peers are the same user on the same host and
+    already trusted with each other's memory (docs/architecture.md, "Known provider
+    limits"); a peer that cannot be mapped (another namespace, no permission, an unsealed or
+    stale memfd) is written over RMA, silently.
     """
 
     def __init__(
@@ -699,6 +735,7 @@ class Engine:
         rails: Optional[int] = None,
         peer_timeout: Optional[float] = 10.0,
         delivery_complete: Optional[bool] = None,
+        direct: Optional[bool] = None,
     ) -> None:
         _need_native()
         pt = _timeout(peer_timeout, "peer_timeout")
@@ -715,6 +752,8 @@ class Engine:
         self._watchers: "weakref.WeakSet[Watcher]" = weakref.WeakSet()
         self._rails: list = []
         _check_options(progress, iov, max_write, pack_min, rails)
+        if direct is not None and not isinstance(direct, bool):
+            raise ArgumentTypeError(f"direct must be True, False or None, got {direct!r}")
         if provider is None:
             provider = _environ.user_provider()   # kvxfer's own include list is not a name
         if placement is not None:
@@ -734,6 +773,10 @@ class Engine:
         if delivery_complete is None:      # tcp;ofi_rxm: otherwise a refused write "succeeds"
             delivery_complete = "ofi_rxm" in self.provider
         self.delivery_complete = bool(delivery_complete)
+        if direct is None:
+            direct = os.environ.get("KVXFER_SHM_DIRECT", "1") != "0"
+        #: direct writes (and host shares in this engine's descriptors): shm only
+        self.direct = direct and self.provider.split(";")[0] == "shm"
         try:
             for r in self._rails:
                 r.set_peer_timeout(pt or 0.0)
@@ -856,6 +899,7 @@ class Engine:
             "libfabric_runtime": "%d.%d" % _fabric.RUNTIME_VERSION,
             "libfabric_build": "%d.%d" % _fabric.BUILD_VERSION,
             "dmabuf": _fabric.HAVE_DMABUF,
+            "direct": self.direct,
         }
 
     def stats(self) -> dict:
@@ -955,7 +999,9 @@ class Engine:
         finally:
             if dmabuf >= 0:       # each registration holds its own reference to the dma-buf
                 os.close(dmabuf)
-        region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote))
+        # a shared memfd mapping: shm peers may map it and write directly (src/direct.c)
+        share = _maps.host_share(ptr, nbytes) if self.direct and remote and device == "cpu" else None
+        region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote), share)
         with self._lock:
             if self._closed:       # close() ran while we registered: undo, not leak
                 region._close()
@@ -964,7 +1010,9 @@ class Engine:
         return region
 
     def remote(self, descriptor: bytes) -> RemoteRegion:
-        """Decode a peer's ``MemoryRegion.descriptor()``; writes are bounded by its size."""
+        """Decode a peer's ``MemoryRegion.descriptor()``; writes are bounded by its size. On a
+        shm engine with ``direct``, a descriptor's host share is mapped here (checked first;
+        see ``Engine``), and ``RemoteRegion.direct`` says whether that worked."""
         self._check_open()
         d = wire.Descriptor.decode(descriptor)
         if d.provider != self.provider:
@@ -981,7 +1029,15 @@ class Engine:
                 keys.append(mapped)
             else:
                 keys.append(int.from_bytes(k, "little"))
-        return RemoteRegion(self, d, tuple(keys))
+        direct = None
+        share = d.host_share
+        if self.direct and share is not None and not d.device:
+            try:
+                direct = _fabric.DirectMap(f"/proc/{share.pid}/fd/{share.fd}", share.dev, share.inode, share.offset,
+                                           d.nbytes)
+            except KvxferError:
+                direct = None   # another host or namespace, no permission, a stale share: RMA
+        return RemoteRegion(self, d, tuple(keys), direct)
 
     # -- writes --------------------------------------------------------------------------
     def _endpoints(self, src, peer, dst):
@@ -1012,8 +1068,9 @@ class Engine:
         for i, r in enumerate(self._rails):
             a, b = bounds[i], bounds[i + 1]
             if b > a or (i == 0 and len(ln) == 0):
-                per_rail.append(r.write(peer.fi_addrs[i], src.ptr, handles[i], dst.base, dst.keys[i], so[a:b], do[a:b], ln[a:b],
-                                  imm, self.iov, self.max_write, self.pack_min))
+                per_rail.append(r.write(peer.fi_addrs[i], src.ptr, handles[i], dst.base, dst.keys[i],
+                                        dst._direct_from(src), so[a:b], do[a:b], ln[a:b], imm, self.iov,
+                                        self.max_write, self.pack_min))
         # what stays alive for the progress thread is owned natively: the triples are copied,
         # and each rail keeps its pending transfers' source registration (with the buffer)
         return Transfer(per_rail, int(ln.sum()) if len(ln) else 0, imm)
@@ -1036,8 +1093,8 @@ class Engine:
             if imm is not None and self._rails[0].cq_data_size < 4:
                 raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")
             h = self._rails[0].write_one(peer.fi_addrs[0], src.ptr, src._handles[0], dst.base, dst.keys[0],
-                                         src_offset, dst_offset, nbytes, imm, self.iov, self.max_write,
-                                         self.pack_min)
+                                         dst._direct_from(src), src_offset, dst_offset, nbytes, imm, self.iov,
+                                         self.max_write, self.pack_min)
             return Transfer([h], nbytes, imm)
         # with several rails the range is cut into one equal part per rail (wire.split_write)
         so, do, ln = wire.split_write(src_offset, dst_offset, nbytes, len(self._rails))
@@ -1230,7 +1287,7 @@ class Engine:
         if rail is not None or nr == 1:
             k = 0 if rail is None else rail
             sets = [self._rails[k].write_groups(peer.fi_addrs[k], pairs.handles[k], pairs.dst_base, pairs.keys[k],
-                                                which, so, do, ln, starts, imm, self.iov, self.max_write,
+                                                pairs.directs, which, so, do, ln, starts, imm, self.iov, self.max_write,
                                                 self.pack_min)]
         else:
             sets = []
@@ -1246,8 +1303,8 @@ class Engine:
                 # rail k's triples: [starts[g] + lo[g], starts[g] + hi[g]) of each selected group g
                 idx = np.repeat(starts[sel] + lo[sel] - st[:-1], lens) + np.arange(int(st[-1]))
                 sets.append(self._rails[k].write_groups(peer.fi_addrs[k], pairs.handles[k], pairs.dst_base,
-                                                        pairs.keys[k], which[sel], so[idx], do[idx], ln[idx], st,
-                                                        imm, self.iov, self.max_write, self.pack_min))
+                                                        pairs.keys[k], pairs.directs, which[sel], so[idx], do[idx],
+                                                        ln[idx], st, imm, self.iov, self.max_write, self.pack_min))
         return Transfer(sets, int(ln.sum()) if len(ln) else 0, imm)
 
     def nearest_rail(self, placement: Any) -> Optional[int]:
@@ -1371,32 +1428,6 @@ class Engine:
         return m
 
 
-def _check_mapped(ptr: int, nbytes: int) -> None:
-    """A raw (ptr, nbytes) must lie in writable mappings of this process: the provider does
-    not check (tcp registers any number), and a peer's write there would crash the target."""
-    end = ptr + nbytes
-    try:
-        with open("/proc/self/maps") as f:
-            spans = []
-            for line in f:
-                rng, perms = line.split(None, 2)[:2]
-                lo, hi = (int(x, 16) for x in rng.split("-"))
-                if hi > ptr and lo < end:
-                    spans.append((lo, hi, perms))
-    except OSError:       # no procfs: nothing more can be checked here
-        return
-    at = ptr
-    for lo, hi, perms in sorted(spans):
-        if lo > at:
-            break
-        if "w" not in perms[:2]:
-            raise InvalidArgumentError(f"memory at {max(lo, ptr):#x} is not writable ({perms})")
-        at = max(at, hi)
-        if at >= end:
-            return
-    raise InvalidArgumentError(f"memory [{ptr:#x}, {end:#x}) is not mapped in this process (unmapped at {at:#x})")
-
-
 def _resolve_buffer(obj: Any):
     """One door for memory: (ptr, nbytes, device, iface, ordinal, dmabuf_fd, keep-alive)."""
     sys_iface = _fabric.HMEM_SYSTEM
@@ -1423,7 +1454,7 @@ def _resolve_buffer(obj: Any):
             raise InvalidArgumentError(f"nbytes must be positive and below 2**63, got {nbytes}")
         if not 0 < ptr < 2**64 or ptr + nbytes > 2**64:
             raise InvalidArgumentError(f"pointer {ptr:#x} (+{nbytes} bytes) is not an address")
-        _check_mapped(ptr, nbytes)
+        _maps.check_writable(ptr, nbytes)
         return ptr, nbytes, "cpu", sys_iface, 0, -1, None
     # torch tensors
     if type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr"):

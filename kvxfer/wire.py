@@ -7,16 +7,25 @@ Address, version 1::
 
     b"KXA" | u8 version | u8 len + provider name | u8 rails | per rail: u16 len + fi_getname bytes
 
-Memory descriptor, version 1 (little-endian)::
+Memory descriptor, versions 1 and 2 (little-endian)::
 
     b"KXM" | u8 version | u8 flags | u8 len + provider name | u64 base | u64 nbytes
            | 8-byte owner | u8 keys | per key: u8 len + key bytes
+           [version 2, flag HOST_SHARE: u32 pid | u32 fd | u64 dev | u64 inode | u64 offset]
 
 flags: bit 0 VIRT_ADDR (remote addresses are base + offset, else offsets), bit 1 RAW keys
 (provider raw keys, mapped with fi_mr_map_raw; otherwise each key is a u64), bit 2 device
-memory. One key per rail, so a region registered on several NICs travels as one descriptor.
-``owner`` is ``owner_digest(address)`` of the engine that registered the region: an engine
-refuses to use a descriptor with a peer other than its owner.
+memory, bit 3 HOST_SHARE (version 2 only). One key per rail, so a region registered on
+several NICs travels as one descriptor. ``owner`` is ``owner_digest(address)`` of the engine
+that registered the region: an engine refuses to use a descriptor with a peer other than its
+owner.
+
+Version 2 adds one optional field, the **host share** (``HostShare``): the region's memory
+is bytes ``[offset, offset + nbytes)`` of a memfd that process ``pid`` holds open as ``fd``,
+the file (``dev``, ``inode``). A shm peer on the same host maps that range itself and writes
+with memcpy (the direct write, docs/architecture.md). A descriptor without a host share is
+still encoded as version 1, byte for byte as before, so older peers keep reading it; they
+refuse a version 2 descriptor by its version.
 """
 
 from __future__ import annotations
@@ -24,21 +33,24 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from kvxfer.errors import DescriptorError, InvalidArgumentError
 
-__all__ = ["Address", "Descriptor", "count_writes", "stripe_bounds", "split_write", "owner_digest", "ADDRESS_VERSION", "DESCRIPTOR_VERSION"]
+__all__ = ["Address", "Descriptor", "HostShare", "count_writes", "stripe_bounds", "split_write", "owner_digest", "ADDRESS_VERSION", "DESCRIPTOR_VERSION"]
 
 ADDRESS_MAGIC = b"KXA"
 DESCRIPTOR_MAGIC = b"KXM"
 ADDRESS_VERSION = 1
-DESCRIPTOR_VERSION = 1
+DESCRIPTOR_VERSION = 2          # the newest this kvxfer writes; it reads 1 and 2
+DESCRIPTOR_VERSIONS = (1, 2)
 
 FLAG_VIRT_ADDR = 1
 FLAG_RAW_KEY = 2
 FLAG_DEVICE = 4
+FLAG_HOST_SHARE = 8
 
 
 class _Reader:
@@ -62,6 +74,9 @@ class _Reader:
     def u16(self) -> int:
         return struct.unpack("<H", self.take(2))[0]
 
+    def u32(self) -> int:
+        return struct.unpack("<I", self.take(4))[0]
+
     def u64(self) -> int:
         return struct.unpack("<Q", self.take(8))[0]
 
@@ -70,13 +85,15 @@ class _Reader:
             raise DescriptorError(f"{self.what} has {len(self.data) - self.pos} trailing bytes")
 
 
-def _header(r: _Reader, magic: bytes, version: int) -> None:
+def _header(r: _Reader, magic: bytes, versions: tuple[int, ...]) -> int:
     got = r.take(len(magic))
     if got != magic:
         raise DescriptorError(f"not a kvxfer {r.what} (magic {got!r}, expected {magic!r})")
     v = r.u8()
-    if v != version:
-        raise DescriptorError(f"{r.what} version {v} is not supported (this kvxfer speaks {version})")
+    if v not in versions:
+        spoken = " and ".join(map(str, versions))
+        raise DescriptorError(f"{r.what} version {v} is not supported (this kvxfer speaks {spoken})")
+    return v
 
 
 def _name(s: str) -> bytes:
@@ -108,7 +125,7 @@ class Address:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise DescriptorError(f"an address is bytes, not {type(data).__name__}")
         r = _Reader(data, "address")
-        _header(r, ADDRESS_MAGIC, ADDRESS_VERSION)
+        _header(r, ADDRESS_MAGIC, (ADDRESS_VERSION,))
         prov = r.take(r.u8()).decode("utf-8", "replace")
         n = r.u8()
         if n == 0:
@@ -118,6 +135,38 @@ class Address:
             raise DescriptorError("address has an empty endpoint name")
         r.end()
         return cls(prov, names)
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """Where a peer on the same host can map a region's memory itself: bytes ``[offset,
+    offset + nbytes)`` of the memfd that process ``pid`` holds open as ``fd``, which is the
+    file (``dev``, ``inode``) (a mapping's ``st_dev``/``st_ino``). The peer opens
+    ``/proc/<pid>/fd/<fd>`` and maps the range only if the file it gets is that one, so a
+    reused fd number or pid never points it elsewhere."""
+
+    pid: int
+    fd: int
+    dev: int
+    inode: int
+    offset: int
+
+    _FORMAT = struct.Struct("<IIQQQ")
+
+    def encode(self) -> bytes:
+        if not (0 < self.pid < 2**31 and 0 <= self.fd < 2**31 and 0 <= self.dev < 2**64
+                and 0 <= self.inode < 2**64 and 0 <= self.offset < 2**63):
+            raise InvalidArgumentError(f"host share out of range: {self}")
+        return self._FORMAT.pack(self.pid, self.fd, self.dev, self.inode, self.offset)
+
+    @classmethod
+    def read(cls, r: _Reader, nbytes: int) -> "HostShare":
+        pid, fd, dev, inode, offset = (r.u32(), r.u32(), r.u64(), r.u64(), r.u64())
+        if not 0 < pid < 2**31 or fd >= 2**31:
+            raise DescriptorError("descriptor's host share names no process or fd")
+        if offset + nbytes > 2**63:
+            raise DescriptorError("descriptor's host share lies beyond any file")
+        return cls(pid, fd, dev, inode, offset)
 
 
 @dataclass(frozen=True)
@@ -132,6 +181,7 @@ class Descriptor:
     raw: bool = False
     device: bool = False
     owner: bytes = bytes(8)
+    host_share: Optional[HostShare] = None      # version 2: a shm peer may map the memory itself
 
     def _owner(self) -> bytes:
         if len(self.owner) != 8:
@@ -139,14 +189,15 @@ class Descriptor:
         return bytes(self.owner)
 
     def encode(self) -> bytes:
+        share = self.host_share
         flags = (FLAG_VIRT_ADDR if self.virt_addr else 0) | (FLAG_RAW_KEY if self.raw else 0) | (
             FLAG_DEVICE if self.device else 0
-        )
+        ) | (FLAG_HOST_SHARE if share is not None else 0)
         if not 0 < len(self.keys) < 256:
             raise InvalidArgumentError("a descriptor needs 1..255 keys")
         out = [
             DESCRIPTOR_MAGIC,
-            bytes([DESCRIPTOR_VERSION, flags]),
+            bytes([2 if share is not None else 1, flags]),     # version 1 where it suffices
             _name(self.provider),
             struct.pack("<QQ", self.base, self.nbytes),
             self._owner(),
@@ -156,6 +207,10 @@ class Descriptor:
             if not 0 < len(k) < 256:
                 raise InvalidArgumentError("a key must be 1..255 bytes")
             out += [bytes([len(k)]), k]
+        if share is not None:
+            if share.offset + self.nbytes > 2**63:
+                raise InvalidArgumentError("host share lies beyond any file")
+            out.append(share.encode())
         return b"".join(out)
 
     @classmethod
@@ -163,10 +218,11 @@ class Descriptor:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise DescriptorError(f"a descriptor is bytes, not {type(data).__name__}")
         r = _Reader(data, "descriptor")
-        _header(r, DESCRIPTOR_MAGIC, DESCRIPTOR_VERSION)
+        version = _header(r, DESCRIPTOR_MAGIC, DESCRIPTOR_VERSIONS)
         flags = r.u8()
-        if flags & ~(FLAG_VIRT_ADDR | FLAG_RAW_KEY | FLAG_DEVICE):
-            raise DescriptorError(f"descriptor has unknown flags {flags:#x}")
+        known = FLAG_VIRT_ADDR | FLAG_RAW_KEY | FLAG_DEVICE | (FLAG_HOST_SHARE if version >= 2 else 0)
+        if flags & ~known:
+            raise DescriptorError(f"descriptor has unknown flags {flags:#x} for version {version}")
         prov = r.take(r.u8()).decode("utf-8", "replace")
         base, nbytes = r.u64(), r.u64()
         owner = r.take(8)
@@ -179,8 +235,10 @@ class Descriptor:
             raise DescriptorError("descriptor key has the wrong length")
         if base + nbytes > 2**64:
             raise DescriptorError("descriptor range wraps around the address space")
+        share = HostShare.read(r, nbytes) if flags & FLAG_HOST_SHARE else None
         r.end()
-        return cls(prov, base, nbytes, keys, bool(flags & FLAG_VIRT_ADDR), raw, bool(flags & FLAG_DEVICE), owner)
+        return cls(prov, base, nbytes, keys, bool(flags & FLAG_VIRT_ADDR), raw, bool(flags & FLAG_DEVICE), owner,
+                   share)
 
 
 def owner_digest(address: bytes) -> bytes:

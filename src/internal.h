@@ -71,6 +71,9 @@ struct kx_transfer {
     void *desc;
     uint64_t dst_base, key, flags;
     uint32_t imm;
+    kx_direct *direct;             /* direct write (direct.c): the peer region's mapping here, one reference until posting ends */
+    char *direct_base;             /* ... its first byte */
+    uint64_t copied;               /* direct: bytes of the built message in place (all: its 0-byte write is due) */
     int have_msg;                  /* a built message is waiting for queue space */
     int cancel;                    /* set by kx_transfer_cancel: post nothing more */
     int npieces;                   /* the built message: its pieces */
@@ -162,7 +165,7 @@ struct kx_rail {
     int thread_started;
     volatile int stop;
     int spin;              /* busy-poll instead of blocking */
-    int posting;           /* threads inside a direct posting burst: the progress thread yields */
+    int posting;           /* callers inside their own posting burst (post.c, KX_CALLER_BUDGET): the progress thread yields */
     int busy;              /* threads inside any native call on the endpoint: teardown waits */
     int leaked;            /* the progress thread could not be joined: never free what it uses */
     int64_t outstanding;   /* tx operations posted and not completed (atomic) */
@@ -205,6 +208,7 @@ struct kx_rail {
 
     uint64_t stat_rx_err;  /* error completions not tied to a transfer */
     uint64_t stat_writes;  /* messages posted */
+    uint64_t stat_direct;  /* messages copied through a direct mapping (direct.c) */
 };
 
 static inline int64_t kx_now_ns(void)
@@ -319,6 +323,10 @@ int kx_local_still_deferred(kx_rail *r, int freeing);
 int kx_local_deferred_done(kx_rail *r);
 void kx_rail_finish_deferred(kx_rail *r);
 void kx_transfer_fail_locked(kx_rail *r, kx_transfer *x, int err);
+
+/* ---- direct.c -------------------------------------------------------------------- */
+void kx_direct_ref(kx_direct *d);    /* NULL: nothing */
+uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit);   /* more of the built message into x->direct */
 
 /* ---- mr.c ------------------------------------------------------------------------- */
 /* registration by a caller already inside a kx_enter bracket (or opening the rail) */

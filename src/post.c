@@ -8,7 +8,10 @@
  *   3. alone: a piece shorter than `pack_min` bytes travels alone in its message (shm, for
  *      one, moves small messages through its inject path faster than a packed CMA copy).
  * Each message is one fi_writemsg with `iov` local and `iov` remote pieces of equal
- * lengths, so one message gives exactly one remote CQ entry (one immediate).
+ * lengths, so one message gives exactly one remote CQ entry (one immediate). A direct write
+ * (direct.c: the sender maps a shm peer's memfd region itself) walks the same messages: it
+ * memcpys each one's pieces and posts a 0-byte write with the immediate in its place (no
+ * post at all without one), so the count is the same on both paths.
  *
  * Posting never blocks on the transport: the calling thread posts until the provider says
  * -FI_EAGAIN (or a byte budget is spent), then queues the rest of the transfer for the
@@ -17,10 +20,17 @@
 #include "internal.h"
 
 /* Bytes the calling thread posts itself before handing the rest to the progress thread.
- * Some providers copy inside the post call (shm's CMA path), so an unbounded direct post
+ * Some providers copy inside the post call (shm's CMA path), so an unbounded post by the caller
  * would make the caller pay for the whole transfer. */
-#ifndef KX_DIRECT_BUDGET
-#define KX_DIRECT_BUDGET (256 * 1024)
+#ifndef KX_CALLER_BUDGET
+#define KX_CALLER_BUDGET (256 * 1024)
+#endif
+
+/* Bytes of direct writes the progress thread copies before it reads its CQ again (about
+ * 0.1 ms of memcpy): a long transfer must not keep completions, arrivals and the peers'
+ * liveness clocks waiting (an RMA post costs no copy here, so RMA needs no such round). */
+#ifndef KX_DIRECT_ROUND
+#define KX_DIRECT_ROUND (1024 * 1024)
 #endif
 
 int kx_walk_next(kx_transfer *x)
@@ -135,25 +145,65 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         if (budget <= 0)
             return 0;
         int np = x->npieces;
-        for (int k = 0; k < np; k++) {
-            iov[k].iov_base = x->src_base + x->piece_src[k];
-            iov[k].iov_len = x->piece_len[k];
-            desc[k] = x->desc;
-            rma[k].addr = x->dst_base + x->piece_dst[k];
-            rma[k].len = x->piece_len[k];
-            rma[k].key = x->key;
-        }
-        kx_op *op = x->ops ? &x->ops[x->posted] : &x->shared_op;
-        struct fi_msg_rma msg = {
-            .msg_iov = iov, .desc = desc, .iov_count = (size_t)np, .addr = x->peer,
-            .rma_iov = rma, .rma_iov_count = (size_t)np, .context = &op->fi, .data = x->imm,
-        };
+        int64_t bytes = 0;
+        for (int k = 0; k < np; k++)
+            bytes += (int64_t)x->piece_len[k];
         /* never post to a peer known closed, exited or stalled (liveness.c says why) */
         int gone = kx_peer_enter(r, x->peer);
         if (gone) {
             kx_transfer_fail(r, x, gone);
             return 1;
         }
+        if (x->direct) {
+            /* a direct write (direct.c): the bytes go by memcpy into our mapping of the
+             * peer's region, once (within the budget: a large message over several calls),
+             * and the message itself is a 0-byte write carrying the imm, so the target
+             * counts exactly what it counts otherwise */
+            if (x->copied < (uint64_t)bytes) {
+                budget -= (int64_t)kx_direct_copy(x, (uint64_t)budget);
+                if (x->copied < (uint64_t)bytes) {
+                    kx_peer_leave(r, x->peer);
+                    return 0;
+                }
+                /* the whole message is in place: order the copy (non-temporal stores
+                 * included) before the write that tells the peer */
+                __atomic_thread_fence(__ATOMIC_SEQ_CST);
+                __atomic_add_fetch(&r->stat_direct, 1, __ATOMIC_RELAXED);
+            }
+            if (!(x->flags & FI_REMOTE_CQ_DATA)) {
+                /* nothing to tell the target: the message is complete once copied (posted
+                 * and completed move together, so no stall check sees it outstanding) */
+                kx_peer_leave(r, x->peer);
+                pthread_mutex_lock(&r->hub->lock);
+                __atomic_add_fetch(&x->posted, 1, __ATOMIC_RELEASE);
+                __atomic_add_fetch(&x->completed, 1, __ATOMIC_RELAXED);
+                pthread_mutex_unlock(&r->hub->lock);
+                x->have_msg = 0;
+                x->copied = 0;
+                continue;
+            }
+            np = 1;
+            iov[0].iov_base = x->src_base;
+            iov[0].iov_len = 0;
+            desc[0] = x->desc;
+            rma[0].addr = x->dst_base;
+            rma[0].len = 0;
+            rma[0].key = x->key;
+        } else {
+            for (int k = 0; k < np; k++) {
+                iov[k].iov_base = x->src_base + x->piece_src[k];
+                iov[k].iov_len = x->piece_len[k];
+                desc[k] = x->desc;
+                rma[k].addr = x->dst_base + x->piece_dst[k];
+                rma[k].len = x->piece_len[k];
+                rma[k].key = x->key;
+            }
+        }
+        kx_op *op = x->ops ? &x->ops[x->posted] : &x->shared_op;
+        struct fi_msg_rma msg = {
+            .msg_iov = iov, .desc = desc, .iov_count = (size_t)np, .addr = x->peer,
+            .rma_iov = rma, .rma_iov_count = (size_t)np, .context = &op->fi, .data = x->imm,
+        };
         /* count it first: the completion may be read by another thread before we return */
         __atomic_add_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
         if (__atomic_load_n(&x->posted, __ATOMIC_ACQUIRE) == __atomic_load_n(&x->completed, __ATOMIC_ACQUIRE))
@@ -172,8 +222,10 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         if (ret == 0) {
             kx_peer_accepted(r, x->peer);
             x->have_msg = 0;
-            for (int k = 0; k < np; k++)
-                budget -= (int64_t)x->piece_len[k];
+            if (x->direct)
+                x->copied = 0;          /* its bytes were counted against the budget as copied */
+            else
+                budget -= bytes;
             __atomic_add_fetch(&r->stat_writes, 1, __ATOMIC_RELAXED);
             continue;
         }
@@ -235,7 +287,7 @@ int kx_pump_queue(kx_rail *r)
         if (!x)
             return finished;
         int64_t before = x->posted;
-        int walk_ended = kx_pump(r, x, INT64_MAX);
+        int walk_ended = kx_pump(r, x, x->direct ? KX_DIRECT_ROUND : INT64_MAX);
         if (!walk_ended)
             return finished + (x->posted != before);
         pthread_mutex_lock(&r->hub->lock);
@@ -291,7 +343,7 @@ static kx_transfer *kx_transfer_new(const uint64_t *src_off, const uint64_t *dst
 }
 
 int kx_write(kx_rail *r, fi_addr_t peer, char *src_base, void *desc, uint64_t dst_base, uint64_t key,
-             const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
+             kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
              int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min,
              kx_transfer **out)
 {
@@ -303,6 +355,11 @@ int kx_write(kx_rail *r, fi_addr_t peer, char *src_base, void *desc, uint64_t ds
     x->desc = desc;
     x->dst_base = dst_base;
     x->key = key;
+    if (direct) {
+        kx_direct_ref(direct);
+        x->direct = direct;
+        x->direct_base = kx_direct_base(direct);
+    }
     x->flags = FI_COMPLETION | (has_imm ? FI_REMOTE_CQ_DATA : 0) | (r->delivery_complete ? FI_DELIVERY_COMPLETE : 0);
     x->imm = imm;
 
@@ -314,7 +371,7 @@ int kx_write(kx_rail *r, fi_addr_t peer, char *src_base, void *desc, uint64_t ds
     int walk_ended = 0;
     if (!queued && kx_enter(r)) {
         __atomic_add_fetch(&r->posting, 1, __ATOMIC_SEQ_CST);
-        walk_ended = kx_pump(r, x, KX_DIRECT_BUDGET);
+        walk_ended = kx_pump(r, x, KX_CALLER_BUDGET);
         __atomic_sub_fetch(&r->posting, 1, __ATOMIC_SEQ_CST);
         kx_leave(r);
     }

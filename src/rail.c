@@ -414,6 +414,7 @@ void kx_rail_get_info(const kx_rail *r, kx_rail_info *out)
 void kx_rail_get_stats(const kx_rail *r, kx_rail_stats *out)
 {
     out->writes_posted = __atomic_load_n(&r->stat_writes, __ATOMIC_RELAXED);
+    out->direct_writes = __atomic_load_n(&r->stat_direct, __ATOMIC_RELAXED);
     out->errors = __atomic_load_n(&r->stat_rx_err, __ATOMIC_RELAXED);
     out->outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_RELAXED);
 }

@@ -7,6 +7,7 @@
 void kx_transfer_release_locked(kx_transfer *x)
 {
     if (--x->refs == 0) {
+        kx_direct_unref(x->direct);
         free(x->ops);
         free(x->owned);
         free(x);
@@ -61,6 +62,12 @@ void kx_transfer_fail_locked(kx_rail *r, kx_transfer *x, int err)
 void kx_transfer_finish_posting_locked(kx_rail *r, kx_transfer *x)
 {
     x->posting_done = 1;
+    /* nothing copies through the direct mapping any more: let it go now rather than when
+     * the owner frees the transfer (a done transfer can sit in a rail's pending list for a
+     * while, and the mapping keeps the peer's pages). Rarely the last reference, which
+     * unmaps: when the RemoteRegion went first. */
+    kx_direct_unref(x->direct);
+    x->direct = NULL;
     kx_transfer_check_done_locked(r, x);
 }
 

@@ -37,6 +37,7 @@ struct kx_watch {
     char *src_base;
     void *desc;
     uint64_t dst_base, key;
+    kx_direct *direct;         /* one reference, or NULL (RMA) */
     uint64_t *triples;         /* 3 n words: src, dst, length */
     size_t n;
     int has_imm;
@@ -76,6 +77,7 @@ static void watch_destroy(kx_watch *e)
 {
     if (e->x)
         kx_transfer_release(e->rail, e->x);
+    kx_direct_unref(e->direct);
     free(e->triples);
     free(e);
 }
@@ -91,9 +93,11 @@ static void post_batch(kx_watcher *w, kx_watch *batch)
     for (kx_watch *e = batch; e; e = e->next) {
         int64_t t0 = kx_now_ns();
         kx_transfer *x = NULL;
-        int ret = kx_write(e->rail, e->peer, e->src_base, e->desc, e->dst_base, e->key, e->triples,
+        int ret = kx_write(e->rail, e->peer, e->src_base, e->desc, e->dst_base, e->key, e->direct, e->triples,
                            e->triples + e->n, e->triples + 2 * e->n, e->n, e->has_imm, e->imm, e->iov,
                            e->max_write, e->pack_min, &x);
+        kx_direct_unref(e->direct);    /* the entry posts no more; the transfer holds its own */
+        e->direct = NULL;
         int64_t t1 = kx_now_ns();
         pthread_mutex_lock(&w->lock);
         if (first && bump_ns && w->nlat < KX_LAT_SAMPLES) {
@@ -259,9 +263,9 @@ uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to)
 }
 
 int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, char *src_base,
-                 void *desc, uint64_t dst_base, uint64_t key, const uint64_t *src_off, const uint64_t *dst_off,
-                 const uint64_t *length, size_t n, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
-                 uint64_t pack_min, kx_watch **out)
+                 void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct, const uint64_t *src_off,
+                 const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm, uint32_t imm, size_t iov,
+                 uint64_t max_write, uint64_t pack_min, kx_watch **out)
 {
     if (iov < 1 || iov > KX_MAX_IOV || max_write == 0)
         return -FI_EINVAL;
@@ -288,6 +292,8 @@ int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi
     e->desc = desc;
     e->dst_base = dst_base;
     e->key = key;
+    kx_direct_ref(direct);
+    e->direct = direct;
     e->has_imm = has_imm;
     e->imm = imm;
     e->iov = iov;
@@ -298,6 +304,7 @@ int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi
     pthread_mutex_lock(&w->lock);
     if (w->stop) {
         pthread_mutex_unlock(&w->lock);
+        kx_direct_unref(e->direct);
         free(e->triples);
         free(e);
         return -FI_ECANCELED;

@@ -7,6 +7,7 @@
  *   kx_transfer  the messages of one write call on one rail: planned, posted, completed
  *   kx_counter   an expectation of `count` arrivals of one imm (immediate data value)
  *   kx_msg       a received control message
+ *   kx_direct    the sender's own mapping of a shm peer's memfd region (direct writes)
  * A region is a libfabric `struct fid_mr`; a peer is an `fi_addr_t` in a rail's AV.
  *
  * Conventions: functions returning int return 0 or a negative libfabric errno (-FI_E*);
@@ -31,6 +32,7 @@ typedef struct kx_counter kx_counter;
 typedef struct kx_msg kx_msg;
 typedef struct kx_watcher kx_watcher;
 typedef struct kx_watch kx_watch;
+typedef struct kx_direct kx_direct;
 
 /* What a rail's provider allows; kvxfer obeys it (strings live as long as the rail). */
 typedef struct kx_rail_info {
@@ -50,6 +52,7 @@ typedef struct kx_rail_info {
 
 typedef struct kx_rail_stats {
     uint64_t writes_posted;
+    uint64_t direct_writes;  /* messages whose bytes were copied through a direct mapping */
     uint64_t errors;       /* error completions not tied to a transfer */
     int64_t outstanding;   /* operations posted and not completed */
 } kx_rail_stats;
@@ -131,6 +134,17 @@ int kx_mr_close(struct fid_mr *mr);
 int kx_map_raw(kx_rail *r, uint64_t base, uint8_t *raw, size_t rawlen, uint64_t *key);
 int kx_unmap_key(kx_rail *r, uint64_t key);
 
+/* ---- direct writes (src/direct.c) ------------------------------------------------- */
+
+/* Map bytes [offset, offset+len) of the memfd at `path` (a shm peer's /proc/<pid>/fd/<n>)
+ * MAP_SHARED, once it is checked to be the file (dev, ino), to hold the range and to be
+ * sealed against shrinking; a negative errno otherwise (the caller writes over RMA then).
+ * *out holds the caller's reference; transfers (while posting) and armed watch entries take
+ * their own. */
+int kx_direct_open(const char *path, uint64_t dev, uint64_t ino, uint64_t offset, uint64_t len, kx_direct **out);
+char *kx_direct_base(const kx_direct *d);   /* where the region's first byte is mapped here */
+void kx_direct_unref(kx_direct *d);          /* the last reference unmaps */
+
 /* ---- writes (src/post.c, src/transfer.c) ------------------------------------------- */
 
 /* The message rule: how many messages (one fi_writemsg, one remote CQ entry each) the
@@ -138,10 +152,12 @@ int kx_unmap_key(kx_rail *r, uint64_t key);
 int64_t kx_count_messages(const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length,
                           size_t n, size_t iov, uint64_t max_write, uint64_t pack_min);
 /* Post the triples' messages to `peer` (copies the triples; posts up to a budget itself,
- * queues the rest for the progress thread; never waits for the wire). *out holds two
- * references: the caller's (kx_transfer_release) and the in-flight one. */
+ * queues the rest for the progress thread; never waits for the wire). `direct`: NULL, or
+ * the peer region's mapping here: each message is then a memcpy into it and a 0-byte write
+ * carrying the imm (none without imm); the transfer holds a reference until posting ends. *out
+ * holds two references: the caller's (kx_transfer_release) and the in-flight one. */
 int kx_write(kx_rail *r, fi_addr_t peer, char *src_base, void *desc, uint64_t dst_base, uint64_t key,
-             const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
+             kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
              int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min,
              kx_transfer **out);
 void kx_transfer_get_state(const kx_transfer *x, kx_transfer_state *out);
@@ -226,9 +242,9 @@ uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to);
 /* Arm the triples' writes for when the word reaches `threshold` (copies the triples). The
  * rail, source registration and peer must outlive the entry. *out: the owner's reference. */
 int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, char *src_base,
-                 void *desc, uint64_t dst_base, uint64_t key, const uint64_t *src_off, const uint64_t *dst_off,
-                 const uint64_t *length, size_t n, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
-                 uint64_t pack_min, kx_watch **out);
+                 void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct, const uint64_t *src_off,
+                 const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm, uint32_t imm, size_t iov,
+                 uint64_t max_write, uint64_t pack_min, kx_watch **out);
 int64_t kx_watch_planned(const kx_watch *e);
 void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out);
 /* 1 if the entry was still armed and now never posts; 0 if it was posted (waits for a post

@@ -16,7 +16,7 @@ import numpy as np
 from kvxfer.errors import InvalidArgumentError
 
 __all__ = ["Case", "parse_case", "parse_size", "fmt_size", "ALIASES", "DEFAULT_CASES",
-           "pattern", "dst_pages", "Checker", "GUARD_BYTES"]
+           "pattern", "dst_pages", "Checker", "GUARD_BYTES", "TARGET_MEMORY"]
 
 #: The cases docs/benchmarks.md quotes, by letter.
 ALIASES = {
@@ -30,6 +30,12 @@ _LETTER = {v: k for k, v in ALIASES.items() if len(k) == 1}
 #: ``kvxfer-bench bw`` with no --case: small to large single writes, (a), (b), (c) and the
 #: memmove baseline (a) is judged against.
 DEFAULT_CASES = ("write:4K", "write:64K", "write:1M", "a", "b", "c", "memmove")
+
+#: What the target's destination buffer is (``--target-memory``): a host ``KVBuffer`` (a
+#: sealed memfd, as kvxfer's KV buffers are; on shm a kvxfer sender then writes directly,
+#: src/direct.c), or anonymous numpy memory. The first is the default. NIXL's target gets
+#: the same kind, so a comparison holds the destination memory equal.
+TARGET_MEMORY = ("memfd", "anon")
 
 #: Bytes after the written range that must stay untouched (catches overruns).
 GUARD_BYTES = 4096
@@ -132,15 +138,37 @@ class Checker:
     The destination holds ``case.nbytes`` of poison (zeros) followed by a guard. After each
     iteration every page must equal its source page, the guard must be intact, and then
     the written range is poisoned again, so a write that does not land next time is caught
-    rather than passing on stale data.
+    rather than passing on stale data. ``memory``: one of ``TARGET_MEMORY``; ``close()``
+    releases a memfd (the view ``buf`` stays valid).
     """
 
-    def __init__(self, case: Case, seed: int) -> None:
+    def __init__(self, case: Case, seed: int, memory: str = "anon") -> None:
+        if memory not in TARGET_MEMORY:
+            raise InvalidArgumentError(f"target memory must be one of {TARGET_MEMORY}, not {memory!r}")
         self.case = case
         self.seed = seed
+        self.memory = memory
         self.expected = pattern(seed, case.nbytes)
-        self.buf = np.zeros(case.nbytes + GUARD_BYTES, dtype=np.uint8)
+        self._kv = None
+        if memory == "memfd":
+            from kvxfer.buffers import KVBuffer
+
+            self._kv = KVBuffer.allocate(case.nbytes + GUARD_BYTES, "cpu", name="kvxfer-bench")
+            self.buf = self._kv.numpy()[: case.nbytes + GUARD_BYTES]      # starts zeroed
+        else:
+            self.buf = np.zeros(case.nbytes + GUARD_BYTES, dtype=np.uint8)
         self.buf[case.nbytes:] = GUARD_VALUE
+
+    def close(self) -> None:
+        if self._kv is not None:
+            self._kv.close()
+            self._kv = None
+
+    def __enter__(self) -> "Checker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def mapping(self, iteration: int) -> Optional[np.ndarray]:
         if self.case.kind != "pages":

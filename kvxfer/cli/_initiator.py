@@ -49,7 +49,8 @@ class Initiator:
 
     # -- bw ------------------------------------------------------------------------------
     def bw(self, case: Case, seed: int, *, warmup: int, iters: Optional[int], budget: float,
-           min_iters: int, max_iters: int, progress: Callable[[int, int], None]) -> CaseResult:
+           min_iters: int, max_iters: int, progress: Callable[[int, int], None], memory: str = "anon") -> CaseResult:
+        """One case, timed and checked; ``memory``: the target's buffer (``_cases.TARGET_MEMORY``)."""
         if case.kind == "memmove":
             return memmove(case, seed, warmup=warmup, iters=iters, budget=budget, min_iters=min_iters,
                             max_iters=max_iters, progress=progress)
@@ -60,8 +61,9 @@ class Initiator:
         base = self.next_imm
         with eng.register(src) as mr:
             ch.send("bw", case=case.spec, seed=seed, warmup=warmup, imm_base=base, iov=eng.iov,
-                    max_write=eng.max_write, pack_min=eng.pack_min, rails=eng.rails, timeout=timeout)
+                    max_write=eng.max_write, pack_min=eng.pack_min, rails=eng.rails, timeout=timeout, memory=memory)
             rr = eng.remote(bytes.fromhex(ch.recv("desc", timeout)["desc"]))
+            res.direct = rr.direct
             src_pages = np.arange(case.pages, dtype=np.int64)
 
             def one(i: int, keep: bool) -> float:

@@ -5,7 +5,8 @@ and torch wheels but runs on host memory). Nothing here imports it until a compa
 asked for, and ``make test`` never needs it.
 
 Same cases, same checks, same timing as kvxfer's rows (docs/benchmarks.md, "Method"):
-a target process registers a ``Checker`` buffer with its own NIXL agent; the initiator
+a target process registers a ``Checker`` buffer (the same ``--target-memory`` kind as
+kvxfer's target: a memfd by default) with its own NIXL agent; the initiator
 registers the same source pattern, prepares one descriptor list per side once per case
 (``prep_xfer_dlist``: every source page, every destination page) and, per iteration, makes
 the request for that iteration's scattered destination pages (``make_prepped_xfer``, counted
@@ -96,7 +97,7 @@ def target_main() -> int:
             continue
         # one case: register, publish the buffer, then check each iteration's pages
         case, seed, total = parse_case(req["case"]), int(req["seed"]), int(req["total"])
-        chk = Checker(case, seed)
+        chk = Checker(case, seed, req.get("memory", "anon"))      # the same kind as kvxfer's target
         reg = agent.register_memory([(chk.buf.ctypes.data, chk.buf.nbytes, 0, "")], "DRAM")
         # the registration's remote keys travel in the agent's metadata: publish it again
         _say({"t": "desc", "addr": int(chk.buf.ctypes.data), "meta": agent.get_agent_metadata().hex()})
@@ -117,6 +118,7 @@ def target_main() -> int:
             bad_iters += bool(bad or not guard)
             _say({"t": "landed", "i": i, "clock": clock, "bad": bad, "guard": guard})
         agent.deregister_memory(reg)
+        chk.close()
         _say({"t": "done", "bad_iters": bad_iters})
     return 0
 
@@ -167,8 +169,9 @@ class NixlPeer:
                 self.proc.wait()
 
     def bw(self, case: Case, seed: int, *, warmup: int, iters: Optional[int], budget: float, min_iters: int,
-           max_iters: int, progress: Callable[[int, int], None]) -> CaseResult:
-        """One case through NIXL, measured and checked like ``Initiator.bw``."""
+           max_iters: int, progress: Callable[[int, int], None], memory: str = "anon") -> CaseResult:
+        """One case through NIXL, measured and checked like ``Initiator.bw``; the target's
+        buffer is ``memory`` (``_cases.TARGET_MEMORY``), as kvxfer's is."""
         res = CaseResult(case, warmup=warmup, clock="target clock")
         src = pattern(seed, case.nbytes)
         reg = self.agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
@@ -176,9 +179,9 @@ class NixlPeer:
         # pass 1 measures one iteration's wall time to size the run, as Initiator.bw does
         first = min(warmup, 1) if iters is None else 0
         try:
-            wall = self._run(case, seed, src, warmup + first, 0, None, progress)
+            wall = self._run(case, seed, src, warmup + first, 0, None, progress, memory)
             n = iters if iters is not None else _iterations(budget, wall, min_iters, max_iters)
-            self._run(case, seed, src, n, warmup + first, res, progress)
+            self._run(case, seed, src, n, warmup + first, res, progress, memory)
             res.iterations = n
             res.num_writes = n_pages
         finally:
@@ -186,10 +189,10 @@ class NixlPeer:
         return res
 
     def _run(self, case: Case, seed: int, src: np.ndarray, n: int, first: int, res: Optional[CaseResult],
-             progress: Callable[[int, int], None]) -> float:
+             progress: Callable[[int, int], None], memory: str) -> float:
         """n iterations numbered from `first` against a fresh target buffer; last wall time."""
         agent, pb, pages = self.agent, case.page_bytes, case.pages
-        self._send(t="case", case=case.spec, seed=seed, total=first + n, timeout=self.timeout)
+        self._send(t="case", case=case.spec, seed=seed, total=first + n, timeout=self.timeout, memory=memory)
         desc = self._recv("desc")
         dst = int(desc["addr"])
         agent.add_remote_agent(bytes.fromhex(desc["meta"]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -33,6 +34,7 @@ class CaseResult:
     post: list = field(default_factory=list)
     bad_iterations: int = 0
     problems: list = field(default_factory=list)
+    direct: Optional[bool] = None      # kvxfer: the writes were direct writes (shm, memfd target)
 
     @property
     def ok(self) -> bool:
@@ -53,7 +55,7 @@ class CaseResult:
             "gbps_mean": c.nbytes / float(t.mean()) / 1e9 if len(t) else None,
             "writes_per_s": self.num_writes / p50 if p50 > 0 and self.num_writes else None,
             "check": "ok" if self.ok else "FAIL", "bad_iterations": self.bad_iterations,
-            "problems": self.problems,
+            "problems": self.problems, "direct": self.direct,
         }
         for name in ("acked", "local", "post"):
             v = getattr(self, name)

@@ -65,8 +65,7 @@ def _serve_bw(eng, ch: Channel, req: dict, alive) -> None:
     seed, base, timeout = int(req["seed"]), int(req["imm_base"]), float(req["timeout"])
     iov, max_write, pack_min = int(req["iov"]), int(req["max_write"]), int(req.get("pack_min", 0))
     rails = int(req.get("rails", 1))
-    chk = Checker(case, seed)
-    with eng.register(chk.buf) as mr:
+    with Checker(case, seed, req.get("memory", "anon")) as chk, eng.register(chk.buf) as mr:
         ch.send("desc", desc=mr.descriptor().hex())
         total = int(req["warmup"])
         i = 0

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence, TextIO
 
-from kvxfer.cli._cases import DEFAULT_CASES, Case, fmt_size, parse_case, parse_size
+from kvxfer.cli._cases import DEFAULT_CASES, TARGET_MEMORY, Case, fmt_size, parse_case, parse_size
 from kvxfer.errors import KvxferError
 
 __all__ = ["main", "build_parser", "DEFAULT_PROVIDERS"]
@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--max-iters", type=int, default=5000, metavar="N",
                     help="at most N timed iterations (default: 5000)")
     bw.add_argument("--seed", type=int, default=0, help="seed of the data and the page scatter (default: 0)")
+    bw.add_argument("--target-memory", choices=TARGET_MEMORY, default=TARGET_MEMORY[0],
+                    help="the target's destination buffer: memfd (a host KVBuffer, as kvxfer's KV buffers are; "
+                         "on shm kvxfer then writes directly unless KVXFER_SHM_DIRECT=0) or anon (numpy memory); "
+                         "--vs peers get the same (default: memfd)")
     bw.add_argument("--vs", action="append", choices=("nixl",), metavar="PEER",
                     help="also run the cases through PEER (nixl: NIXL's UCX backend, `pip install nixl`) in the "
                          "same run, same checks and timing, and print kvxfer/PEER ratios (local runs only)")
@@ -467,7 +471,7 @@ def run_bw(args: argparse.Namespace) -> int:
             label = f"{run.provider} {case.label}"
             res = run.ini.bw(case, args.seed + i, warmup=warmup, iters=args.iters, budget=args.seconds,
                              min_iters=args.min_iters, max_iters=args.max_iters,
-                             progress=lambda d, n, label=label: bar.update(label, d, n))
+                             progress=lambda d, n, label=label: bar.update(label, d, n), memory=args.target_memory)
             s = res.summary()
             run.record["results"].append(s)
             if case.kind == "memmove" and memmove is None:
@@ -551,7 +555,7 @@ def _run_peer(peer: str, run: "_Run", cases: list, order: list, warmup: int, mem
             try:
                 res = p.bw(case, args.seed + i, warmup=warmup, iters=args.iters, budget=args.seconds,
                            min_iters=args.min_iters, max_iters=args.max_iters,
-                           progress=lambda d, n, label=label: bar.update(label, d, n))
+                           progress=lambda d, n, label=label: bar.update(label, d, n), memory=args.target_memory)
             except Exception as exc:
                 rec["error"] = f"{case.spec}: {type(exc).__name__}: {exc}"
                 bar.clear()

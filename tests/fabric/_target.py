@@ -17,13 +17,35 @@ import numpy as np
 from _procs import spawn
 
 
-def _serve(conn, provider: str, nbytes: int) -> None:
+def _memory(kind: str, nbytes: int):
+    """(what to register, a uint8 view of it): ``numpy`` (anonymous memory), ``memfd`` (a host
+    KVBuffer: a sealed memfd, what shm peers write directly) or ``memfd-unsealed`` (a memfd
+    mapped without seals, which a peer must not map: it could shrink under the mapping)."""
+    if kind == "numpy":
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        return buf, buf
+    if kind == "memfd":
+        from kvxfer import KVBuffer
+
+        kv = KVBuffer.allocate(nbytes, "cpu")
+        return kv, kv.numpy()[:nbytes]
+    if kind == "memfd-unsealed":
+        import mmap
+
+        fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+        os.ftruncate(fd, nbytes)
+        buf = np.frombuffer(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), np.uint8)
+        return buf, buf                   # fd stays open: the region's host share names it
+    raise ValueError(f"unknown memory kind {kind!r}")
+
+
+def _serve(conn, provider: str, nbytes: int, memory: str = "numpy", options: dict | None = None) -> None:
     import kvxfer
 
     try:
-        eng = kvxfer.Engine(provider, "127.0.0.1")
-        buf = np.zeros(nbytes, dtype=np.uint8)
-        mr = eng.register(buf)
+        eng = kvxfer.Engine(provider, "127.0.0.1", **(options or {}))
+        obj, buf = _memory(memory, nbytes)
+        mr = eng.register(obj)
         conn.send(("ready", eng.address, mr.descriptor(), os.getpid()))
         counters = {}
         while True:
@@ -50,6 +72,10 @@ def _serve(conn, provider: str, nbytes: int) -> None:
                 conn.send(("ok", None))
             elif cmd == "banked":
                 conn.send(("ok", eng.banked(args[0])))
+            elif cmd == "discard":
+                conn.send(("ok", eng.discard(args[0])))
+            elif cmd == "stats":
+                conn.send(("ok", eng.stats()))
             elif cmd == "recv":
                 conn.send(("ok", eng.recv(args[0])))
             elif cmd == "exit":
@@ -71,10 +97,13 @@ class RemoteError(AssertionError):
 
 
 class Target:
-    """Start a target process; ``address``/``descriptor`` come from its engine."""
+    """Start a target process; ``address``/``descriptor`` come from its engine. ``memory``:
+    what its destination is (see ``_memory``); ``options``: its ``Engine`` keywords."""
 
-    def __init__(self, provider: str, nbytes: int, timeout: float = 30.0) -> None:
-        self.child = spawn(_serve, provider, nbytes, name="target", with_conn=True, deadline=timeout)
+    def __init__(self, provider: str, nbytes: int, timeout: float = 30.0, *, memory: str = "numpy",
+                 options: dict | None = None) -> None:
+        self.child = spawn(_serve, provider, nbytes, memory, options, name="target", with_conn=True,
+                           deadline=timeout)
         self.parent, self.proc = self.child.conn, self.child.proc
         self.timeout = timeout
         status, *rest = self._recv()

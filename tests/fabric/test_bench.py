@@ -36,6 +36,22 @@ def test_bw_tiny_run_checks_data_and_writes_json(provider, tmp_path, capsys):
     assert -(-64 // iov) <= paged["writes"] <= 64
     assert paged["post_per_page_s"] > 0 and paged["acked_p50_s"] > 0 and paged["local_p50_s"] > 0
     assert paged["timing"] == "target clock"
+    # the target's buffer is a memfd by default: on shm, kvxfer writes into it directly
+    assert doc["options"]["target_memory"] == "memfd"
+    assert all(res[c]["direct"] is (provider == "shm") for c in ("write:64K", "pages:4Kx64"))
+
+
+def test_bw_into_anonymous_memory_is_not_direct(tmp_path, capsys):
+    from _providers import available
+
+    if not available("shm"):
+        pytest.skip("provider shm is not available here")
+    out = tmp_path / "bw.json"
+    rc = bench.main(["bw", "--provider", "shm", "--case", "pages:4Kx64", "--iters", "2", "--warmup", "1",
+                     "--timeout", "20", "-q", "--target-memory", "anon", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    (r,) = json.loads(out.read_text())["runs"][0]["results"]
+    assert r["check"] == "ok" and r["direct"] is False
 
 
 def test_lat_tiny_run(provider, tmp_path, capsys):

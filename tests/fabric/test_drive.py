@@ -73,7 +73,7 @@ def test_messages_stay_in_order_while_writes_complete(driving):
 
 def test_queued_pages_are_posted_by_a_driving_waiter(driving):
     a, b = driving
-    page, n = 4096, 2048                    # 8 MiB: far past the caller's direct budget
+    page, n = 4096, 2048                    # 8 MiB: far past the caller's own budget (KX_CALLER_BUDGET)
     src = np.random.default_rng(1).integers(0, 256, page * n, dtype=np.uint8)
     dst = np.zeros_like(src)
     ms, md = a.register(src), b.register(dst)

@@ -43,21 +43,33 @@ def world():
     """Two engines per provider, a source and a target region, and a poisoned copy of the
     target's memory to prove refused calls wrote nothing."""
     out = {}
-    for p in ("tcp;ofi_rxm", "shm"):
+    kvs = []
+    # "shm direct": the target's memory a host KVBuffer, so the descriptor has a host share
+    # (mutated shares reach remote()) and accepted writes are direct writes
+    for p in ("tcp;ofi_rxm", "shm", "shm direct"):
+        prov = p.split()[0]
         try:
-            a = kvxfer.Engine(p, "127.0.0.1", peer_timeout=2.0)
+            a = kvxfer.Engine(prov, "127.0.0.1", peer_timeout=2.0)
         except errors.KvxferError:
             continue
-        b = kvxfer.Engine(p, "127.0.0.1")
+        b = kvxfer.Engine(prov, "127.0.0.1")
         src = np.arange(1 << 16, dtype=np.uint32).view(np.uint8)[: 1 << 16].copy()
-        dst = np.full(1 << 16, 0xA5, np.uint8)
-        ms, md = a.register(src), b.register(dst)
+        if p == "shm direct":
+            kvs.append(kvxfer.KVBuffer.allocate(1 << 16))
+            dst, target = kvs[-1].numpy(), kvs[-1]
+            dst[:] = 0xA5
+        else:
+            dst = target = np.full(1 << 16, 0xA5, np.uint8)
+        ms, md = a.register(src), b.register(target)
         out[p] = dict(a=a, b=b, src=src, dst=dst, ms=ms, md=md, peer=a.connect(b.address),
                       rr=a.remote(md.descriptor()), addr=b.address, desc=md.descriptor())
+        assert out[p]["rr"].direct == (p == "shm direct")
     yield out
     for w in out.values():
         w["a"].close()
         w["b"].close()
+    for kv in kvs:
+        kv.close()
 
 
 def _only_kvxfer_errors(fn, *args, **kw):
@@ -75,7 +87,9 @@ def _only_kvxfer_errors(fn, *args, **kw):
 def test_decoders(data):
     good_a = wire.Address("tcp;ofi_rxm", (b"\x02\x00" + bytes(14),)).encode()
     good_d = wire.Descriptor("shm", 4096, 8192, (b"k" * 8,), True, owner=b"o" * 8).encode()
-    for codec, good in ((wire.Address, good_a), (wire.Descriptor, good_d)):
+    good_s = wire.Descriptor("shm", 4096, 8192, (b"k" * 8,), True, owner=b"o" * 8,
+                             host_share=wire.HostShare(4242, 9, 1, 77, 8192)).encode()     # version 2
+    for codec, good in ((wire.Address, good_a), (wire.Descriptor, good_d), (wire.Descriptor, good_s)):
         blob = data.draw(_mutations(good))
         r = _only_kvxfer_errors(codec.decode, blob)
         assert isinstance(r, (codec, errors.DescriptorError))
@@ -162,6 +176,7 @@ def test_engine_options(data):
                             progress=data.draw(st.one_of(junk, st.just("block"))),
                             peer_timeout=data.draw(st.one_of(junk, st.just(1.0))),
                             iov=data.draw(st.one_of(st.none(), junk)),
-                            max_write=data.draw(st.one_of(st.none(), junk)))
+                            max_write=data.draw(st.one_of(st.none(), junk)),
+                            direct=data.draw(st.one_of(st.none(), st.booleans(), junk)))
     if isinstance(e, kvxfer.Engine):
         e.close()

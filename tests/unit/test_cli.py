@@ -85,15 +85,19 @@ def test_checker_accepts_exact_scatter_and_catches_any_wrong_page(page, count, s
         assert bad > 0 or np.array_equal(dst_pages(seed, it + 1, count), perm)
 
 
-def test_checker_catches_a_missing_write_and_an_overrun():
+@pytest.mark.parametrize("memory", ["anon", "memfd"])
+def test_checker_catches_a_missing_write_and_an_overrun(memory):
     case = Case("write", 4096)
-    chk = Checker(case, 7)
+    chk = Checker(case, 7, memory)
     assert chk.check(0) == (1, True)      # nothing landed: poison is not data
     chk.buf[: case.nbytes] = chk.expected
     chk.buf[case.nbytes + GUARD_BYTES - 1] = 0
     assert chk.check(1) == (0, False)
     chk.buf[: case.nbytes] = chk.expected
     assert chk.check(2) == (0, True)      # the guard was restored
+    chk.close()
+    with pytest.raises(InvalidArgumentError):
+        Checker(case, 7, "tmpfs")
 
 
 # -- lat beside the floor ------------------------------------------------------------------

@@ -18,13 +18,23 @@ def test_address_round_trip(prov, ns):
     assert wire.Address.decode(a.encode()) == a
 
 
-@given(providers, st.integers(0, 2**63), st.integers(0, 2**63), st.booleans(), st.booleans(), st.booleans(),
-       st.binary(min_size=8, max_size=8), st.data())
-def test_descriptor_round_trip(prov, base, nbytes, virt, raw, dev, owner, data):
+host_shares = st.builds(wire.HostShare, st.integers(1, 2**31 - 1), st.integers(0, 2**31 - 1),
+                        st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**62))
+
+
+@given(providers, st.integers(0, 2**63), st.integers(0, 2**62), st.booleans(), st.booleans(), st.booleans(),
+       st.binary(min_size=8, max_size=8), st.one_of(st.none(), host_shares), st.data())
+def test_descriptor_round_trip(prov, base, nbytes, virt, raw, dev, owner, share, data):
     key = st.binary(min_size=1, max_size=64) if raw else st.binary(min_size=8, max_size=8)
     keys = tuple(data.draw(st.lists(key, min_size=1, max_size=6)))
-    d = wire.Descriptor(prov, base, nbytes, keys, virt, raw, dev, owner)
-    assert wire.Descriptor.decode(d.encode()) == d
+    d = wire.Descriptor(prov, base, nbytes, keys, virt, raw, dev, owner, share)
+    blob = d.encode()
+    assert wire.Descriptor.decode(blob) == d
+    # version 1 wherever it suffices: what older peers read, byte for byte
+    assert blob[3] == (1 if share is None else 2)
+    if share is not None:
+        assert blob[:3] + bytes([1, blob[4] & ~wire.FLAG_HOST_SHARE]) + blob[5:-32] == \
+            wire.Descriptor(prov, base, nbytes, keys, virt, raw, dev, owner).encode()
 
 
 @settings(max_examples=300)
@@ -48,9 +58,41 @@ def test_every_truncation_and_extension_is_refused(data):
         wire.Descriptor.decode(d + data.draw(st.binary(min_size=1, max_size=5)))
 
 
+@settings(max_examples=200)
+@given(st.data())
+def test_every_truncation_and_extension_of_a_host_share_is_refused(data):
+    d = wire.Descriptor("shm", 4096, 8192, (b"k" * 8,), True, owner=b"o" * 8,
+                        host_share=wire.HostShare(1234, 7, 1, 99, 4096)).encode()
+    cut = data.draw(st.integers(0, len(d) - 1))
+    with pytest.raises(DescriptorError):
+        wire.Descriptor.decode(d[:cut])
+    with pytest.raises(DescriptorError):
+        wire.Descriptor.decode(d + data.draw(st.binary(min_size=1, max_size=5)))
+
+
+def test_host_share_is_checked():
+    share = wire.HostShare(1234, 7, 1, 99, 4096)
+    d = bytearray(wire.Descriptor("shm", 1, 2, (b"k" * 8,), host_share=share).encode())
+    assert d[3] == 2 and d[4] & wire.FLAG_HOST_SHARE
+    d[3] = 1                              # the flag does not exist in version 1
+    with pytest.raises(DescriptorError, match="flags"):
+        wire.Descriptor.decode(bytes(d))
+    d[3] = 2
+    for at, bad in ((-32, 0), (-28, 0xFF)):   # pid 0; fd beyond 2**31
+        e = bytearray(d)
+        e[at:at + 4] = bytes([bad]) * 4
+        with pytest.raises(DescriptorError, match="host share"):
+            wire.Descriptor.decode(bytes(e))
+    far = wire.Descriptor("shm", 1, 2**62, (b"k" * 8,), host_share=wire.HostShare(1, 7, 1, 99, 2**62 + 1))
+    with pytest.raises(InvalidArgumentError):          # its end lies past any file offset (2**63)
+        far.encode()
+    with pytest.raises(InvalidArgumentError):
+        wire.Descriptor("shm", 1, 2, (b"k" * 8,), host_share=wire.HostShare(0, 7, 1, 99, 0)).encode()
+
+
 def test_version_and_flags_are_checked():
     d = bytearray(wire.Descriptor("shm", 1, 2, (b"k" * 8,)).encode())
-    d[3] = 2
+    d[3] = 3
     with pytest.raises(DescriptorError, match="version"):
         wire.Descriptor.decode(bytes(d))
     d[3] = 1
