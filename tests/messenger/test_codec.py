@@ -3,7 +3,6 @@ random or mutated bytes never raise anything but kvxfer's errors."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,32 +11,9 @@ from kvxfer.errors import DescriptorError, KvxferError
 from kvxfer.layout import KVLayout, Sharding
 from kvxfer.messenger import _codec as C
 
+from _strategies import controls  # tests/ is on sys.path (tests/conftest.py)
+
 SECRET = b"0123456789abcdef-shared"
-
-u32 = st.integers(0, 2**32 - 1)
-u64 = st.integers(0, 2**64 - 1)
-rids = st.one_of(st.text(max_size=40), st.binary(max_size=60), st.integers(-2**200, 2**200))
-
-
-@st.composite
-def controls(draw):
-    t = draw(st.sampled_from(sorted(C.MSG_TYPES)))
-    kw = {}
-    if t == C.HELLO:
-        kw["blob"] = draw(st.binary(min_size=1, max_size=200))
-    elif t == C.REQUEST:
-        kw.update(imm=draw(u32), num_tokens=draw(u64), slot=draw(st.integers(-2**31, 2**31 - 1)),
-                  request_id=draw(rids),
-                  pages=np.array(draw(st.lists(u32, max_size=50)), np.int64))
-    elif t == C.ANNOUNCE:
-        kw.update(imm=draw(u32), count=draw(u64))
-    elif t == C.ABORT:
-        kw.update(imm=draw(u32))
-    elif t == C.ABORTED:
-        kw.update(imm=draw(u32), count=draw(u64), flags=draw(st.integers(0, 3)))
-    elif t == C.REJECT:
-        kw.update(imm=draw(u32), reason=draw(st.text(max_size=100)))
-    return C.Control(t, draw(u64), draw(u64), draw(u64), **kw)
 
 
 @given(controls(), st.booleans())

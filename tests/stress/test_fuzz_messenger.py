@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kvxfer
+import _strategies
 from conftest import STRESS
 from kvxfer import KVLayout, Sharding, errors
 from kvxfer.messenger import (
@@ -161,24 +162,12 @@ def _mutations(blob: bytes, extra: int = 300):
     )
 
 
-@st.composite
-def controls(draw, src=u64, dst=u64, hello_blob=st.binary(min_size=1, max_size=200)):
-    t = draw(st.sampled_from(sorted(C.MSG_TYPES)))
-    kw = {}
-    if t == C.HELLO:
-        kw["blob"] = draw(hello_blob)
-    elif t == C.REQUEST:
-        kw.update(imm=draw(u32), num_tokens=draw(u64), slot=draw(st.integers(-2**31, 2**31 - 1)),
-                  request_id=draw(rids), pages=np.array(draw(st.lists(u32, max_size=50)), np.int64))
-    elif t == C.ANNOUNCE:
-        kw.update(imm=draw(u32), count=draw(u64))
-    elif t == C.ABORT:
-        kw.update(imm=draw(u32))
-    elif t == C.ABORTED:
-        kw.update(imm=draw(u32), count=draw(u64), flags=draw(st.integers(0, 3)))
-    elif t == C.REJECT:
-        kw.update(imm=draw(u32), reason=draw(st.one_of(st.text(max_size=100), st.text(min_size=1020, max_size=1030))))
-    return C.Control(t, draw(src), draw(dst), draw(u64), **kw)
+def controls(**kw):
+    """_strategies.controls with this file's request ids (surrogates too) and REJECT reasons
+    long enough to be cut at 1 KiB."""
+    kw.setdefault("request_ids", rids)
+    kw.setdefault("reasons", st.one_of(st.text(max_size=100), st.text(min_size=1020, max_size=1030)))
+    return _strategies.controls(**kw)
 
 
 def _as_sent(m: C.Control) -> C.Control:
