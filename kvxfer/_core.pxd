@@ -53,6 +53,8 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     ctypedef struct kx_rail_stats:
         uint64_t writes_posted
         uint64_t direct_writes
+        uint64_t bell_rings
+        uint64_t bell_wakes
         uint64_t errors
         int64_t outstanding
 

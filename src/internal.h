@@ -209,6 +209,11 @@ struct kx_rail {
     uint64_t stat_rx_err;  /* error completions not tied to a transfer */
     uint64_t stat_writes;  /* messages posted */
     uint64_t stat_direct;  /* messages copied through a direct mapping (direct.c) */
+    uint64_t stat_bell_rings;  /* posts of ours that woke a sleeping peer through its bell */
+    uint64_t stat_bell_wakes;  /* sleeps of our progress thread that a peer's ring ended */
+
+    struct kx_bell *bell;  /* shm: our doorbell (bell.c), NULL without one */
+    char *bell_path;
 };
 
 static inline int64_t kx_now_ns(void)
@@ -298,6 +303,7 @@ typedef struct kx_peer {
     pid_t pid;            /* shm, another process: its pid (0: none) */
     volatile int *lockw;  /* shm, another process: its region's spin lock (NULL: unknown layout; written only by kx_peers_unstick) */
     void *map;            /* the page lockw lies in (our own mapping of it) */
+    struct kx_bell *bell; /* shm: the peer's doorbell, rung after each post (bell.c); NULL: none */
 } kx_peer;
 
 int kx_local_publish(kx_rail *r);
@@ -323,6 +329,23 @@ int kx_local_still_deferred(kx_rail *r, int freeing);
 int kx_local_deferred_done(kx_rail *r);
 void kx_rail_finish_deferred(kx_rail *r);
 void kx_transfer_fail_locked(kx_rail *r, kx_transfer *x, int err);
+
+/* ---- bell.c ---------------------------------------------------------------------- */
+typedef struct kx_bell {
+    uint32_t magic;        /* KX_BELL_MAGIC once the owner set it up */
+    int32_t pid;           /* the owner's process */
+    uint32_t seq;          /* the futex word: every wake bumps it */
+    uint32_t sleeping;     /* the owner's progress thread is (about to be) waiting on seq */
+} kx_bell;
+
+void kx_bell_create(kx_rail *r);
+void kx_bell_remove(kx_rail *r);
+void kx_bell_free(kx_rail *r);
+kx_bell *kx_bell_open(const void *name, size_t len, pid_t pid);
+void kx_bell_close(kx_bell *b);
+int kx_bell_ring(kx_bell *b);
+void kx_bell_poke(kx_bell *b);
+void kx_bell_sleep(kx_rail *r, int64_t ns, int (*look)(kx_rail *));
 
 /* ---- direct.c -------------------------------------------------------------------- */
 void kx_direct_ref(kx_direct *d);    /* NULL: nothing */

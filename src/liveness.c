@@ -471,7 +471,9 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     if (!r->pdir || fa >= (fi_addr_t)KX_PEER_CHUNK * KX_PEER_CHUNKS)
         return 0;           /* not a small table index: untracked (never with FI_AV_TABLE) */
     kx_local *local = kx_local_find(name, len);
-    pid_t pid = local ? 0 : kx_shm_pid(r->info->fabric_attr->prov_name, name, len);
+    pid_t owner = kx_shm_pid(r->info->fabric_attr->prov_name, name, len);
+    pid_t pid = local ? 0 : owner;
+    kx_bell *bell = owner > 0 ? kx_bell_open(name, len, owner) : NULL;   /* shm: its doorbell */
     int fd = -1, dead = 0;
     if (pid > 0 && pid != getpid()) {
         fd = (int)syscall(SYS_pidfd_open, pid, 0);
@@ -488,6 +490,7 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
                 kx_local_unref(local);
             if (fd >= 0)
                 close(fd);
+            kx_bell_close(bell);
             return -FI_ENOMEM;
         }
         __atomic_store_n(slot, c, __ATOMIC_RELEASE);
@@ -496,6 +499,8 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     kx_local *old = p->used ? p->local : NULL;
     int oldfd = p->used ? p->pidfd : -1;
     void *oldmap = p->used ? p->map : NULL;
+    kx_bell *oldbell = p->used ? p->bell : NULL;
+    p->bell = bell;
     p->dead = dead;
     p->pidfd = fd;
     p->pid = fd >= 0 ? pid : 0;
@@ -516,6 +521,7 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     if (oldfd >= 0)
         close(oldfd);
     kx_shm_lock_unmap(oldmap);
+    kx_bell_close(oldbell);
     if (local)
         kx_local_link(r, local);
     return 0;
@@ -529,10 +535,13 @@ void kx_peer_forget(kx_rail *r, fi_addr_t fa)
     kx_local *c = NULL;
     int fd = -1;
     void *map = NULL;
+    kx_bell *bell = NULL;
     if (p) {
         c = p->local;
         fd = p->pidfd;
         map = p->map;
+        bell = p->bell;
+        p->bell = NULL;
         __atomic_store_n(&p->used, 0, __ATOMIC_RELEASE);
         p->local = NULL;
         p->pidfd = -1;
@@ -548,6 +557,7 @@ void kx_peer_forget(kx_rail *r, fi_addr_t fa)
     if (fd >= 0)
         close(fd);
     kx_shm_lock_unmap(map);
+    kx_bell_close(bell);
 }
 
 static int kx_pidfd_exited(int fd)
@@ -653,6 +663,8 @@ void kx_peer_accepted(kx_rail *r, fi_addr_t fa)
     kx_peer *p = kx_peer_get(r, fa);
     if (p && __atomic_load_n(&p->refused_ns, __ATOMIC_RELAXED))
         __atomic_store_n(&p->refused_ns, 0, __ATOMIC_RELEASE);
+    if (p && p->bell && kx_bell_ring(p->bell))      /* it sleeps: wake it to read our post */
+        __atomic_add_fetch(&r->stat_bell_rings, 1, __ATOMIC_RELAXED);
 }
 
 int kx_is_peer_errno(int err)
@@ -751,8 +763,10 @@ void kx_peers_free(kx_rail *r)
                 kx_local_unref(c[i].local);
             if (c[i].used && c[i].pidfd >= 0)
                 close(c[i].pidfd);
-            if (c[i].used)
+            if (c[i].used) {
                 kx_shm_lock_unmap(c[i].map);
+                kx_bell_close(c[i].bell);
+            }
         }
         free(c);
     }

@@ -94,6 +94,7 @@ void kx_wake(kx_rail *r)
             fi_cq_signal(r->cq);
             kx_leave(r);
         }
+        kx_bell_poke(r->bell);
         pthread_mutex_lock(&r->hub->lock);
         pthread_cond_broadcast(&r->hub->cond);
         pthread_mutex_unlock(&r->hub->lock);
@@ -350,6 +351,18 @@ static void kx_park(kx_rail *r)
     __atomic_store_n(&r->yielded, 0, __ATOMIC_SEQ_CST);
 }
 
+/* the bell's last look before sleeping: anything to do now? (bell.c) */
+static int kx_look_again(kx_rail *r)
+{
+    int n = 0;
+    if (kx_poll_try(r)) {
+        n = kx_progress_once(r);
+        kx_poll_done(r);
+    }
+    return n + (r->q_head != NULL) + __atomic_load_n(&r->drivers, __ATOMIC_SEQ_CST)
+           + __atomic_load_n(&r->awake, __ATOMIC_SEQ_CST);
+}
+
 void *kx_progress_main(void *arg)
 {
     kx_rail *r = (kx_rail *)arg;
@@ -428,6 +441,14 @@ void *kx_progress_main(void *arg)
         }
         if (outstanding > 0 && quiet < KX_STALL_NS) {
             __atomic_store_n(&r->sleeping, 0, __ATOMIC_SEQ_CST);
+            continue;
+        }
+        if (r->bell) {
+            /* shm: sleep on our doorbell, which writers of other processes ring (bell.c);
+             * this process's posters poke it through kx_wake */
+            kx_bell_sleep(r, backoff, kx_look_again);
+            __atomic_store_n(&r->sleeping, 0, __ATOMIC_RELEASE);
+            backoff = backoff * 2 > KX_MAX_BACKOFF_NS ? KX_MAX_BACKOFF_NS : backoff * 2;
             continue;
         }
         struct timespec ts;

@@ -177,6 +177,7 @@ int kx_rail_open(const char *prov, const char *node, const char *domain, int hme
         return ret;
     }
     r->shm = r->info && strcmp(r->info->fabric_attr->prov_name, "shm") == 0;
+    kx_bell_create(r);      /* shm: writers wake our progress thread (bell.c); none is fine */
     *out = r;
     return 0;
 }
@@ -229,6 +230,7 @@ void kx_rail_quiesce(kx_rail *r)
         return;
     r->quiesced = 1;
     kx_local_retire(r);      /* rails of this process stop posting to us first */
+    kx_bell_remove(r);       /* and no new writer finds our bell */
     __atomic_store_n(&r->stop, 1, __ATOMIC_SEQ_CST);
     int64_t until = kx_now_ns() + 5000000000LL;
     for (;;) {      /* a late kx_enter may bump busy briefly and back off: not a leak */
@@ -247,6 +249,7 @@ void kx_rail_quiesce(kx_rail *r)
     }
     if (r->has_wait && r->cq)
         fi_cq_signal(r->cq);
+    kx_bell_poke(r->bell);
     pthread_mutex_lock(&r->hub->lock);
     pthread_cond_broadcast(&r->hub->cond);
     pthread_mutex_unlock(&r->hub->lock);
@@ -348,6 +351,7 @@ void kx_rail_finish_deferred(kx_rail *r)
     if (what)
         kx_rail_close_domain_fids(r);
     if (what == 2) {
+        kx_bell_free(r);
         kx_hub_unref(r->hub);
         free(r);
     }
@@ -389,6 +393,7 @@ void kx_rail_free(kx_rail *r)
         return;
     if (r->pdir)      /* a rail that failed to open before its endpoint existed */
         kx_peers_free(r);
+    kx_bell_free(r);
     kx_hub_unref(r->hub);
     free(r);
 }
@@ -415,6 +420,8 @@ void kx_rail_get_stats(const kx_rail *r, kx_rail_stats *out)
 {
     out->writes_posted = __atomic_load_n(&r->stat_writes, __ATOMIC_RELAXED);
     out->direct_writes = __atomic_load_n(&r->stat_direct, __ATOMIC_RELAXED);
+    out->bell_rings = __atomic_load_n(&r->stat_bell_rings, __ATOMIC_RELAXED);
+    out->bell_wakes = __atomic_load_n(&r->stat_bell_wakes, __ATOMIC_RELAXED);
     out->errors = __atomic_load_n(&r->stat_rx_err, __ATOMIC_RELAXED);
     out->outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_RELAXED);
 }

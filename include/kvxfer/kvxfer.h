@@ -53,6 +53,8 @@ typedef struct kx_rail_info {
 typedef struct kx_rail_stats {
     uint64_t writes_posted;
     uint64_t direct_writes;  /* messages whose bytes were copied through a direct mapping */
+    uint64_t bell_rings;   /* shm: posts that woke a sleeping peer through its doorbell */
+    uint64_t bell_wakes;   /* shm: sleeps of this rail's progress thread that a peer's ring ended */
     uint64_t errors;       /* error completions not tied to a transfer */
     int64_t outstanding;   /* operations posted and not completed */
 } kx_rail_stats;

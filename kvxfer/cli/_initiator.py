@@ -49,8 +49,10 @@ class Initiator:
 
     # -- bw ------------------------------------------------------------------------------
     def bw(self, case: Case, seed: int, *, warmup: int, iters: Optional[int], budget: float,
-           min_iters: int, max_iters: int, progress: Callable[[int, int], None], memory: str = "anon") -> CaseResult:
-        """One case, timed and checked; ``memory``: the target's buffer (``_cases.TARGET_MEMORY``)."""
+           min_iters: int, max_iters: int, progress: Callable[[int, int], None], memory: str = "anon", target_wait: str = "block") -> CaseResult:
+        """One case, timed and checked; ``memory``: the target's buffer (``_cases.TARGET_MEMORY``);
+        ``target_wait``: "hot" keeps the target's progress threads polling while its writes
+        are due (``Engine.hold_awake``), "block" lets them sleep in their back-off."""
         if case.kind == "memmove":
             return memmove(case, seed, warmup=warmup, iters=iters, budget=budget, min_iters=min_iters,
                             max_iters=max_iters, progress=progress)
@@ -61,7 +63,8 @@ class Initiator:
         base = self.next_imm
         with eng.register(src) as mr:
             ch.send("bw", case=case.spec, seed=seed, warmup=warmup, imm_base=base, iov=eng.iov,
-                    max_write=eng.max_write, pack_min=eng.pack_min, rails=eng.rails, timeout=timeout, memory=memory)
+                    max_write=eng.max_write, pack_min=eng.pack_min, rails=eng.rails, timeout=timeout, memory=memory,
+                    target_wait=target_wait)
             rr = eng.remote(bytes.fromhex(ch.recv("desc", timeout)["desc"]))
             res.direct = rr.direct
             src_pages = np.arange(case.pages, dtype=np.int64)

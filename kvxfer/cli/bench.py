@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target's destination buffer: memfd (a host KVBuffer, as kvxfer's KV buffers are; "
                          "on shm kvxfer then writes directly unless KVXFER_SHM_DIRECT=0) or anon (numpy memory); "
                          "--vs peers get the same (default: memfd)")
+    bw.add_argument("--target-wait", choices=("block", "hot"), default="block",
+                    help="how kvxfer's target waits for a case's writes: block (its progress threads sleep "
+                         "when idle, the library's default) or hot (they poll, yielding, while writes are due: "
+                         "Engine.hold_awake, as the NIXL target polls its notifications) (default: block)")
     bw.add_argument("--vs", action="append", choices=("nixl",), metavar="PEER",
                     help="also run the cases through PEER (nixl: NIXL's UCX backend, `pip install nixl`) in the "
                          "same run, same checks and timing, and print kvxfer/PEER ratios (local runs only)")
@@ -471,7 +475,8 @@ def run_bw(args: argparse.Namespace) -> int:
             label = f"{run.provider} {case.label}"
             res = run.ini.bw(case, args.seed + i, warmup=warmup, iters=args.iters, budget=args.seconds,
                              min_iters=args.min_iters, max_iters=args.max_iters,
-                             progress=lambda d, n, label=label: bar.update(label, d, n), memory=args.target_memory)
+                             progress=lambda d, n, label=label: bar.update(label, d, n), memory=args.target_memory,
+                             target_wait=args.target_wait)
             s = res.summary()
             run.record["results"].append(s)
             if case.kind == "memmove" and memmove is None:

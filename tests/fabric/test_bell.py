@@ -1,0 +1,114 @@
+"""The shm doorbell (src/bell.c): a sleeping shm progress thread is woken by the process that
+writes to it, instead of finding the write at the end of its back-off. What must hold: the
+bell lives exactly as long as its engine, a write to a sleeping peer rings it (across
+processes and within one), an engine without a bell is still served, and a file at the
+bell's path that is not a bell is never rung."""
+
+import os
+import stat
+import time
+
+import numpy as np
+import pytest
+
+import kvxfer
+from _providers import available
+from _target import Target
+
+
+@pytest.fixture
+def shm():
+    if not available("shm"):
+        pytest.skip("provider shm is not available here")
+
+
+def _bell_path(eng: kvxfer.Engine) -> str:
+    name = eng._rails[0].getname().rstrip(b"\0").decode()
+    assert name.startswith("fi_shm://")
+    return f"/dev/shm/{name[len('fi_shm://'):]}.kxbell"
+
+
+def _idle_writes(eng, peer, src_mr, dst, expect, wait, n=5):
+    """n 4 KiB writes, each after the target has idled long enough to sleep in its back-off."""
+    for i in range(n):
+        time.sleep(0.02)
+        expect(500 + i, 1)
+        t = eng.write(src_mr, 4096 * i, peer, dst, 4096 * i, 4096, imm=500 + i)
+        t.wait(20)
+        wait(500 + i)
+
+
+def test_bell_lives_with_its_engine(shm):
+    with kvxfer.Engine("shm", rails=2) as eng:
+        paths = [f"/dev/shm/{r.getname().rstrip(b'\0').decode()[len('fi_shm://'):]}.kxbell" for r in eng._rails]
+        for p in paths:
+            st = os.stat(p)
+            assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid() and st.st_size == 4096
+    for p in paths:
+        assert not os.path.exists(p)
+
+
+def test_write_rings_a_sleeping_peer_in_another_process(shm):
+    src = np.random.default_rng(3).integers(0, 256, 5 * 4096, dtype=np.uint8)
+    with Target("shm", 5 * 4096) as tgt, kvxfer.Engine("shm") as eng:
+        mr = eng.register(src)
+        peer, dst = eng.connect(tgt.address), eng.remote(tgt.descriptor)
+        _idle_writes(eng, peer, mr, dst, tgt.expect, lambda imm: tgt.wait(imm))
+        assert np.array_equal(tgt.memory(), src)
+        assert eng.stats()["bell_rings"] >= 1
+        assert tgt.call("stats")["bell_wakes"] >= 1
+
+
+def test_write_rings_a_sleeping_peer_in_this_process(shm):
+    src = np.arange(5 * 4096, dtype=np.uint32).view(np.uint8)[: 5 * 4096].copy()
+    buf = np.zeros(5 * 4096, np.uint8)
+    with kvxfer.Engine("shm") as a, kvxfer.Engine("shm") as b:
+        smr, dmr = a.register(src), b.register(buf)
+        peer, dst = a.connect(b.address), a.remote(dmr.descriptor())
+        counters = {}
+        _idle_writes(a, peer, smr, dst, lambda imm, n: counters.__setitem__(imm, b.expect(imm, n)),
+                     lambda imm: counters.pop(imm).wait(20))
+        assert np.array_equal(buf, src)
+        assert a.stats()["bell_rings"] >= 1 and b.stats()["bell_wakes"] >= 1
+
+
+def test_peer_without_a_bell_is_served_by_the_back_off(shm, monkeypatch):
+    monkeypatch.setenv("KVXFER_SHM_BELL", "0")
+    src = np.full(5 * 4096, 7, np.uint8)
+    with Target("shm", 5 * 4096) as tgt:
+        monkeypatch.delenv("KVXFER_SHM_BELL")
+        with kvxfer.Engine("shm") as eng:
+            mr = eng.register(src)
+            peer, dst = eng.connect(tgt.address), eng.remote(tgt.descriptor)
+            _idle_writes(eng, peer, mr, dst, tgt.expect, lambda imm: tgt.wait(imm))
+            assert np.array_equal(tgt.memory(), src)
+            assert eng.stats()["bell_rings"] == 0
+            assert tgt.call("stats")["bell_wakes"] == 0
+
+
+@pytest.mark.parametrize("content", [b"\0" * 4096, b"bell" + b"\xff" * 4092, b"short"])
+def test_a_file_that_is_not_a_bell_is_never_rung(shm, monkeypatch, content):
+    """Someone else's file at a bell's path (here: an engine without a bell, and a file put
+    there): the writer must not map it, let alone write into it."""
+    monkeypatch.setenv("KVXFER_SHM_BELL", "0")
+    with kvxfer.Engine("shm") as b:
+        monkeypatch.delenv("KVXFER_SHM_BELL")
+        path = _bell_path(b)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.write(fd, content)
+            buf = np.zeros(5 * 4096, np.uint8)
+            src = np.full(5 * 4096, 9, np.uint8)
+            with kvxfer.Engine("shm") as a:
+                smr, dmr = a.register(src), b.register(buf)
+                peer, dst = a.connect(b.address), a.remote(dmr.descriptor())
+                counters = {}
+                _idle_writes(a, peer, smr, dst, lambda imm, n: counters.__setitem__(imm, b.expect(imm, n)),
+                             lambda imm: counters.pop(imm).wait(20))
+                assert np.array_equal(buf, src)
+                assert a.stats()["bell_rings"] == 0
+            os.lseek(fd, 0, os.SEEK_SET)
+            assert os.read(fd, 8192) == content           # not a byte changed
+        finally:
+            os.close(fd)
+            os.unlink(path)
