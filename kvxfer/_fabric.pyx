@@ -416,13 +416,14 @@ cdef class Rail:
     def write_groups(self, fi_addr_t peer, list regions, const uint64_t[::1] dst_base, const uint64_t[::1] key,
                      list directs, const int64_t[::1] pair, const uint64_t[::1] src_off,
                      const uint64_t[::1] dst_off, const uint64_t[::1] length, const int64_t[::1] starts, imm,
-                     size_t iov, uint64_t max_write, uint64_t pack_min):
+                     size_t iov, uint64_t max_write, const uint64_t[::1] pack_min):
         """Post many groups to one peer in one GIL-free loop. Group g writes triples
         ``[starts[g], starts[g+1])`` from ``regions[pair[g]]`` (a RegionHandle of this rail,
         whose ``ptr`` is the source base) to the peer's region at ``dst_base[pair[g]]`` with
         ``key[pair[g]]``, directly where ``directs[pair[g]]`` is a DirectMap: one ``kx_write``
-        (one native transfer, the message rule on its own) per group. The caller validated
-        every offset (kvxfer.engine.Engine.write_pairs)."""
+        (one native transfer, the message rule on its own, with rule 3's bound
+        ``pack_min[pair[g]]``: 0 into a region with a host share) per group. The caller
+        validated every offset (kvxfer.engine.Engine.write_pairs)."""
         cdef kx_rail *r = self._rail()
         cdef Py_ssize_t ng = pair.shape[0], npairs = len(regions), g, p
         cdef int has_imm = imm is not None
@@ -430,7 +431,8 @@ cdef class Rail:
         cdef int ret = 0
         cdef Py_ssize_t posted = 0
         cdef RegionHandle m
-        if starts.shape[0] != ng + 1 or dst_base.shape[0] < npairs or key.shape[0] < npairs or len(directs) < npairs:
+        if (starts.shape[0] != ng + 1 or dst_base.shape[0] < npairs or key.shape[0] < npairs or len(directs) < npairs
+                or pack_min.shape[0] < npairs):
             raise InvalidArgumentError("write_groups: group tables differ in length")
         if ng and (starts[0] < 0 or starts[ng] > length.shape[0] or src_off.shape[0] < starts[ng]
                    or dst_off.shape[0] < starts[ng]):
@@ -469,7 +471,7 @@ cdef class Rail:
                     ret = kx_write(r, peer, bases[g], descs[g], dst_base[p], key[p], dmaps[p],
                                    &src_off[0] + starts[g], &dst_off[0] + starts[g], &length[0] + starts[g],
                                    <size_t>(starts[g + 1] - starts[g]), has_imm, imm_value, iov, max_write,
-                                   pack_min, &t.xs[g])
+                                   pack_min[p], &t.xs[g])
                     if ret:
                         break
                     posted += 1

@@ -297,7 +297,12 @@ class MemoryRegion:
         base = self.ptr if virt else 0
         if raw and handles[0].raw_base:      # what fi_mr_map_raw at the peer expects
             base = int(handles[0].raw_base)
-        share = _maps.refresh(self._host_share) if self._host_share is not None else None
+        # a share whose memfd this process no longer holds open stays in the descriptor (the
+        # peer's checks refuse to map it, so it writes over RMA): whether a descriptor carries
+        # a host share is a fact of the region, fixed at registration, and so is its count
+        share = self._host_share
+        if share is not None:
+            share = _maps.refresh(share) or share
         return wire.Descriptor(
             owner=wire.owner_digest(self.engine.address),
             provider=self.engine.provider,
@@ -309,6 +314,14 @@ class MemoryRegion:
             device=self.device != "cpu",
             host_share=share,
         ).encode()
+
+    @property
+    def host_share(self) -> Optional[wire.HostShare]:
+        """The host share every descriptor of it carries (found at registration; each
+        ``descriptor()`` names an fd of the memfd open at that moment, if any is), or None.
+        Writes into a region with one are counted without rule 3 (``pack_min`` 0):
+        ``Engine.count_writes(..., region=self)``."""
+        return self._host_share
 
     def _live(self) -> list:
         if self.closed:
@@ -354,7 +367,9 @@ class RemoteRegion:
 
     ``direct``: writes from host memory go as direct writes, through this process's own
     mapping of the peer's memfd (a ``_fabric.DirectMap``, held here and by every native
-    transfer still posting through it; unmapped once none does)."""
+    transfer still posting through it; unmapped once none does). ``host_share``: the
+    descriptor's; with one, rule 3 of the message rule does not apply to writes into the
+    region (``pack_min`` 0), on every path (direct or RMA)."""
 
     def __init__(self, engine: "Engine", desc: wire.Descriptor, keys: tuple, direct: Any = None) -> None:
         self.engine = engine
@@ -363,6 +378,13 @@ class RemoteRegion:
         self.base = desc.base
         self.keys = keys          # per local rail: the key of the remote rail it talks to
         self._direct = direct
+        #: rule 3's bound for writes into this region (Engine._pack_min)
+        self._pack_min = engine._pack_min(desc.host_share)
+
+    @property
+    def host_share(self) -> Optional[wire.HostShare]:
+        """The host share its descriptor carries, or None (whether or not this engine maps it)."""
+        return self.descriptor.host_share
 
     @property
     def key(self) -> int:
@@ -387,7 +409,8 @@ class RegionPairs:
     ``Engine.region_pairs``; ``Engine.write_pairs`` posts groups over them. Holds its regions
     (and so their buffers) alive; a region closed since is refused when posting."""
 
-    __slots__ = ("engine", "peer", "pairs", "src_sizes", "dst_sizes", "handles", "dst_base", "keys", "directs")
+    __slots__ = ("engine", "peer", "pairs", "src_sizes", "dst_sizes", "handles", "dst_base", "keys", "directs",
+                 "pack_mins")
 
     def __init__(self, engine: "Engine", peer: Peer, pairs: list) -> None:
         self.engine = engine
@@ -403,6 +426,8 @@ class RegionPairs:
         self.keys = [np.fromiter([d.keys[k] for _, d in pairs], np.uint64, n) for k in range(rails)]
         #: per pair: the destination's direct mapping for this source, or None (RMA)
         self.directs = [d._direct_from(s) for s, d in pairs]
+        #: per pair: rule 3's bound for writes into its destination (0 with a host share)
+        self.pack_mins = np.fromiter([d._pack_min for _, d in pairs], np.uint64, n)
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -626,7 +651,7 @@ class Watcher:
         h = self._h.arm(threshold, int(tag), r, peer.fi_addrs[rail], src.ptr, handles[rail], dst.base, dst.keys[rail],
                         dst._direct_from(src), np.ascontiguousarray(so, np.uint64),
                         np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), imm, eng.iov,
-                        eng.max_write, eng.pack_min)
+                        eng.max_write, dst._pack_min)
         return WatchEntry(h, src, int(ln.sum()) if len(ln) else 0, imm, int(tag))
 
     def arm_groups(self, thresholds, src: "MemoryRegion", peer: "Peer", dst: "RemoteRegion", src_offsets,
@@ -662,7 +687,7 @@ class Watcher:
                                 src.ptr, handles[rail], dst.base, dst.keys[rail], dst._direct_from(src),
                                 np.ascontiguousarray(so, np.uint64),
                                 np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), st, imm,
-                                eng.iov, eng.max_write, eng.pack_min)
+                                eng.iov, eng.max_write, dst._pack_min)
         cs = np.concatenate([[0], np.cumsum(ln, dtype=np.uint64)]).astype(np.uint64)
         sums = (cs[st[1:]] - cs[st[:-1]]).tolist()
         return [WatchEntry(h, src, int(sums[g]), imm, int(tag)) for g, h in enumerate(hs)]
@@ -698,7 +723,8 @@ class Engine:
     register GPU memory), ``iov`` (pieces per RMA message, at most the provider's limit),
     ``max_write`` (bytes per RMA message; larger writes are split), ``pack_min`` (pieces
     shorter than this travel one per message; default: what the provider can inject, since
-    an injected small write beats a packed copy on shm). ``nics``: libfabric domain names,
+    an injected small write beats a packed copy on shm; never for a region whose descriptor
+    carries a host share, see ``direct``). ``nics``: libfabric domain names,
     one rail (endpoint, progress thread) each, over which paged writes are striped;
     ``placement``: a ``kvxfer.Placement`` from ``Topology.assign``, giving NICs and CPUs;
     ``rails``: without ``nics``, open this many endpoints on the provider's default domain
@@ -713,7 +739,10 @@ class Engine:
     offered to peers as host shares, and writes from host memory into a peer's such region
     go as direct writes: this process maps the peer's memfd range itself and copies with
     memcpy, then posts a 0-byte write carrying the imm per message (src/direct.c), instead of
-    the kernel's cross-process copy. shm peers are the same user on the same host and
+    the kernel's cross-process copy. Rule 3 (``pack_min``) does not apply to writes into a
+    region whose descriptor carries a host share, on either path (direct, or RMA where this
+    engine does not map it), so the target counts them the same way whatever the sender
+    does: ``count_writes(..., region=)``. shm peers are the same user on the same host and
     already trusted with each other's memory (docs/architecture.md, "Known provider
     limits"); a peer that cannot be mapped (another namespace, no permission, an unsealed or
     stale memfd) is written over RMA, silently.
@@ -1070,7 +1099,7 @@ class Engine:
             if b > a or (i == 0 and len(ln) == 0):
                 per_rail.append(r.write(peer.fi_addrs[i], src.ptr, handles[i], dst.base, dst.keys[i],
                                         dst._direct_from(src), so[a:b], do[a:b], ln[a:b], imm, self.iov,
-                                        self.max_write, self.pack_min))
+                                        self.max_write, dst._pack_min))
         # what stays alive for the progress thread is owned natively: the triples are copied,
         # and each rail keeps its pending transfers' source registration (with the buffer)
         return Transfer(per_rail, int(ln.sum()) if len(ln) else 0, imm)
@@ -1094,7 +1123,7 @@ class Engine:
                 raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")
             h = self._rails[0].write_one(peer.fi_addrs[0], src.ptr, src._handles[0], dst.base, dst.keys[0],
                                          dst._direct_from(src), src_offset, dst_offset, nbytes, imm, self.iov,
-                                         self.max_write, self.pack_min)
+                                         self.max_write, dst._pack_min)
             return Transfer([h], nbytes, imm)
         # with several rails the range is cut into one equal part per rail (wire.split_write)
         so, do, ln = wire.split_write(src_offset, dst_offset, nbytes, len(self._rails))
@@ -1288,7 +1317,7 @@ class Engine:
             k = 0 if rail is None else rail
             sets = [self._rails[k].write_groups(peer.fi_addrs[k], pairs.handles[k], pairs.dst_base, pairs.keys[k],
                                                 pairs.directs, which, so, do, ln, starts, imm, self.iov, self.max_write,
-                                                self.pack_min)]
+                                                pairs.pack_mins)]
         else:
             sets = []
             for k in range(nr):
@@ -1304,7 +1333,7 @@ class Engine:
                 idx = np.repeat(starts[sel] + lo[sel] - st[:-1], lens) + np.arange(int(st[-1]))
                 sets.append(self._rails[k].write_groups(peer.fi_addrs[k], pairs.handles[k], pairs.dst_base,
                                                         pairs.keys[k], pairs.directs, which[sel], so[idx], do[idx],
-                                                        ln[idx], st, imm, self.iov, self.max_write, self.pack_min))
+                                                        ln[idx], st, imm, self.iov, self.max_write, pairs.pack_mins))
         return Transfer(sets, int(ln.sum()) if len(ln) else 0, imm)
 
     def nearest_rail(self, placement: Any) -> Optional[int]:
@@ -1317,10 +1346,37 @@ class Engine:
                 return doms.index(d)
         return None
 
-    def count_writes(self, src_offsets, dst_offsets, lengths) -> int:
-        """``wire.count_writes`` with this engine's ``iov``, ``max_write``, ``pack_min`` and rails."""
-        return wire.count_writes(src_offsets, dst_offsets, lengths, self.iov, self.max_write, self.pack_min,
+    def count_writes(self, src_offsets, dst_offsets, lengths, *,
+                     region: MemoryRegion | RemoteRegion) -> int:
+        """How many messages (= immediates at the target) ``write_batch`` of these triples into
+        ``region`` posts: ``wire.count_writes`` with this engine's ``iov``, ``max_write`` and
+        rails, and its ``pack_min``, or 0 where the region's descriptor carries a host share
+        (rule 3 does not apply to such a region, whichever path, direct or RMA, the sender
+        takes). ``region``: a ``RemoteRegion`` of this engine (the sender's side), or a
+        ``MemoryRegion`` of it that peers write into (the receiver's side: what a peer with
+        this engine's settings posts there). For ``write_pages`` pass its triples (see
+        ``wire.count_writes``); for ``write_groups``, add the counts of the groups."""
+        if isinstance(region, MemoryRegion):
+            if region.engine is not self:
+                raise InvalidArgumentError("region must be registered with this engine")
+            if not region.remote:
+                raise InvalidArgumentError("region was registered with remote=False: no peer writes into it")
+            pack_min = self._pack_min(region.host_share)
+        elif isinstance(region, RemoteRegion):
+            if region.engine is not self:
+                raise InvalidArgumentError("region must come from this engine's remote()")
+            pack_min = region._pack_min
+        else:
+            raise ArgumentTypeError(f"region must be a MemoryRegion or RemoteRegion, not {type(region).__name__}")
+        return wire.count_writes(src_offsets, dst_offsets, lengths, self.iov, self.max_write, pack_min,
                                  rails=len(self._rails))
+
+    def _pack_min(self, host_share: Optional[wire.HostShare]) -> int:
+        """Rule 3's bound for writes into a region whose descriptor carries ``host_share``:
+        none (0) with one, since a direct write's memcpy gains nothing from sending small
+        pieces alone (the RMA fallback packs them too, so the count never depends on the
+        path); ``pack_min`` otherwise."""
+        return 0 if host_share is not None else self.pack_min
 
     # -- counters ------------------------------------------------------------------------
     def expect(self, imm: int, count: int, callback: Optional[Callable[[Counter], Any]] = None) -> Counter:

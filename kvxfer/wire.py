@@ -270,7 +270,11 @@ def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int, pa
       2. segments are packed in order into messages of at most ``iov`` pieces and at most
          ``max_write`` bytes; a segment that does not fit is split at the message boundary;
       3. a piece shorter than ``pack_min`` bytes travels alone in its message.
-    ``iov``, ``max_write`` and ``pack_min`` are the engine's (``Engine.iov``, ...). With
+    ``iov``, ``max_write`` and ``pack_min`` are the sender engine's (``Engine.iov``, ...),
+    except that rule 3 never applies to a region whose descriptor carries a host share
+    (``Descriptor.host_share``, ``MemoryRegion.host_share``): count writes into one with
+    ``pack_min=0``, whether the sender writes directly or over RMA. With an engine at hand,
+    ``Engine.count_writes(..., region=)`` chooses for you. With
     several rails the triples are first cut by ``stripe_bounds`` and each chunk is counted
     on its own (rails never merge writes with each other).
     For ``write_pages`` the triples are ``(src_offset + src_pages*src_stride,

@@ -7,6 +7,9 @@
  *      `max_write` bytes; a segment that does not fit is split at the message boundary;
  *   3. alone: a piece shorter than `pack_min` bytes travels alone in its message (shm, for
  *      one, moves small messages through its inject path faster than a packed CMA copy).
+ *      The caller chooses `pack_min` per destination region: 0 (rule 3 off) for a region
+ *      whose descriptor carries a host share, on the direct path and on the RMA fallback
+ *      alike, so the count never depends on the path (kvxfer/engine.py, Engine._pack_min).
  * Each message is one fi_writemsg with `iov` local and `iov` remote pieces of equal
  * lengths, so one message gives exactly one remote CQ entry (one immediate). A direct write
  * (direct.c: the sender maps a shm peer's memfd region itself) walks the same messages: it

@@ -69,6 +69,10 @@ def _serve_bw(eng, ch: Channel, req: dict, alive) -> None:
     hot = req.get("target_wait", "block") == "hot"
     with Checker(case, seed, req.get("memory", "anon")) as chk, eng.register(chk.buf) as mr:
         ch.send("desc", desc=mr.descriptor().hex())
+        # the initiator's message rule, into this region: no rule 3 where its descriptor
+        # carries a host share (the initiator writes directly or, failing that, over RMA)
+        if mr.host_share is not None:
+            pack_min = 0
         total = int(req["warmup"])
         i = 0
         measuring = False

@@ -372,8 +372,8 @@ def _target(node: str, seed: int, timeout: float) -> int:
         sp, dp = page_map(seed)
         own = {
             IMM_PAGES: eng.count_writes((sp * PAGE).astype(np.uint64), (dp * PAGE).astype(np.uint64),
-                                        np.full(len(sp), PAGE, np.uint64)),
-            IMM_LARGE: eng.count_writes([LARGE_SRC_OFF], [LARGE_DST_OFF], [LARGE]),
+                                        np.full(len(sp), PAGE, np.uint64), region=mr),
+            IMM_LARGE: eng.count_writes([LARGE_SRC_OFF], [LARGE_DST_OFF], [LARGE], region=mr),
         }
         arrived = {}
         for imm, n in told.items():

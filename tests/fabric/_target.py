@@ -70,6 +70,9 @@ def _serve(conn, provider: str, nbytes: int, memory: str = "numpy", options: dic
             elif cmd == "fill":
                 buf[:] = args[0]
                 conn.send(("ok", None))
+            elif cmd == "count":          # the receiver's own count of writes into its region
+                so, do, ln = args
+                conn.send(("ok", eng.count_writes(so, do, ln, region=mr)))
             elif cmd == "banked":
                 conn.send(("ok", eng.banked(args[0])))
             elif cmd == "discard":

@@ -33,7 +33,10 @@ def test_bw_tiny_run_checks_data_and_writes_json(provider, tmp_path, capsys):
     assert paged["bytes"] == 64 * 4096 and paged["pages"] == 64
     # 64 scattered pages, at most iov per message: as many immediates as count_writes says
     iov = run["info"]["iov"]
-    assert -(-64 // iov) <= paged["writes"] <= 64
+    if provider == "shm":     # into a memfd (a host share) no page travels alone: packed, fewer where runs merge
+        assert 1 <= paged["writes"] <= -(-64 // iov)
+    else:
+        assert -(-64 // iov) <= paged["writes"] <= 64
     assert paged["post_per_page_s"] > 0 and paged["acked_p50_s"] > 0 and paged["local_p50_s"] > 0
     assert paged["timing"] == "target clock"
     # the target's buffer is a memfd by default: on shm, kvxfer writes into it directly

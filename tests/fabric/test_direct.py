@@ -1,6 +1,8 @@
 """Direct writes on shm (src/direct.c): into a region that is a memfd mapping, the sender maps
 the memfd itself, copies each message's bytes with memcpy and sends its imm as a 0-byte write.
-Same bytes, same counts and the same fence as over RMA; everything else stays on RMA."""
+Same bytes, same counts and the same fence as over RMA; everything else stays on RMA. Into a
+region whose descriptor carries a host share rule 3 (``pack_min``) does not apply, on the
+direct path and the RMA fallback alike, so the count is the region's and the triples' only."""
 
 import gc
 import os
@@ -104,9 +106,9 @@ def test_scattered_pages_land_directly(shm, page_bytes, npages):
         t = eng.write_pages(mr, src_pages, eng.connect(tgt.address), dst, dst_pages, page_bytes, imm=42)
         so = src_pages.astype(np.uint64) * page_bytes
         do = dst_pages.astype(np.uint64) * page_bytes
-        assert t.num_writes == eng.count_writes(so, do, np.full(npages, page_bytes, np.uint64))
-        per_msg = eng.iov if page_bytes >= eng.pack_min else 1     # the same message rule as RMA
-        assert t.num_writes == -(-(npages - 9) // per_msg)
+        ln = np.full(npages, page_bytes, np.uint64)
+        assert t.num_writes == eng.count_writes(so, do, ln, region=dst) == tgt.call("count", so, do, ln)
+        assert t.num_writes == -(-(npages - 9) // eng.iov)      # a host share: no piece travels alone
         tgt.expect(42, t.num_writes)
         t.wait(30)
         assert tgt.wait(42) == ("ok", t.num_writes)
@@ -123,10 +125,11 @@ def test_two_rails_write_directly(shm):
     perm = np.random.default_rng(5).permutation(npages)
     with Target("shm", page * npages, memory="memfd") as tgt, kvxfer.Engine("shm", rails=2) as eng:
         mr = eng.register(src)
-        t = eng.write_pages(mr, np.arange(npages), eng.connect(tgt.address), eng.remote(tgt.descriptor), perm, page,
-                            imm=8)
+        dst = eng.remote(tgt.descriptor)
+        t = eng.write_pages(mr, np.arange(npages), eng.connect(tgt.address), dst, perm, page, imm=8)
         so = np.arange(npages, dtype=np.uint64) * page
-        assert t.num_writes == eng.count_writes(so, perm.astype(np.uint64) * page, np.full(npages, page, np.uint64))
+        assert t.num_writes == eng.count_writes(so, perm.astype(np.uint64) * page, np.full(npages, page, np.uint64),
+                                                region=dst)
         tgt.expect(8, t.num_writes)
         t.wait(20)
         assert tgt.wait(8) == ("ok", t.num_writes)
@@ -185,11 +188,62 @@ def test_rma_where_no_direct(shm, monkeypatch, case):
             assert eng.info["direct"] == (case not in ("direct=False", "KVXFER_SHM_DIRECT=0"))
             mr = eng.register(src)
             t = eng.write_pages(mr, np.arange(npages), eng.connect(tgt.address), dst, perm, page, imm=9)
+            so, do = np.arange(npages, dtype=np.uint64) * page, perm.astype(np.uint64) * page
+            ln = np.full(npages, page, np.uint64)
+            # 4 KiB pieces are shorter than shm's pack_min: alone, unless the region has a host share
+            assert page < eng.pack_min
+            rule = wire.count_writes(so, do, ln, eng.iov, eng.max_write, 0 if share is not None else eng.pack_min)
+            assert t.num_writes == rule == eng.count_writes(so, do, ln, region=dst) == tgt.call("count", so, do, ln)
+            old = wire.count_writes(so, do, ln, eng.iov, eng.max_write, eng.pack_min)
+            assert t.num_writes < old if share is not None else t.num_writes == old
             tgt.expect(9, t.num_writes)
             t.wait(20)
             assert tgt.wait(9) == ("ok", t.num_writes)
             assert np.array_equal(tgt.memory().reshape(npages, page)[perm], src.reshape(npages, page))
             assert eng.stats()["direct_writes"] == 0
+
+
+def _small_pieces(cap: int, npieces: int, page: int, seed: int):
+    """write_batch triples of npieces small pieces (1 .. page - 64 bytes), scattered over page
+    slots of both regions (one piece per slot, at an odd place in it): none contiguous."""
+    rng = np.random.default_rng(seed)
+    so = rng.permutation(cap)[:npieces].astype(np.uint64) * page + rng.integers(0, 64, npieces).astype(np.uint64)
+    do = rng.permutation(cap)[:npieces].astype(np.uint64) * page + rng.integers(0, 64, npieces).astype(np.uint64)
+    return so, do, rng.integers(1, page - 64, npieces).astype(np.uint64)
+
+
+@pytest.mark.parametrize("mode", ["direct", "direct=False", "KVXFER_SHM_DIRECT=0", "unmappable"])
+def test_small_scattered_pieces_pack_on_every_path(shm, monkeypatch, mode):
+    """Many small scattered pieces into a region whose descriptor carries a host share pack
+    iov to a message (no rule 3), whichever path the sender takes: direct; over RMA with its
+    direct writes off (``direct=False``, ``KVXFER_SHM_DIRECT=0``); over RMA where it cannot
+    map the memfd (unsealed). The same count on every path (Transfer.num_writes, the
+    sender's and the target's own count_writes, the arrivals) and the same bytes."""
+    page, cap, npieces = 2048, 8192, 4000
+    src = _pattern(cap * page, 20)
+    so, do, ln = _small_pieces(cap, npieces, page, 20)
+    want = np.zeros(cap * page, np.uint8)
+    for s_, d_, n_ in zip(so.tolist(), do.tolist(), ln.tolist()):
+        want[d_: d_ + n_] = src[s_: s_ + n_]
+    with Target("shm", cap * page, memory="memfd-unsealed" if mode == "unmappable" else "memfd") as tgt:
+        if mode == "KVXFER_SHM_DIRECT=0":                # this process only: the target offers its share
+            monkeypatch.setenv("KVXFER_SHM_DIRECT", "0")
+        with kvxfer.Engine("shm", direct=False if mode == "direct=False" else None) as eng:
+            dst = eng.remote(tgt.descriptor)
+            assert dst.host_share is not None and dst.direct == (mode == "direct")
+            packed = wire.count_writes(so, do, ln, eng.iov, eng.max_write, 0)
+            assert packed == -(-npieces // eng.iov)
+            assert wire.count_writes(so, do, ln, eng.iov, eng.max_write, eng.pack_min) == npieces   # the old rule
+            assert eng.count_writes(so, do, ln, region=dst) == packed == tgt.call("count", so, do, ln)
+            t = eng.write_batch(eng.register(src), eng.connect(tgt.address), dst, so, do, ln, imm=23)
+            assert t.num_writes == packed
+            tgt.expect(23, packed)
+            t.wait(30)
+            assert tgt.wait(23) == ("ok", packed)
+            assert np.array_equal(tgt.memory(), want)
+            assert eng.stats()["direct_writes"] == (packed if mode == "direct" else 0)
+            time.sleep(0.05)
+            assert tgt.call("banked", 23) == 0           # not one arrival more
 
 
 def test_tcp_never_writes_directly():
@@ -336,7 +390,7 @@ def memfd_pair(shm):
         ms, md = a.register(src), b.register(kv)
         dst = a.remote(md.descriptor())
         assert dst.direct
-        yield a, b, ms, a.connect(b.address), dst, src, kv.numpy()
+        yield a, b, ms, a.connect(b.address), dst, src, kv.numpy(), md
     finally:
         a.close()
         b.close()
@@ -344,7 +398,7 @@ def memfd_pair(shm):
 
 
 def test_write_groups_land_directly(memfd_pair):
-    a, b, ms, peer, dst, src, mem = memfd_pair
+    a, b, ms, peer, dst, src, mem, md = memfd_pair
     page = 8192
     src2 = _pattern(64 * page, 11)
     ms2 = a.register(src2)
@@ -356,7 +410,8 @@ def test_write_groups_land_directly(memfd_pair):
         groups.append((m, dst, sp.astype(np.uint64) * page, dp.astype(np.uint64) * page,
                        np.full(len(sp), page, np.uint64)))
     t = a.write_groups(peer, groups, imm=31)
-    assert t.num_writes == sum(a.count_writes(so, do, ln) for _, _, so, do, ln in groups)
+    assert t.num_writes == sum(a.count_writes(so, do, ln, region=dst) for _, _, so, do, ln in groups)
+    assert t.num_writes == sum(b.count_writes(so, do, ln, region=md) for _, _, so, do, ln in groups)
     c = b.expect(31, t.num_writes)
     t.wait(10)
     c.wait(10)
@@ -370,11 +425,12 @@ def test_write_groups_land_directly(memfd_pair):
 
 
 def test_watcher_writes_directly(memfd_pair):
-    a, b, ms, peer, dst, src, mem = memfd_pair
+    a, b, ms, peer, dst, src, mem, md = memfd_pair
     w = a.watcher()
     pages = np.arange(0, 64, 2, dtype=np.uint64) * 4096
     e = w.arm(1, ms, peer, dst, pages, pages[::-1].copy(), np.full(len(pages), 4096, np.uint64), imm=41)
-    c = b.expect(41, e.num_writes)
+    assert e.num_writes == 8          # 32 pieces of 4 KiB, packed: the region has a host share
+    c = b.expect(41, b.count_writes(pages, pages[::-1].copy(), np.full(len(pages), 4096, np.uint64), region=md))
     w.bump()
     e.wait(10)
     c.wait(10)
@@ -385,7 +441,7 @@ def test_watcher_writes_directly(memfd_pair):
 
 
 def test_write_without_imm_lands_directly(memfd_pair):
-    a, b, ms, peer, dst, src, mem = memfd_pair
+    a, b, ms, peer, dst, src, mem, md = memfd_pair
     pages = np.random.default_rng(12).permutation(256)
     t = a.write_pages(ms, np.arange(256), peer, dst, pages, 16384)
     t.wait(10)
@@ -413,7 +469,7 @@ def test_a_view_at_an_odd_offset_is_shared(shm):
 
 
 def test_bad_input_raises_and_writes_nothing_directly(memfd_pair):
-    a, b, ms, peer, dst, src, mem = memfd_pair
+    a, b, ms, peer, dst, src, mem, md = memfd_pair
     n = mem.nbytes
     calls = [
         (OutOfBoundsError, lambda: a.write(ms, 0, peer, dst, n - 10, 11, imm=1)),
@@ -431,3 +487,125 @@ def test_bad_input_raises_and_writes_nothing_directly(memfd_pair):
     time.sleep(0.05)
     assert not mem.any()
     assert a.stats()["direct_writes"] == 0 and b.banked(1) == 0
+
+
+def test_groups_use_each_regions_rule(memfd_pair):
+    """One write_groups into a region with a host share and one without (same peer): each
+    group is counted by its own region's rule, on both sides, and its bytes land."""
+    a, b, ms, peer, dst, src, mem, md = memfd_pair
+    plain = np.zeros(1 << 22, np.uint8)
+    mp = b.register(plain)
+    rp = a.remote(mp.descriptor())
+    assert mp.host_share is None and rp.host_share is None and md.host_share is not None
+    so, do, ln = _small_pieces(1024, 400, 2048, 21)
+    groups = [(ms, dst, so[:200], do[:200], ln[:200]), (ms, rp, so[200:], do[200:], ln[200:])]
+    t = a.write_groups(peer, groups, imm=33)
+    assert a.count_writes(so[:200], do[:200], ln[:200], region=dst) == 50          # packed
+    assert a.count_writes(so[200:], do[200:], ln[200:], region=rp) == 200          # alone (pack_min)
+    assert t.num_writes == 250
+    assert b.count_writes(so[:200], do[:200], ln[:200], region=md) + b.count_writes(so[200:], do[200:], ln[200:],
+                                                                                    region=mp) == 250
+    c = b.expect(33, 250)
+    t.wait(10)
+    c.wait(10)
+    for (_, _, gso, gdo, gln), out in zip(groups, (mem, plain)):
+        for s_, d_, n_ in zip(gso.tolist(), gdo.tolist(), gln.tolist()):
+            assert np.array_equal(out[d_: d_ + n_], src[s_: s_ + n_])
+    time.sleep(0.05)
+    assert b.banked(33) == 0
+
+
+def test_watcher_groups_use_the_regions_rule(memfd_pair):
+    """Layer streaming counts like every other write: armed groups into a region with a host
+    share pack their small pieces; into one without, rule 3 holds."""
+    a, b, ms, peer, dst, src, mem, md = memfd_pair
+    plain = np.zeros(1 << 22, np.uint8)
+    mp = b.register(plain)
+    rp = a.remote(mp.descriptor())
+    so, do, ln = _small_pieces(1024, 96, 2048, 22)
+    starts = [0, 32, 64, 96]
+    w = a.watcher()
+    try:
+        for r, local, imm, want in ((dst, md, 43, [8, 8, 8]), (rp, mp, 44, [32, 32, 32])):
+            base = w.value
+            es = w.arm_groups([base + 1, base + 2, base + 3], ms, peer, r, so, do, ln, starts, imm=imm)
+            assert [e.num_writes for e in es] == want
+            assert [b.count_writes(so[x:y], do[x:y], ln[x:y], region=local)
+                    for x, y in zip(starts, starts[1:])] == want
+            c = b.expect(imm, sum(want))
+            w.advance(w.value + 3)
+            for e in es:
+                e.wait(10)
+            c.wait(10)
+            for s_, d_, n_ in zip(so.tolist(), do.tolist(), ln.tolist()):
+                assert np.array_equal((mem if r is dst else plain)[d_: d_ + n_], src[s_: s_ + n_])
+    finally:
+        w.close()
+
+
+def test_receiver_counts_agree_on_random_triples(memfd_pair):
+    """Engine.count_writes(region=) at the receiver (its MemoryRegion) and at the sender (the
+    RemoteRegion) equal Transfer.num_writes and the arrivals, for a region with a host share
+    and one without, on random triples around pack_min (runs, tiny pieces)."""
+    a, b, ms, peer, dst, src, mem, md = memfd_pair
+    plain = np.zeros(1 << 22, np.uint8)
+    mp = b.register(plain)
+    rp = a.remote(mp.descriptor())
+    rng = np.random.default_rng(23)
+    for i in range(20):
+        k = int(rng.integers(1, 200))
+        ln = rng.choice([1, 100, 2048, a.pack_min - 1, a.pack_min, 9000], k).astype(np.uint64)
+        gap = rng.choice([0, 0, 64], k).astype(np.uint64)        # zero gap: contiguous runs
+        do = np.cumsum(np.r_[0, (ln + gap)[:-1]]).astype(np.uint64)
+        so = do if i % 2 else do[::-1].copy() % np.uint64(1 << 21)
+        so = np.minimum(so, np.uint64((1 << 22) - 9000))
+        for r, local in ((dst, md), (rp, mp)):
+            t = a.write_batch(ms, peer, r, so, do, ln, imm=50 + i)
+            n = b.count_writes(so, do, ln, region=local)
+            assert t.num_writes == n == a.count_writes(so, do, ln, region=r)
+            c = b.expect(50 + i, n)
+            t.wait(10)
+            c.wait(10)
+    time.sleep(0.05)
+    assert all(b.banked(50 + i) == 0 for i in range(20))
+
+
+def test_a_share_stays_in_the_descriptor_once_its_fd_is_gone(shm):
+    """A KVBuffer closed under its region keeps the mapping but not the fd: the descriptor
+    still carries the (now unmappable) host share, so the count stays the region's; the
+    sender writes over RMA, with no rule 3."""
+    with kvxfer.Engine("shm") as a, kvxfer.Engine("shm") as b:
+        kv = KVBuffer.allocate(1 << 20)
+        md = b.register(kv)
+        share = md.host_share
+        kv.close()
+        d = wire.Descriptor.decode(md.descriptor())
+        assert share is not None and d.host_share is not None
+        assert (d.host_share.dev, d.host_share.inode) == (share.dev, share.inode)
+        dst = a.remote(md.descriptor())
+        assert not dst.direct and dst.host_share is not None
+        src = _pattern(1 << 20, 24)
+        so, do, ln = _small_pieces(256, 100, 2048, 24)
+        t = a.write_batch(a.register(src), a.connect(b.address), dst, so, do, ln, imm=5)
+        assert t.num_writes == 25 == b.count_writes(so, do, ln, region=md)
+        c = b.expect(5, 25)
+        t.wait(10)
+        c.wait(10)
+        assert a.stats()["direct_writes"] == 0
+
+
+def test_count_writes_refuses_bad_regions(memfd_pair):
+    a, b, ms, peer, dst, src, mem, md = memfd_pair
+    one = ([0], [0], [8])
+    with pytest.raises(TypeError):
+        a.count_writes(*one)                              # the region is not optional
+    for bad in (None, md.descriptor(), 3):
+        with pytest.raises(ArgumentTypeError):
+            a.count_writes(*one, region=bad)
+    with pytest.raises(InvalidArgumentError):
+        a.count_writes(*one, region=md)                   # b's region, not a's
+    with pytest.raises(InvalidArgumentError):
+        b.count_writes(*one, region=dst)                  # a's view of it, not b's
+    with pytest.raises(InvalidArgumentError):
+        a.count_writes(*one, region=a.register(np.zeros(64, np.uint8), remote=False))
+    assert a.count_writes(*one, region=dst) == b.count_writes(*one, region=md) == 1

@@ -81,7 +81,7 @@ def test_queued_pages_are_posted_by_a_driving_waiter(driving):
     rr = a.remote(md.descriptor())
     perm = np.random.default_rng(2).permutation(n)
     c = b.expect(9, a.count_writes(np.arange(n, dtype=np.uint64) * page, perm.astype(np.uint64) * page,
-                                   np.full(n, page, np.uint64)))
+                                   np.full(n, page, np.uint64), region=rr))
     waiters = []
     t = a.write_pages(ms, np.arange(n), peer, rr, perm, page, imm=9)
     for w in (t.wait, c.wait):             # two threads drive the two engines' rails at once

@@ -39,8 +39,10 @@ def test_striped_pages_land_and_count_exactly(src_rails, dst_rails):
         # keep destination pages unique after planting the run
         rest = np.setdiff1d(np.arange(cap), dp[100:140])
         dp[:100], dp[140:] = rest[:100], rest[100 : n - 40]
-        t = a.write_pages(ms, sp, a.connect(b.address), a.remote(md.descriptor()), dp, page, imm=99)
-        expected = a.count_writes(sp.astype(np.uint64) * page, dp.astype(np.uint64) * page, np.full(n, page))
+        rr = a.remote(md.descriptor())
+        t = a.write_pages(ms, sp, a.connect(b.address), rr, dp, page, imm=99)
+        expected = a.count_writes(sp.astype(np.uint64) * page, dp.astype(np.uint64) * page, np.full(n, page),
+                                  region=rr)
         assert t.num_writes == expected
         assert expected == wire.count_writes(sp * page, dp * page, np.full(n, page), a.iov, a.max_write, a.pack_min,
                                              rails=src_rails)

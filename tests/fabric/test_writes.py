@@ -56,12 +56,13 @@ def test_scattered_pages_land(engine, provider, page_bytes, npages):
     dst_pages = np.r_[rest_d[:10], run_d, rest_d[10:]]
     with Target(provider, cap * page_bytes) as tgt:
         mr = engine.register(src)
-        t = engine.write_pages(mr, src_pages, engine.connect(tgt.address), engine.remote(tgt.descriptor), dst_pages,
-                               page_bytes, imm=42)
+        dst = engine.remote(tgt.descriptor)
+        t = engine.write_pages(mr, src_pages, engine.connect(tgt.address), dst, dst_pages, page_bytes, imm=42)
         so = src_pages.astype(np.uint64) * page_bytes
         do = dst_pages.astype(np.uint64) * page_bytes
         ln = np.full(npages, page_bytes, np.uint64)
-        assert t.num_writes == engine.count_writes(so, do, ln)
+        assert dst.host_share is None                  # anonymous memory: rule 3 applies
+        assert t.num_writes == engine.count_writes(so, do, ln, region=dst)
         # the run of 10 became one segment; pieces the provider injects travel alone
         per_msg = engine.iov if page_bytes >= engine.pack_min else 1
         assert t.num_writes == -(-(npages - 9) // per_msg)
@@ -82,9 +83,10 @@ def test_strided_pages_with_offsets(engine, provider):
         mr = engine.register(src)
         sp = np.array([3, 4, 5, 60, 0])
         dp = np.array([7, 8, 9, 1, 63])
-        t = engine.write_pages(mr, sp, engine.connect(tgt.address), engine.remote(tgt.descriptor), dp, 1000,
+        dst = engine.remote(tgt.descriptor)
+        t = engine.write_pages(mr, sp, engine.connect(tgt.address), dst, dp, 1000,
                                src_stride=4096, dst_stride=3000, src_offset=64, dst_offset=128, imm=9)
-        assert t.num_writes == engine.count_writes(64 + sp * 4096, 128 + dp * 3000, np.full(5, 1000))
+        assert t.num_writes == engine.count_writes(64 + sp * 4096, 128 + dp * 3000, np.full(5, 1000), region=dst)
         tgt.expect(9, t.num_writes)
         t.wait(20)
         tgt.wait(9)
@@ -103,9 +105,9 @@ def test_batch_writes_land(engine, provider):
     src_offsets = rng.integers(0, n - 1500, k)
     with Target(provider, n) as tgt:
         mr = engine.register(src)
-        t = engine.write_batch(mr, engine.connect(tgt.address), engine.remote(tgt.descriptor), src_offsets,
-                               dst_offsets, lengths, imm=77)
-        assert t.num_writes == engine.count_writes(src_offsets, dst_offsets, lengths)
+        dst = engine.remote(tgt.descriptor)
+        t = engine.write_batch(mr, engine.connect(tgt.address), dst, src_offsets, dst_offsets, lengths, imm=77)
+        assert t.num_writes == engine.count_writes(src_offsets, dst_offsets, lengths, region=dst)
         tgt.expect(77, t.num_writes)
         t.wait(20)
         assert tgt.wait(77)[0] == "ok"
