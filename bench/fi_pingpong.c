@@ -1,8 +1,8 @@
 /* fi_pingpong.c: the floor kvxfer is measured against. Plain libfabric, one thread per
  * process, no kvxfer layer: what the provider itself costs on this machine.
  *
- *   fi_pingpong [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] [-y]           round trips
- *   fi_pingpong -m pages [-p PROV] [-P PAGE] [-N PAGES] [-I IOV] [-n ITERS] [-y] paged writes
+ *   fi_pingpong [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] [-y] [-D]      round trips
+ *   fi_pingpong -m pages [-p PROV] [-P PAGE] [-N PAGES] [-I IOV] [-n ITERS] [-y] [-D] paged writes
  *   fi_pingpong -m cma [-P PAGE] [-N PAGES] [-I IOV] [-n ITERS]                  paged CMA copies
  *
  * The process forks; parent (initiator) and child (target) each open fabric, domain, CQ,
@@ -13,7 +13,9 @@
  * its CQ until that immediate arrives and writes the same bytes back with i; the initiator's
  * CQ delivering i ends round trip i. Both busy-poll fi_cq_read (the fastest the provider can
  * go; libfabric's fabtests poll the same way). -j: fi_inject_writedata where BYTES fits the
- * provider's inject_size.
+ * provider's inject_size. -D: FI_DELIVERY_COMPLETE on every write (round trips) or on each
+ * iteration's last message (pages), the completion kvxfer asks of tcp;ofi_rxm by default, so
+ * the floor pays the same target acknowledgements.
  *
  * Paged writes: PAGES pages of PAGE bytes go to a random permutation of as many destination
  * pages, IOV pages per fi_writemsg (capped at the provider's iov limits), every message
@@ -80,6 +82,7 @@ typedef struct {
 /* -y: sched_yield() after an empty CQ read (on a machine with more runnable threads than
  * cores, two pure spinners can starve each other's peer) */
 static int yield_when_idle;
+static uint64_t dc_flag;       /* -D: FI_DELIVERY_COMPLETE, as kvxfer's writes on tcp;ofi_rxm */
 
 typedef struct {
     char name[256];
@@ -191,8 +194,19 @@ static void post_write(ep_t *e, const void *src, size_t len, uint64_t raddr, uin
                        int64_t *tx_done)
 {
     for (;;) {
-        ssize_t r = inject ? fi_inject_writedata(e->ep, src, len, imm, e->peer, raddr, e->rkey)
-                           : fi_writedata(e->ep, (void *)src, len, e->desc, imm, e->peer, raddr, e->rkey, next_ctx(e));
+        ssize_t r;
+        if (inject) {
+            r = fi_inject_writedata(e->ep, src, len, imm, e->peer, raddr, e->rkey);
+        } else if (dc_flag) {
+            struct iovec v = {(void *)src, len};
+            void *d = e->desc;
+            struct fi_rma_iov ri = {raddr, len, e->rkey};
+            struct fi_msg_rma msg = {.msg_iov = &v, .desc = &d, .iov_count = 1, .addr = e->peer,
+                                     .rma_iov = &ri, .rma_iov_count = 1, .context = next_ctx(e), .data = imm};
+            r = fi_writemsg(e->ep, &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA | dc_flag);
+        } else {
+            r = fi_writedata(e->ep, (void *)src, len, e->desc, imm, e->peer, raddr, e->rkey, next_ctx(e));
+        }
         if (r == 0)
             return;
         if (r != -FI_EAGAIN)
@@ -252,9 +266,9 @@ static int run_lat(const char *prov, int sock, int initiator, long iters, long w
     for (long i = 0; i < iters; i++)
         sum += rtt[i];
     qsort(rtt, (size_t)iters, sizeof(double), cmp_d);
-    printf("{\"mode\": \"lat\", \"provider\": \"%s\", \"size\": %zu, \"inject\": %d, \"iterations\": %ld, "
-           "\"p50_us\": %.3f, \"p99_us\": %.3f, \"min_us\": %.3f, \"mean_us\": %.3f}\n",
-           e->info->fabric_attr->prov_name, size, inject, iters, rtt[iters / 2] * 1e6,
+    printf("{\"mode\": \"lat\", \"provider\": \"%s\", \"size\": %zu, \"inject\": %d, \"delivery_complete\": %d, "
+           "\"iterations\": %ld, \"p50_us\": %.3f, \"p99_us\": %.3f, \"min_us\": %.3f, \"mean_us\": %.3f}\n",
+           e->info->fabric_attr->prov_name, size, inject, dc_flag != 0, iters, rtt[iters / 2] * 1e6,
            rtt[(long)(iters * 0.99)] * 1e6, rtt[0] * 1e6, sum / (double)iters * 1e6);
     char c = 0;
     if (write(sock, &c, 1) != 1) { /* the target is gone; fine */ }
@@ -314,7 +328,8 @@ static int run_pages(const char *prov, int sock, int initiator, long iters, long
                                          .rma_iov = r, .rma_iov_count = np, .context = next_ctx(e),
                                          .data = (uint64_t)it};
                 for (;;) {
-                    ssize_t ret = fi_writemsg(e->ep, &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA);
+                    ssize_t ret = fi_writemsg(e->ep, &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA |
+                                                          (m + 1 == msgs ? dc_flag : 0));
                     if (ret == 0)
                         break;
                     if (ret != -FI_EAGAIN)
@@ -354,8 +369,8 @@ static int run_pages(const char *prov, int sock, int initiator, long iters, long
     qsort(t, (size_t)iters, sizeof(double), cmp_d);
     double p50 = t[iters / 2];
     printf("{\"mode\": \"pages\", \"provider\": \"%s\", \"page_bytes\": %zu, \"pages\": %zu, \"iov\": %zu, "
-           "\"messages\": %zu, \"iterations\": %ld, \"p50_s\": %.6f, \"gbps\": %.3f}\n",
-           e->info->fabric_attr->prov_name, page, pages, iov, msgs, iters, p50,
+           "\"delivery_complete\": %d, \"messages\": %zu, \"iterations\": %ld, \"p50_s\": %.6f, \"gbps\": %.3f}\n",
+           e->info->fabric_attr->prov_name, page, pages, iov, dc_flag != 0, msgs, iters, p50,
            (double)(page * pages) / p50 / 1e9);
     char c = 0;
     if (write(sock, &c, 1) != 1) { /* fine */ }
@@ -428,7 +443,7 @@ int main(int argc, char **argv)
     long iters = 10000, warmup = 500;
     size_t size = 8, page = 16384, pages = 4096, iov = 16;
     int inject = 0, opt, iters_set = 0, warmup_set = 0;
-    while ((opt = getopt(argc, argv, "p:n:w:s:jym:P:N:I:")) != -1) {
+    while ((opt = getopt(argc, argv, "p:n:w:s:jyDm:P:N:I:")) != -1) {
         switch (opt) {
         case 'p': prov = optarg; break;
         case 'n': iters = atol(optarg); iters_set = 1; break;
@@ -436,6 +451,7 @@ int main(int argc, char **argv)
         case 's': size = strtoull(optarg, NULL, 0); break;
         case 'j': inject = 1; break;
         case 'y': yield_when_idle = 1; break;
+        case 'D': dc_flag = FI_DELIVERY_COMPLETE; break;
         case 'm': mode = optarg; break;
         case 'P': page = strtoull(optarg, NULL, 0); break;
         case 'N': pages = strtoull(optarg, NULL, 0); break;

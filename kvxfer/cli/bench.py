@@ -74,6 +74,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="pieces per RMA message on the initiator (default: the provider's limit)")
     e.add_argument("--max-write", type=_size_arg, metavar="SIZE",
                    help="bytes per RMA message on the initiator; larger writes are split (default: 1G)")
+    e.add_argument("--no-delivery-complete", action="store_true",
+                   help="the initiator's writes complete on transmit, not once placed (tcp;ofi_rxm asks for "
+                        "delivery-complete by default, so a refused write fails its transfer); NIXL's UCX "
+                        "completions over tcp are local too")
     e.add_argument("--timeout", type=float, default=30.0, metavar="S",
                    help="give up on any single wait after S seconds (default: 30)")
 
@@ -318,7 +322,8 @@ class _Run:
                 node = a.node or default_node(self.provider)
                 self.record["mode"] = "local"
             self.eng = kvxfer.Engine(self.provider, node=node, progress=a.progress, rails=getattr(a, "rails", 1),
-                                     iov=getattr(a, "iov", None), max_write=getattr(a, "max_write", None))
+                                     iov=getattr(a, "iov", None), max_write=getattr(a, "max_write", None),
+                                     delivery_complete=False if getattr(a, "no_delivery_complete", False) else None)
             self.provider = self.eng.provider
             self.record["provider"] = self.provider
             self.record["info"] = self.eng.info
@@ -507,6 +512,13 @@ def run_bw(args: argparse.Namespace) -> int:
     return status
 
 
+def _floor_dc(eng) -> list:
+    """The floor's flag for kvxfer's completion semantics: ``-D`` (FI_DELIVERY_COMPLETE)
+    when this engine's writes ask for it (tcp;ofi_rxm by default), so both pay the same
+    target acknowledgements."""
+    return ["-D"] if getattr(eng, "delivery_complete", False) else []
+
+
 def _run_floor_pages(run: "_Run", cases: list, order: list, memmove) -> None:
     """bench/fi_pingpong.c -m pages for each paged case: the better of its two polling modes."""
     from kvxfer.cli._floor import FloorUnavailable, run_floor
@@ -519,7 +531,8 @@ def _run_floor_pages(run: "_Run", cases: list, order: list, memmove) -> None:
         try:
             runs = [run_floor(run.provider, mode="pages", page_bytes=case.page_bytes, pages=case.pages,
                               iov=run.eng.iov, iters=max(5, run.args.min_iters), warmup=1,
-                              timeout=max(120.0, run.args.timeout * 4), extra=x) for x in ([], ["-y"])]
+                              timeout=max(120.0, run.args.timeout * 4), extra=x + _floor_dc(run.eng))
+                    for x in ([], ["-y"])]
         except FloorUnavailable as exc:
             print(f"{run.provider:<11}  floor {case.label}: {exc}", flush=True)
             rec.append({"case": case.spec, "error": str(exc)})
@@ -590,10 +603,17 @@ def run_lat(args: argparse.Namespace) -> int:
             bar.update(f"{run.provider} floor {args.size} B", 0, 1)
             # the better of pure polling and polling that yields between empty reads: on a
             # loaded 2-core machine two pure spinners can starve each other's peer
+            # with kvxfer's completion semantics (-D where its writes ask for delivery-complete);
+            # the plain floor too, in the JSON, where they differ
+            dc = _floor_dc(run.eng)
             try:
                 runs = [run_floor(run.provider, size=args.size, iters=args.iters, warmup=args.warmup,
-                                  timeout=max(60.0, args.timeout * 4), extra=x) for x in ([], ["-y"])]
+                                  timeout=max(60.0, args.timeout * 4), extra=x + dc) for x in ([], ["-y"])]
                 floor = dict(min(runs, key=lambda f: f["p50_us"]), variants=runs)
+                if dc:
+                    plain = [run_floor(run.provider, size=args.size, iters=args.iters, warmup=args.warmup,
+                                       timeout=max(60.0, args.timeout * 4), extra=x) for x in ([], ["-y"])]
+                    floor["plain"] = dict(min(plain, key=lambda f: f["p50_us"]), variants=plain)
             except FloorUnavailable as exc:
                 floor = {"error": str(exc)}
             s["floor"] = floor
@@ -602,6 +622,10 @@ def run_lat(args: argparse.Namespace) -> int:
         print(lat_row(run.provider, s, floor), flush=True)
         if floor and floor.get("error"):
             print(f"    floor: {floor['error']}", flush=True)
+        elif floor and floor.get("plain"):
+            p50 = floor["plain"]["p50_us"]
+            print(f"    floor with delivery-complete, as kvxfer's writes here; without it: p50 {p50:.1f} us "
+                  f"(x {s['p50_us'] / p50:.1f})", flush=True)
 
     return _session(args, body, _header(LAT_COLUMNS, LAT_WIDTHS))
 

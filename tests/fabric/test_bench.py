@@ -65,6 +65,19 @@ def test_lat_tiny_run(provider, tmp_path, capsys):
     (r,) = run["results"]
     assert r["check"] == "ok" and r["iterations"] == 50 and r["size"] == 8
     assert 0 < r["min_us"] <= r["p50_us"] <= r["p99_us"]
+    floor = r.get("floor")
+    if floor and not floor.get("error"):        # the floor pays kvxfer's completion semantics
+        dc = provider == "tcp;ofi_rxm"         # delivery-complete is tcp;ofi_rxm's default
+        assert floor["delivery_complete"] == int(dc) and floor["p50_us"] > 0
+        assert ("plain" in floor) == dc and (not dc or floor["plain"]["delivery_complete"] == 0)
+
+
+def test_bw_hot_target_and_transmit_completions(provider, capsys):
+    """--target-wait hot and --no-delivery-complete change how the two sides wait, not what lands."""
+    rc = bench.main(["bw", "--provider", provider, "--case", "pages:4Kx64", "--case", "write:8K", "--iters", "3",
+                     "--warmup", "1", "--timeout", "20", "-q", "--target-wait", "hot", "--no-delivery-complete"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "FAIL" not in text and text.count(" ok") >= 2, text
 
 
 def test_target_failure_comes_back_with_its_traceback(provider):
