@@ -38,6 +38,17 @@ def _idle_writes(eng, peer, src_mr, dst, expect, wait, n=5):
         wait(500 + i)
 
 
+def _idle_writes_in_process(a, b, src):
+    """_idle_writes from engine a into engine b of this process; b's landed bytes."""
+    buf = np.zeros(src.nbytes, np.uint8)
+    smr, dmr = a.register(src), b.register(buf)
+    peer, dst = a.connect(b.address), a.remote(dmr.descriptor())
+    counters = {}
+    _idle_writes(a, peer, smr, dst, lambda imm, n: counters.__setitem__(imm, b.expect(imm, n)),
+                 lambda imm: counters.pop(imm).wait(20))
+    return buf
+
+
 def test_bell_lives_with_its_engine(shm):
     with kvxfer.Engine("shm", rails=2) as eng:
         paths = [f"/dev/shm/{r.getname().rstrip(b'\0').decode()[len('fi_shm://'):]}.kxbell" for r in eng._rails]
@@ -61,14 +72,8 @@ def test_write_rings_a_sleeping_peer_in_another_process(shm):
 
 def test_write_rings_a_sleeping_peer_in_this_process(shm):
     src = np.arange(5 * 4096, dtype=np.uint32).view(np.uint8)[: 5 * 4096].copy()
-    buf = np.zeros(5 * 4096, np.uint8)
     with kvxfer.Engine("shm") as a, kvxfer.Engine("shm") as b:
-        smr, dmr = a.register(src), b.register(buf)
-        peer, dst = a.connect(b.address), a.remote(dmr.descriptor())
-        counters = {}
-        _idle_writes(a, peer, smr, dst, lambda imm, n: counters.__setitem__(imm, b.expect(imm, n)),
-                     lambda imm: counters.pop(imm).wait(20))
-        assert np.array_equal(buf, src)
+        assert np.array_equal(_idle_writes_in_process(a, b, src), src)
         assert a.stats()["bell_rings"] >= 1 and b.stats()["bell_wakes"] >= 1
 
 
@@ -97,15 +102,9 @@ def test_a_file_that_is_not_a_bell_is_never_rung(shm, monkeypatch, content):
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.write(fd, content)
-            buf = np.zeros(5 * 4096, np.uint8)
             src = np.full(5 * 4096, 9, np.uint8)
             with kvxfer.Engine("shm") as a:
-                smr, dmr = a.register(src), b.register(buf)
-                peer, dst = a.connect(b.address), a.remote(dmr.descriptor())
-                counters = {}
-                _idle_writes(a, peer, smr, dst, lambda imm, n: counters.__setitem__(imm, b.expect(imm, n)),
-                             lambda imm: counters.pop(imm).wait(20))
-                assert np.array_equal(buf, src)
+                assert np.array_equal(_idle_writes_in_process(a, b, src), src)
                 assert a.stats()["bell_rings"] == 0
             os.lseek(fd, 0, os.SEEK_SET)
             assert os.read(fd, 8192) == content           # not a byte changed
