@@ -35,7 +35,7 @@ DEFAULT_CASES = ("write:4K", "write:64K", "write:1M", "a", "b", "c", "memmove")
 #: sealed memfd, as kvxfer's KV buffers are; on shm a kvxfer sender then writes directly,
 #: src/direct.c), or anonymous numpy memory. The first is the default. NIXL's target gets
 #: the same kind, so a comparison holds the destination memory equal.
-TARGET_MEMORY = ("memfd", "anon")
+TARGET_MEMORY = ("memfd", "anon", "memfd-huge")
 
 #: Bytes after the written range that must stay untouched (catches overruns).
 GUARD_BYTES = 4096
@@ -150,10 +150,11 @@ class Checker:
         self.memory = memory
         self.expected = pattern(seed, case.nbytes)
         self._kv = None
-        if memory == "memfd":
+        if memory in ("memfd", "memfd-huge"):
             from kvxfer.buffers import KVBuffer
 
-            self._kv = KVBuffer.allocate(case.nbytes + GUARD_BYTES, "cpu", name="kvxfer-bench")
+            self._kv = KVBuffer.allocate(case.nbytes + GUARD_BYTES, "cpu", name="kvxfer-bench",
+                                         huge_pages=memory == "memfd-huge")
             self.buf = self._kv.numpy()[: case.nbytes + GUARD_BYTES]      # starts zeroed
         else:
             self.buf = np.zeros(case.nbytes + GUARD_BYTES, dtype=np.uint8)

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--seed", type=int, default=0, help="seed of the data and the page scatter (default: 0)")
     bw.add_argument("--target-memory", choices=TARGET_MEMORY, default=TARGET_MEMORY[0],
                     help="the target's destination buffer: memfd (a host KVBuffer, as kvxfer's KV buffers are; "
-                         "on shm kvxfer then writes directly unless KVXFER_SHM_DIRECT=0) or anon (numpy memory); "
+                         "on shm kvxfer then writes directly unless KVXFER_SHM_DIRECT=0), memfd-huge (the same "
+                         "on hugetlb pages: needs /proc/sys/vm/nr_hugepages) or anon (numpy memory); "
                          "--vs peers get the same (default: memfd)")
     bw.add_argument("--target-wait", choices=("block", "hot"), default="block",
                     help="how kvxfer's target waits for a case's writes: block (its progress threads sleep "
