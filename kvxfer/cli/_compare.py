@@ -51,21 +51,24 @@ def _us(v: Optional[float]) -> str:
 
 
 def table(rows: Sequence[dict]) -> str:
-    """The comparison as text: one line per (provider, case)."""
-    if not rows:
-        return ""
-    peer = rows[0]["peer"]
-    head = (f"{'provider':<11}  {'case':<20}  {'kvxfer GB/s':>11}  {peer + ' GB/s':>10}  {'x ' + peer:>7}  "
-            f"{'kvxfer sender p50':>17}  {peer + ' sender p50':>16}  {'x ' + peer:>7}  {'goal':>5}  check")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        check = "ok" if r["kvxfer_check"] == "ok" and r["peer_check"] == "ok" else "FAIL"
-        lines.append(
-            f"{r['provider']:<11}  {r['label']:<20}  {_f(r['kvxfer_gbps'], '.2f'):>11}  {_f(r['peer_gbps'], '.2f'):>10}  "
-            f"{_f(r['gbps_ratio'], '.2f'):>7}  {_us(r['kvxfer_sender_p50_s']):>17}  {_us(r['peer_sender_p50_s']):>16}  "
-            f"{_f(r['sender_ratio'], '.2f'):>7}  {_f(r['goal'], '.1f'):>5}  {check}"
-        )
-    return "\n".join(lines)
+    """The comparison as text: one block per peer, one line per (provider, case)."""
+    blocks = []
+    for peer in dict.fromkeys(r["peer"] for r in rows):
+        head = (f"{'provider':<11}  {'case':<20}  {'kvxfer GB/s':>11}  {peer + ' GB/s':>10}  {'x ' + peer:>7}  "
+                f"{'kvxfer sender p50':>17}  {peer + ' sender p50':>16}  {'x ' + peer:>7}  {'goal':>5}  check")
+        lines = [head, "-" * len(head)]
+        for r in rows:
+            if r["peer"] != peer:
+                continue
+            check = "ok" if r["kvxfer_check"] == "ok" and r["peer_check"] == "ok" else "FAIL"
+            lines.append(
+                f"{r['provider']:<11}  {r['label']:<20}  {_f(r['kvxfer_gbps'], '.2f'):>11}  "
+                f"{_f(r['peer_gbps'], '.2f'):>10}  {_f(r['gbps_ratio'], '.2f'):>7}  "
+                f"{_us(r['kvxfer_sender_p50_s']):>17}  {_us(r['peer_sender_p50_s']):>16}  "
+                f"{_f(r['sender_ratio'], '.2f'):>7}  {_f(r['goal'], '.1f'):>5}  {check}"
+            )
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 def chart(rows: Sequence[dict], path: str) -> Optional[str]:
@@ -79,21 +82,32 @@ def chart(rows: Sequence[dict], path: str) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'kvxfer[compare]')"
-    peer = rows[0]["peer"]
-    labels = [f"{r['provider']}\n{r['label']}" for r in rows]
-    ours = [r["kvxfer_gbps"] or 0.0 for r in rows]
-    theirs = [r["peer_gbps"] or 0.0 for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows)), 4.0))
-    ax.bar([i - 0.2 for i in x], ours, 0.4, label="kvxfer")
-    ax.bar([i + 0.2 for i in x], theirs, 0.4, label=peer)
-    for i, r in enumerate(rows):
-        if r["gbps_ratio"]:
-            ax.annotate(f"{r['gbps_ratio']:.2f}x", (i, max(ours[i], theirs[i])), ha="center", va="bottom", fontsize=8)
+    peers = list(dict.fromkeys(r["peer"] for r in rows))
+    keys = list(dict.fromkeys((r["provider"], r["label"]) for r in rows))
+    ours = {}
+    theirs = {p: {} for p in peers}
+    for r in rows:
+        k = (r["provider"], r["label"])
+        ours.setdefault(k, r["kvxfer_gbps"] or 0.0)
+        theirs[r["peer"]][k] = (r["peer_gbps"] or 0.0, r["gbps_ratio"])
+    labels = [f"{p}\n{lab}" for p, lab in keys]
+    x = range(len(keys))
+    w = 0.8 / (1 + len(peers))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(keys)), 4.0))
+    ax.bar([i - 0.4 + w / 2 for i in x], [ours[k] for k in keys], w, label="kvxfer")
+    for j, peer in enumerate(peers):
+        xs = [i - 0.4 + w * (j + 1.5) for i in x]
+        vals = [theirs[peer].get(k, (0.0, None))[0] for k in keys]
+        ax.bar(xs, vals, w, label=peer)
+        for xi, k in zip(xs, keys):
+            ratio = theirs[peer].get(k, (0.0, None))[1]
+            if ratio:
+                ax.annotate(f"{ratio:.2f}x", (xi, max(ours[k], theirs[peer][k][0])), ha="center", va="bottom",
+                            fontsize=7)
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("GB/s (p50)")
-    ax.set_title(f"kvxfer vs {peer}, same run")
+    ax.set_title(f"kvxfer vs {', '.join(peers)}, same run (ratios: kvxfer / peer)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -29,9 +29,7 @@ stdin/stdout (JSON lines), not kvxfer.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import time
 from typing import Callable, Optional
@@ -41,6 +39,7 @@ import numpy as np
 from kvxfer.cli._cases import Case, Checker, dst_pages, parse_case, pattern
 from kvxfer.cli._memmove import iterations as _iterations
 from kvxfer.cli._results import CaseResult
+from kvxfer.cli._vs import PeerProcess, TargetChannel, record_iteration
 
 __all__ = ["available", "ucx_env", "NixlPeer"]
 
@@ -72,35 +71,24 @@ def _agent(name: str, progress_thread: bool):
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
 
 
-_out = None   # the target's answers: its original stdout (NIXL's own logging goes to fd 1)
-
-
-def _say(obj: dict) -> None:
-    _out.write(json.dumps(obj) + "\n")
-    _out.flush()
-
-
 def target_main() -> int:
     """The NIXL target process: ``python -m kvxfer.cli._nixl``; requests on stdin."""
-    global _out
-    _out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)            # whatever NIXL or UCX prints goes to stderr, not into the channel
+    ch = TargetChannel()
     agent = _agent("kvxfer-bench-nixl-target", False)
-    _say({"t": "hello", "meta": agent.get_agent_metadata().hex()})
-    for line in sys.stdin:
-        req = json.loads(line)
+    ch.say(t="hello", meta=agent.get_agent_metadata().hex())
+    for req in ch.requests():
         if req["t"] == "bye":
             return 0
         if req["t"] == "peer":
             agent.add_remote_agent(bytes.fromhex(req["meta"]))
-            _say({"t": "ok"})
+            ch.say(t="ok")
             continue
         # one case: register, publish the buffer, then check each iteration's pages
         case, seed, total = parse_case(req["case"]), int(req["seed"]), int(req["total"])
         chk = Checker(case, seed, req.get("memory", "anon"))      # the same kind as kvxfer's target
         reg = agent.register_memory([(chk.buf.ctypes.data, chk.buf.nbytes, 0, "")], "DRAM")
         # the registration's remote keys travel in the agent's metadata: publish it again
-        _say({"t": "desc", "addr": int(chk.buf.ctypes.data), "meta": agent.get_agent_metadata().hex()})
+        ch.say(t="desc", addr=int(chk.buf.ctypes.data), meta=agent.get_agent_metadata().hex())
         bad_iters = 0
         for i in range(total):
             want = str(i).encode()
@@ -110,16 +98,16 @@ def target_main() -> int:
                 if any(want in msgs for msgs in notifs.values()):
                     break
                 if time.monotonic() > deadline:
-                    _say({"t": "error", "error": f"no notification for iteration {i}"})
+                    ch.say(t="error", error=f"no notification for iteration {i}")
                     return 1
                 os.sched_yield()     # polls like kvxfer's drive loop; 2 cores are shared
             clock = time.perf_counter()
             bad, guard = chk.check(i)
             bad_iters += bool(bad or not guard)
-            _say({"t": "landed", "i": i, "clock": clock, "bad": bad, "guard": guard})
+            ch.say(t="landed", i=i, clock=clock, bad=bad, guard=guard)
         agent.deregister_memory(reg)
         chk.close()
-        _say({"t": "done", "bad_iters": bad_iters})
+        ch.say(t="done", bad_iters=bad_iters)
     return 0
 
 
@@ -131,42 +119,19 @@ class NixlPeer:
         self.timeout = timeout
         for k, v in ucx_env(provider).items():   # UCX reads its environment when the agent starts
             os.environ[k] = v
-        env = dict(os.environ)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvxfer.cli._nixl"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.p = PeerProcess("kvxfer.cli._nixl", "NIXL", env=dict(os.environ))
         try:
-            hello = self._recv("hello")
+            hello = self.p.recv("hello")
             self.agent = _agent("kvxfer-bench-nixl", False)
             self.remote = self.agent.add_remote_agent(bytes.fromhex(hello["meta"]))
-            self._send(t="peer", meta=self.agent.get_agent_metadata().hex())
-            self._recv("ok")
+            self.p.send(t="peer", meta=self.agent.get_agent_metadata().hex())
+            self.p.recv("ok")
         except BaseException:
             self.close()
             raise
 
-    def _send(self, **msg) -> None:
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-
-    def _recv(self, kind: str) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the NIXL target exited (status {self.proc.poll()}) before {kind!r}")
-        msg = json.loads(line)
-        if msg["t"] == "error":
-            raise RuntimeError(f"NIXL target: {msg['error']}")
-        if msg["t"] != kind:
-            raise RuntimeError(f"NIXL target sent {msg['t']!r}, expected {kind!r}")
-        return msg
-
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self._send(t="bye")
-                self.proc.wait(10)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait()
+        self.p.close()
 
     def bw(self, case: Case, seed: int, *, warmup: int, iters: Optional[int], budget: float, min_iters: int,
            max_iters: int, progress: Callable[[int, int], None], memory: str = "anon") -> CaseResult:
@@ -192,8 +157,8 @@ class NixlPeer:
              progress: Callable[[int, int], None], memory: str) -> float:
         """n iterations numbered from `first` against a fresh target buffer; last wall time."""
         agent, pb, pages = self.agent, case.page_bytes, case.pages
-        self._send(t="case", case=case.spec, seed=seed, total=first + n, timeout=self.timeout, memory=memory)
-        desc = self._recv("desc")
+        self.p.send(t="case", case=case.spec, seed=seed, total=first + n, timeout=self.timeout, memory=memory)
+        desc = self.p.recv("desc")
         dst = int(desc["addr"])
         agent.add_remote_agent(bytes.fromhex(desc["meta"]))
         # the target numbers iterations from 0: replay the ones before `first` untimed
@@ -233,27 +198,17 @@ class NixlPeer:
                 t2 = time.perf_counter()
                 if st != "DONE":
                     raise RuntimeError(f"NIXL transfer {i} ended {st}")
-                msg = self._recv("landed")
+                msg = self.p.recv("landed")
                 t3 = time.perf_counter()
                 if h is not h_write:
                     h.release()
-                if res is not None and i >= first:
-                    res.landed.append(msg["clock"] - t0)
-                    res.acked.append(t3 - t0)
-                    res.local.append(t2 - t0)
-                    res.post.append(t1 - t0)
-                    progress(i - first + 1, n)
-                if res is not None and (msg["bad"] or not msg["guard"]):
-                    res.bad_iterations += 1
-                    if len(res.problems) < 5:
-                        res.problems.append(f"iteration {i}: {msg['bad']} pages differ" if msg["bad"]
-                                            else f"iteration {i}: guard bytes overwritten")
+                record_iteration(res, i, first, n, t0, t1, t2, t3, msg["clock"], msg, progress)
                 wall = time.perf_counter() - t_start
         finally:
             for hd in (local, remote, h_write):
                 if hd is not None:
                     hd.release()
-        done = self._recv("done")
+        done = self.p.recv("done")
         if res is not None and done["bad_iters"] != res.bad_iterations:
             res.problems.append(f"NIXL target counted {done['bad_iters']} bad iterations")
         return wall

@@ -118,9 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how kvxfer's target waits for a case's writes: block (its progress threads sleep "
                          "when idle, the library's default) or hot (they poll, yielding, while writes are due: "
                          "Engine.hold_awake, as the NIXL target polls its notifications) (default: block)")
-    bw.add_argument("--vs", action="append", choices=("nixl",), metavar="PEER",
-                    help="also run the cases through PEER (nixl: NIXL's UCX backend, `pip install nixl`) in the "
-                         "same run, same checks and timing, and print kvxfer/PEER ratios (local runs only)")
+    bw.add_argument("--vs", action="append", choices=("nixl", "mooncake"), metavar="PEER",
+                    help="also run the cases through PEER (nixl: NIXL's UCX backend, `pip install nixl`; mooncake: "
+                         "Mooncake's transfer engine over TCP, `pip install mooncake-transfer-engine-non-cuda`, "
+                         "tcp rows only) in the same run, same checks, and print kvxfer/PEER ratios (local runs "
+                         "only; repeat --vs for both)")
     bw.add_argument("--floor", action="store_true",
                     help="after each provider's paged cases, the same pages through bench/fi_pingpong.c "
                          "(plain libfabric, one thread, same iov): what the provider itself allows")
@@ -549,18 +551,28 @@ def _run_floor_pages(run: "_Run", cases: list, order: list, memmove) -> None:
 def _run_peer(peer: str, run: "_Run", cases: list, order: list, warmup: int, memmove, bar: "Bar") -> list[dict]:
     """The same cases through `peer` for this provider; the rows of the comparison."""
     from kvxfer.cli._compare import compare
-    from kvxfer.cli._nixl import NixlPeer, available
+
+    if peer == "mooncake":
+        from kvxfer.cli._mooncake import MooncakePeer as Peer, available, supports
+    else:
+        from kvxfer.cli._nixl import NixlPeer as Peer, available
+
+        def supports(provider: str) -> Optional[str]:
+            return None
 
     args = run.args
     rec: dict[str, Any] = {"results": [], "error": None}
     run.record.setdefault("vs", {})[peer] = rec
     why = available()
     if why:
-        rec["error"] = f"nixl is not importable: {why}"
+        rec["error"] = f"{peer} is not importable: {why}"
+    elif supports(run.provider):
+        rec["error"] = supports(run.provider)
+    if rec["error"]:
         print(f"{run.provider:<11}  {peer}: skipped ({rec['error']})", flush=True)
         return []
     try:
-        p = NixlPeer(run.provider, timeout=args.timeout)
+        p = Peer(run.provider, timeout=args.timeout)
     except Exception as exc:
         rec["error"] = f"{type(exc).__name__}: {exc}"
         print(f"{run.provider:<11}  {peer}: FAILED to start: {rec['error']}", flush=True)

@@ -99,3 +99,23 @@ def test_target_failure_comes_back_with_its_traceback(provider):
             assert tp.stop(timeout=20) == 1   # the target ends by itself, with a failure status
         finally:
             tp.close()
+
+
+@pytest.mark.parametrize("peer", ["nixl", "mooncake"])
+def test_vs_peer_tiny_run(peer, tmp_path, capsys):
+    """--vs for real where the peer library is installed (optional: pip install nixl /
+    mooncake-transfer-engine-non-cuda); its target checks every byte as kvxfer's does."""
+    from kvxfer.cli import _mooncake, _nixl
+
+    why = (_nixl if peer == "nixl" else _mooncake).available()
+    if why:
+        pytest.skip(f"{peer} is not installed: {why}")
+    out = tmp_path / "vs.json"
+    rc = bench.main(["bw", "--provider", "tcp;ofi_rxm", "--vs", peer, "--case", "pages:4Kx64", "--case", "write:64K",
+                     "--iters", "3", "--warmup", "1", "--timeout", "30", "-q", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rows = json.loads(out.read_text())["comparison"]
+    assert {r["case"] for r in rows} == {"pages:4Kx64", "write:64K"}
+    assert all(r["peer"] == peer and r["peer_check"] == "ok" and r["kvxfer_check"] == "ok" for r in rows)
+    assert all(r["peer_gbps"] > 0 for r in rows)

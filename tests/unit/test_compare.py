@@ -51,6 +51,23 @@ def test_table_has_a_line_per_row_and_flags_failed_checks():
     assert table([]) == ""
 
 
+def test_two_peers_get_a_block_each_and_one_chart(tmp_path):
+    rows = compare("tcp", OURS, THEIRS, "nixl") + compare("tcp", OURS, THEIRS[:1], "mooncake")
+    blocks = table(rows).split("\n\n")
+    assert len(blocks) == 2
+    assert "x nixl" in blocks[0] and "mooncake" not in blocks[0]
+    assert "x mooncake" in blocks[1] and len(blocks[1].splitlines()) == 3
+    why = chart(rows, str(tmp_path / "two.png"))
+    assert why is None or "matplotlib" in why
+
+
+def test_mooncake_stands_in_for_tcp_only():
+    from kvxfer.cli import _mooncake
+
+    assert _mooncake.supports("tcp;ofi_rxm") is None
+    assert "tcp only" in _mooncake.supports("shm")
+
+
 def test_chart_is_a_png_or_says_why_not(tmp_path):
     path = tmp_path / "vs.png"
     why = chart(compare("shm", OURS, THEIRS, "nixl"), str(path))
