@@ -27,10 +27,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from kvxfer.cli._cases import Case, Checker, dst_pages, parse_case, pattern
-from kvxfer.cli._memmove import iterations as _iterations
+from kvxfer.cli._cases import Case, Checker, dst_pages, parse_case
 from kvxfer.cli._results import CaseResult
-from kvxfer.cli._vs import PeerProcess, TargetChannel, record_iteration
+from kvxfer.cli._vs import PeerProcess, TargetChannel, VsPeer, record_iteration
 
 __all__ = ["available", "supports", "MooncakePeer", "MAX_BATCH"]
 
@@ -104,8 +103,10 @@ def target_main() -> int:
     return 0
 
 
-class MooncakePeer:
+class MooncakePeer(VsPeer):
     """The initiator's side: a Mooncake engine in this process and a Mooncake target process."""
+
+    clock = "sender completion"
 
     def __init__(self, provider: str, *, timeout: float) -> None:
         why = supports(provider)
@@ -121,29 +122,14 @@ class MooncakePeer:
             self.close()
             raise
 
-    def close(self) -> None:
-        self.p.close()
-
-    def bw(self, case: Case, seed: int, *, warmup: int, iters: Optional[int], budget: float, min_iters: int,
-           max_iters: int, progress: Callable[[int, int], None], memory: str = "anon") -> CaseResult:
-        """One case through Mooncake, checked like ``Initiator.bw``; timing in the module doc."""
-        res = CaseResult(case, warmup=warmup, clock="sender completion")
-        src = pattern(seed, case.nbytes)
+    def _register(self, src: np.ndarray) -> None:
         _register(self.eng, src)
-        first = min(warmup, 1) if iters is None else 0
-        try:
-            wall = self._run(case, seed, src, warmup + first, 0, None, progress, memory)
-            n = iters if iters is not None else _iterations(budget, wall, min_iters, max_iters)
-            self._run(case, seed, src, n, warmup + first, res, progress, memory)
-            res.iterations = n
-            res.num_writes = case.pages
-        finally:
-            self.eng.unregister_memory(int(src.ctypes.data))
-        return res
+
+    def _unregister(self, reg, src: np.ndarray) -> None:
+        self.eng.unregister_memory(int(src.ctypes.data))
 
     def _run(self, case: Case, seed: int, src: np.ndarray, n: int, first: int, res: Optional[CaseResult],
              progress: Callable[[int, int], None], memory: str) -> float:
-        """n iterations numbered from `first` against a fresh target buffer; last wall time."""
         pb, pages, base = case.page_bytes, case.pages, int(src.ctypes.data)
         self.p.send(t="case", case=case.spec, seed=seed, total=first + n, timeout=self.timeout, memory=memory)
         dst = int(self.p.recv("desc")["addr"])

@@ -36,10 +36,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from kvxfer.cli._cases import Case, Checker, dst_pages, parse_case, pattern
-from kvxfer.cli._memmove import iterations as _iterations
+from kvxfer.cli._cases import Case, Checker, dst_pages, parse_case
 from kvxfer.cli._results import CaseResult
-from kvxfer.cli._vs import PeerProcess, TargetChannel, record_iteration
+from kvxfer.cli._vs import PeerProcess, TargetChannel, VsPeer, record_iteration
 
 __all__ = ["available", "ucx_env", "NixlPeer"]
 
@@ -111,7 +110,7 @@ def target_main() -> int:
     return 0
 
 
-class NixlPeer:
+class NixlPeer(VsPeer):
     """The initiator's side: a NIXL agent in this process and a NIXL target process."""
 
     def __init__(self, provider: str, *, timeout: float) -> None:
@@ -130,32 +129,14 @@ class NixlPeer:
             self.close()
             raise
 
-    def close(self) -> None:
-        self.p.close()
+    def _register(self, src: np.ndarray):
+        return self.agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
 
-    def bw(self, case: Case, seed: int, *, warmup: int, iters: Optional[int], budget: float, min_iters: int,
-           max_iters: int, progress: Callable[[int, int], None], memory: str = "anon") -> CaseResult:
-        """One case through NIXL, measured and checked like ``Initiator.bw``; the target's
-        buffer is ``memory`` (``_cases.TARGET_MEMORY``), as kvxfer's is."""
-        res = CaseResult(case, warmup=warmup, clock="target clock")
-        src = pattern(seed, case.nbytes)
-        reg = self.agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
-        pb, n_pages = case.page_bytes, case.pages
-        # pass 1 measures one iteration's wall time to size the run, as Initiator.bw does
-        first = min(warmup, 1) if iters is None else 0
-        try:
-            wall = self._run(case, seed, src, warmup + first, 0, None, progress, memory)
-            n = iters if iters is not None else _iterations(budget, wall, min_iters, max_iters)
-            self._run(case, seed, src, n, warmup + first, res, progress, memory)
-            res.iterations = n
-            res.num_writes = n_pages
-        finally:
-            self.agent.deregister_memory(reg)
-        return res
+    def _unregister(self, reg, src: np.ndarray) -> None:
+        self.agent.deregister_memory(reg)
 
     def _run(self, case: Case, seed: int, src: np.ndarray, n: int, first: int, res: Optional[CaseResult],
              progress: Callable[[int, int], None], memory: str) -> float:
-        """n iterations numbered from `first` against a fresh target buffer; last wall time."""
         agent, pb, pages = self.agent, case.page_bytes, case.pages
         self.p.send(t="case", case=case.spec, seed=seed, total=first + n, timeout=self.timeout, memory=memory)
         desc = self.p.recv("desc")

@@ -11,9 +11,11 @@ import subprocess
 import sys
 from typing import Callable, Optional
 
+from kvxfer.cli._cases import Case, pattern
+from kvxfer.cli._memmove import iterations as _iterations
 from kvxfer.cli._results import CaseResult
 
-__all__ = ["TargetChannel", "PeerProcess", "record_iteration"]
+__all__ = ["TargetChannel", "PeerProcess", "VsPeer", "record_iteration"]
 
 
 class TargetChannel:
@@ -83,3 +85,45 @@ def record_iteration(res: Optional[CaseResult], i: int, first: int, n: int, t0: 
         if len(res.problems) < 5:
             res.problems.append(f"iteration {i}: {msg['bad']} pages differ" if msg["bad"]
                                 else f"iteration {i}: guard bytes overwritten")
+
+
+class VsPeer:
+    """The initiator side of a peer: its target process ``p`` and the case loop. A peer says
+    how it registers the source (``_register`` / ``_unregister``) and runs ``n`` iterations
+    (``_run``); ``clock`` names what its ``p50`` is measured to."""
+
+    clock = "target clock"
+    p: PeerProcess
+
+    def close(self) -> None:
+        self.p.close()
+
+    def bw(self, case: Case, seed: int, *, warmup: int, iters: Optional[int], budget: float, min_iters: int,
+           max_iters: int, progress: Callable[[int, int], None], memory: str = "anon") -> CaseResult:
+        """One case through the peer, measured and checked like ``Initiator.bw``; the target's
+        buffer is ``memory`` (``_cases.TARGET_MEMORY``), as kvxfer's is."""
+        res = CaseResult(case, warmup=warmup, clock=self.clock)
+        src = pattern(seed, case.nbytes)
+        reg = self._register(src)
+        # pass 1 measures one iteration's wall time to size the run, as Initiator.bw does
+        first = min(warmup, 1) if iters is None else 0
+        try:
+            wall = self._run(case, seed, src, warmup + first, 0, None, progress, memory)
+            n = iters if iters is not None else _iterations(budget, wall, min_iters, max_iters)
+            self._run(case, seed, src, n, warmup + first, res, progress, memory)
+            res.iterations = n
+            res.num_writes = case.pages
+        finally:
+            self._unregister(reg, src)
+        return res
+
+    def _register(self, src):
+        raise NotImplementedError
+
+    def _unregister(self, reg, src) -> None:
+        raise NotImplementedError
+
+    def _run(self, case: Case, seed: int, src, n: int, first: int, res: Optional[CaseResult],
+             progress: Callable[[int, int], None], memory: str) -> float:
+        """n iterations numbered from `first` against a fresh target buffer; last wall time."""
+        raise NotImplementedError
