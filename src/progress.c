@@ -19,8 +19,9 @@
  * Blocking mode (the default, for 2-core machines): while tx operations are outstanding, or
  * for a short window after the last completion, the thread polls with sched_yield between
  * empty reads; otherwise it blocks: poll() on the CQ's wait fd after fi_trywait where the
- * provider has one (tcp), fi_cq_sread where it has a wait object but no fd, else a
- * condition-variable wait with an exponential back-off capped at 1 ms (shm). Posting threads signal it so a new transfer never waits out a back-off. Spin mode never
+ * provider has one (tcp), fi_cq_sread where it has a wait object but no fd, else (shm) a
+ * futex wait on the rail's doorbell (bell.c) with an exponential back-off capped at 10 ms, or
+ * a condition-variable wait capped at 1 ms where it has no doorbell. Posting threads signal it so a new transfer never waits out a back-off. Spin mode never
  * blocks. */
 #include "internal.h"
 
@@ -32,6 +33,8 @@
 #define KX_SPIN_WINDOW_NS   200000LL     /* keep polling 200 us after activity */
 #define KX_STALL_NS         200000000LL  /* outstanding but silent this long: back off */
 #define KX_MAX_BACKOFF_NS   1000000LL
+#define KX_MAX_BACKOFF_BELL_NS 10000000LL /* shm with a doorbell: kvxfer writers ring it, so the
+                                               * back-off only serves writers without one */
 #define KX_RECENT_NS        10000000LL   /* ... if the rail was busy this recently (or has ops out) */
 #define KX_PARK_NS          1000000LL    /* a parked progress thread looks again after this */
 
@@ -448,7 +451,7 @@ void *kx_progress_main(void *arg)
              * this process's posters poke it through kx_wake */
             kx_bell_sleep(r, backoff, kx_look_again);
             __atomic_store_n(&r->sleeping, 0, __ATOMIC_RELEASE);
-            backoff = backoff * 2 > KX_MAX_BACKOFF_NS ? KX_MAX_BACKOFF_NS : backoff * 2;
+            backoff = backoff * 2 > KX_MAX_BACKOFF_BELL_NS ? KX_MAX_BACKOFF_BELL_NS : backoff * 2;
             continue;
         }
         struct timespec ts;
