@@ -149,8 +149,10 @@ class Server:
             if not r:
                 raise TimeoutError("target did not answer")
             line = self.p.stdout.readline()
-            if not line:
-                raise EOFError("target died")
+            if not line:       # its status and the end of its stderr say why
+                self.p.wait(10)
+                err = self.p.stderr.read() if self.p.stderr else ""
+                raise EOFError(f"target died (status {self.p.returncode}): {err[-1500:]}")
             if line.split() and line.split()[0] in ("ready", "closed", "bye"):
                 return line.split()
 
