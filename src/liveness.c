@@ -270,6 +270,36 @@ static pid_t kx_shm_pid(const char *prov, const void *name, size_t len)
     return (i < len && *s == ':') ? (pid_t)pid : 0;
 }
 
+/* Before fi_enable of a shm endpoint: shm names its region /dev/shm/<pid>:<n>:<m> and refuses
+ * to enable (EBUSY) when the file exists. A file with our own pid that no open engine of
+ * this process owns was left by a dead process that had our pid (a crash or a SIGKILL leaves
+ * its region, and pids come round again): remove it, and its doorbell. */
+void kx_shm_clear_stale(kx_rail *r)
+{
+    char name[256];
+    size_t len = sizeof(name) - 1;
+    if (fi_getname(&r->ep->fid, name, &len) || len >= sizeof(name))
+        return;
+    name[len] = '\0';
+    if (kx_shm_pid(r->info->fabric_attr->prov_name, name, len) != getpid())
+        return;
+    kx_local *mine = kx_local_find(name, len);
+    if (mine) {                  /* ours and open: not stale (shm numbers endpoints, so never) */
+        kx_local_unref(mine);
+        return;
+    }
+    const char *n = name + 9;    /* after "fi_shm://" */
+    size_t nl = strnlen(n, len - 9);
+    if (nl == 0 || nl > 200 || memchr(n, '/', nl))
+        return;
+    char path[300];
+    snprintf(path, sizeof(path), "/dev/shm/%.*s", (int)nl, n);
+    if (unlink(path) == 0) {
+        snprintf(path, sizeof(path), "/dev/shm/%.*s.kxbell", (int)nl, n);
+        unlink(path);
+    }
+}
+
 /* Reject an endpoint name the provider would choke on before fi_av_insert sees it:
  * libfabric 1.17's IP address vector fails an insert whose sockaddr family it does not
  * know and then refuses every later insert (tcp: one bad address disabled connect() for

@@ -94,6 +94,8 @@ static int kx_rail_open_fids(kx_rail *r, int spin, const char **call)
         *call = "fi_ep_bind(av)";
         return ret;
     }
+    if (strcmp(fi->fabric_attr->prov_name, "shm") == 0)
+        kx_shm_clear_stale(r);     /* a dead process's region under our name (liveness.c) */
     if ((ret = fi_enable(r->ep))) {
         *call = "fi_enable";
         return ret;

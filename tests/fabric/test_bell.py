@@ -1,11 +1,15 @@
 """The shm doorbell (src/bell.c): a sleeping shm progress thread is woken by the process that
 writes to it, instead of finding the write at the end of its back-off. What must hold: the
 bell lives exactly as long as its engine, a write to a sleeping peer rings it (across
-processes and within one), an engine without a bell is still served, and a file at the
-bell's path that is not a bell is never rung."""
+processes and within one), an engine without a bell is still served, a file at the
+bell's path that is not a bell is never rung, and the files a dead process left under our
+pid (shm's region and its bell) do not stop an engine from opening."""
 
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -51,7 +55,8 @@ def _idle_writes_in_process(a, b, src):
 
 def test_bell_lives_with_its_engine(shm):
     with kvxfer.Engine("shm", rails=2) as eng:
-        paths = [f"/dev/shm/{r.getname().rstrip(b'\0').decode()[len('fi_shm://'):]}.kxbell" for r in eng._rails]
+        names = [r.getname().rstrip(b"\0").decode()[len("fi_shm://"):] for r in eng._rails]
+        paths = [f"/dev/shm/{n}.kxbell" for n in names]
         for p in paths:
             st = os.stat(p)
             assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid() and st.st_size == 4096
@@ -111,3 +116,24 @@ def test_a_file_that_is_not_a_bell_is_never_rung(shm, monkeypatch, content):
         finally:
             os.close(fd)
             os.unlink(path)
+
+
+def test_files_of_a_dead_process_with_our_pid_do_not_block_an_engine(shm):
+    """shm refuses to enable an endpoint whose region file exists (EBUSY); a crashed or
+    killed process leaves its region, and pids come round again. The first shm endpoint of a
+    process is named <pid>:0:0: a fresh process puts stale files there, then opens one."""
+    code = textwrap.dedent("""
+        import os, kvxfer
+        pid = os.getpid()
+        for suffix in ("", ".kxbell"):
+            with open(f"/dev/shm/{pid}:0:0{suffix}", "wb") as f:
+                f.write(b"stale" * 100)
+        with kvxfer.Engine("shm") as e:
+            assert e._rails[0].getname().rstrip(b"\\0").decode() == f"fi_shm://{pid}:0:0"
+            bell = os.stat(f"/dev/shm/{pid}:0:0.kxbell")
+            assert bell.st_size == 4096                  # a bell of its own, not the stale file
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"{pid}:")]
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
