@@ -20,7 +20,6 @@
 #include "internal.h"
 
 #include <fcntl.h>
-#include <stdio.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -29,19 +28,6 @@
 
 #define KX_BELL_MAGIC 0x6c6c6562u      /* "bell" */
 #define KX_BELL_BYTES 4096
-
-/* "/dev/shm/<name>.kxbell" for a shm endpoint name "fi_shm://<name>"; 0, or -1 if not one */
-static int kx_bell_path(const void *name, size_t len, char *path, size_t size)
-{
-    if (len < 10 || memcmp(name, "fi_shm://", 9) != 0)
-        return -1;
-    const char *n = (const char *)name + 9;
-    size_t nl = strnlen(n, len - 9);
-    if (nl == 0 || nl > 200 || memchr(n, '/', nl))
-        return -1;
-    snprintf(path, size, "/dev/shm/%.*s.kxbell", (int)nl, n);
-    return 0;
-}
 
 void kx_bell_create(kx_rail *r)
 {
@@ -54,7 +40,7 @@ void kx_bell_create(kx_rail *r)
     if (!r->shm || fi_getname(&r->ep->fid, name, &len) || len >= sizeof(name))
         return;
     name[len] = '\0';
-    if (kx_bell_path(name, len, path, sizeof(path)))
+    if (kx_shm_path(name, len, ".kxbell", path, sizeof(path)))
         return;
     int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (fd < 0 && errno == EEXIST) {      /* left by a killed process whose pid we now have */
@@ -107,7 +93,7 @@ void kx_bell_free(kx_rail *r)
 kx_bell *kx_bell_open(const void *name, size_t len, pid_t pid)
 {
     char path[300];
-    if (pid <= 0 || kx_bell_path(name, len, path, sizeof(path)))
+    if (pid <= 0 || kx_shm_path(name, len, ".kxbell", path, sizeof(path)))
         return NULL;
     int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0)

@@ -308,6 +308,7 @@ typedef struct kx_peer {
 
 int kx_local_publish(kx_rail *r);
 void kx_shm_clear_stale(kx_rail *r);
+int kx_shm_path(const void *name, size_t len, const char *suffix, char *path, size_t size);
 void kx_local_retire(kx_rail *r);
 int kx_addr_check(kx_rail *r, const void *addr, size_t len);
 int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len);

@@ -270,6 +270,20 @@ static pid_t kx_shm_pid(const char *prov, const void *name, size_t len)
     return (i < len && *s == ':') ? (pid_t)pid : 0;
 }
 
+/* "/dev/shm/<name><suffix>" for a shm endpoint name "fi_shm://<name>" (shm's region is the
+ * file with no suffix, kvxfer's doorbell the one with ".kxbell"): 0, or -1 if not one */
+int kx_shm_path(const void *name, size_t len, const char *suffix, char *path, size_t size)
+{
+    if (len < 10 || memcmp(name, "fi_shm://", 9) != 0)
+        return -1;
+    const char *n = (const char *)name + 9;
+    size_t nl = strnlen(n, len - 9);
+    if (nl == 0 || nl > 200 || memchr(n, '/', nl))
+        return -1;
+    snprintf(path, size, "/dev/shm/%.*s%s", (int)nl, n, suffix);
+    return 0;
+}
+
 /* Before fi_enable of a shm endpoint: shm names its region /dev/shm/<pid>:<n>:<m> and refuses
  * to enable (EBUSY) when the file exists. A file with our own pid that no open engine of
  * this process owns was left by a dead process that had our pid (a crash or a SIGKILL leaves
@@ -288,16 +302,10 @@ void kx_shm_clear_stale(kx_rail *r)
         kx_local_unref(mine);
         return;
     }
-    const char *n = name + 9;    /* after "fi_shm://" */
-    size_t nl = strnlen(n, len - 9);
-    if (nl == 0 || nl > 200 || memchr(n, '/', nl))
-        return;
     char path[300];
-    snprintf(path, sizeof(path), "/dev/shm/%.*s", (int)nl, n);
-    if (unlink(path) == 0) {
-        snprintf(path, sizeof(path), "/dev/shm/%.*s.kxbell", (int)nl, n);
+    if (kx_shm_path(name, len, "", path, sizeof(path)) == 0 && unlink(path) == 0 &&
+        kx_shm_path(name, len, ".kxbell", path, sizeof(path)) == 0)
         unlink(path);
-    }
 }
 
 /* Reject an endpoint name the provider would choke on before fi_av_insert sees it:
@@ -394,11 +402,8 @@ static void kx_shm_lock_map(kx_peer *p, const void *name, size_t len, pid_t pid)
     p->lockw = NULL;
     p->map = NULL;
     char path[300];
-    const char *n = (const char *)name + 9;          /* after "fi_shm://" */
-    size_t nl = strnlen(n, len - 9);
-    if (nl == 0 || nl > 250 || memchr(n, '/', nl))
+    if (kx_shm_path(name, len, "", path, sizeof(path)))
         return;
-    snprintf(path, sizeof(path), "/dev/shm/%.*s", (int)nl, n);
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0)
         return;
