@@ -50,7 +50,8 @@ stress: build
 # the extension built with AddressSanitizer + UndefinedBehaviorSanitizer (a separate copy of
 # the package under build/sanitize), running the fabric tests; libasan must come first
 # (LD_PRELOAD). test_netns is left out: the preload reaches the `ip` children it runs, and
-# iproute2 has its own strncpy overlap
+# iproute2 has its own strncpy overlap; so are the --vs peer runs (NIXL, Mooncake, matplotlib:
+# third-party native code, which aborted under the preload)
 ASAN_LIB = $(shell gcc -print-file-name=libasan.so)
 sanitize: venv
 	rm -rf build/sanitize && mkdir -p build/sanitize && cp -r kvxfer build/sanitize/
@@ -59,7 +60,7 @@ sanitize: venv
 	cd build/sanitize && LD_PRELOAD=$(ASAN_LIB) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=$(CURDIR)/build/sanitize \
 	  $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(CURDIR)/tests/fabric $(CURDIR)/tests/stress/test_stale.py \
-	  --ignore=$(CURDIR)/tests/fabric/test_netns.py
+	  --ignore=$(CURDIR)/tests/fabric/test_netns.py -k "not vs_peer"
 
 bench: build
 	$(VENV)/bin/kvxfer-bench bw
