@@ -151,6 +151,7 @@ class Child:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)
+            remove_shm_files(self.proc.pid)
 
     def close(self, grace: float = 0.0, keep_process: bool = False) -> None:
         """Give the child ``grace`` seconds to exit, kill it if it has not, release every fd
@@ -167,6 +168,30 @@ class Child:
             os.unlink(self._stderr_path)
         except OSError:
             pass
+
+
+def remove_shm_files(pid: int) -> None:
+    """What a killed process's shm endpoints leave in /dev/shm: shm's regions ``<pid>:<n>:<m>``
+    and kvxfer's doorbells (harmless since kvxfer clears its own name, but they pile up)."""
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(f"{pid}:"):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+
+
+def dead_shm_files(since: set) -> None:
+    """Remove the shm files that appeared after the listing ``since`` and whose process is
+    gone (a test that kills processes it did not spawn itself, e.g. the demo's drill)."""
+    for name in set(os.listdir("/dev/shm")) - since:
+        pid = name.split(":")[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            remove_shm_files(int(pid))
 
 
 def spawn(fn: Callable[..., Any], *args: Any, **kw: Any) -> Child:

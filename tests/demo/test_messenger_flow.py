@@ -4,6 +4,8 @@ mismatch with the colocated run fails. Also the kill-the-prefiller drill."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 kvxfer = pytest.importorskip("kvxfer")
@@ -16,6 +18,7 @@ from kvxfer.demo import cli
 from kvxfer.demo.flow import DemoConfig, run
 
 pytestmark = pytest.mark.timeout(300)
+from _procs import dead_shm_files  # noqa: E402
 from _providers import available, provider  # noqa: E402,F401  (the shared fixture)
 
 
@@ -49,7 +52,11 @@ def test_kill_the_prefiller(provider):
     pt = 1.5
     dc = DemoConfig(prompts=10, min_len=20, max_len=160, max_new=6, chunk=64, max_batch=4, arrival_ms=3,
                     transport=provider, prefill_nodes=2, kill_prefiller_after=1, peer_timeout=pt, seed=11)
-    r = run(dc)
+    before = set(os.listdir("/dev/shm"))
+    try:
+        r = run(dc)
+    finally:
+        dead_shm_files(before)       # the killed node's shm files
     failed = [s for s in r.requests if s.error]
     served = [s for s in r.requests if not s.error]
     assert failed, "node 0 had requests in flight when it was killed"

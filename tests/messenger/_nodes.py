@@ -450,6 +450,9 @@ class Node:
         if self.proc.is_alive():
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
+        from _procs import remove_shm_files   # tests/ is on sys.path (tests/conftest.py)
+
+        remove_shm_files(self.proc.pid)       # what its shm endpoints left in /dev/shm
 
     def close(self, timeout: float = 20.0):
         try:
