@@ -223,12 +223,19 @@ static inline int64_t kx_now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-static inline void kx_deadline(struct timespec *ts, int64_t ns)
+/* `ns` from now on `clock`: CLOCK_MONOTONIC for the hub's condition variables (kx_deadline),
+ * CLOCK_REALTIME for the calls that know no other (pthread_timedjoin_np) */
+static inline void kx_deadline_on(clockid_t clock, struct timespec *ts, int64_t ns)
 {
-    clock_gettime(CLOCK_MONOTONIC, ts);
+    clock_gettime(clock, ts);
     ts->tv_sec += ns / 1000000000LL;
     ts->tv_nsec += ns % 1000000000LL;
     if (ts->tv_nsec >= 1000000000L) { ts->tv_sec++; ts->tv_nsec -= 1000000000L; }
+}
+
+static inline void kx_deadline(struct timespec *ts, int64_t ns)
+{
+    kx_deadline_on(CLOCK_MONOTONIC, ts, ns);
 }
 
 /* wait on the hub's condition until *flag is set or the slice passes; returns *flag */

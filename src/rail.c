@@ -260,12 +260,7 @@ void kx_rail_quiesce(kx_rail *r)
     int joined = 0;
     for (int step = 0; step < 100 && !joined; step++) {
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 50000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        kx_deadline_on(CLOCK_REALTIME, &ts, 50000000LL);
         joined = pthread_timedjoin_np(r->thread, NULL, &ts) == 0;
         if (!joined && step >= 1)
             kx_peers_unstick(r);
