@@ -1,9 +1,9 @@
 /* bell.c: a doorbell for a shm rail's progress thread, rung by the processes that write to it.
  *
  * shm in libfabric 1.17 has no wait object: nothing wakes a progress thread when a peer
- * enqueues a command, so an idle thread sleeps in a back-off (up to KX_MAX_BACKOFF_NS) and
- * the first write after a quiet spell waits for it: up to 1 ms for the imm of a direct write,
- * a control message, or a layer's last write. The bell is a futex word in a 4 KiB file of
+ * enqueues a command, so an idle thread sleeps in a back-off and, without a bell, the first
+ * write after a quiet spell waits for it (up to 1 ms: the imm of a direct write, a control
+ * message, or a layer's last write). The bell is a futex word in a 4 KiB file of
  * its own next to shm's region, /dev/shm/<shm name>.kxbell (0600, created at open, removed
  * at close; a killed process leaves it, as shm leaves its region). A sleeping progress
  * thread announces itself in `sleeping` and waits on `seq`; a kvxfer sender that mapped the
@@ -14,9 +14,10 @@
  *   ringer:  post (the command is in the peer's queue); fence; if sleeping: swap it to 0,
  *            seq++, futex_wake
  * Either the ringer sees `sleeping` or the sleeper's last CQ read sees the command. The
- * back-off stays as the timeout, so a writer without a bell (a plain libfabric peer, an
- * older kvxfer) is served as before, and the idle cost does not change. KVXFER_SHM_BELL=0
- * makes an engine without one. */
+ * back-off stays as the futex's timeout; since kvxfer writers ring, it may grow to 10 ms
+ * (progress.c, KX_MAX_BACKOFF_BELL_NS), which cuts an idle engine's cost, and a writer
+ * without a bell's ring (a plain libfabric peer, an older kvxfer) waits for it.
+ * KVXFER_SHM_BELL=0 makes an engine without one (the 1 ms back-off). */
 #include "internal.h"
 
 #include <fcntl.h>
