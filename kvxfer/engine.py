@@ -171,6 +171,17 @@ def _check_options(progress, iov, max_write, pack_min, rails) -> None:
 MAX_POLL_US = 1e9
 
 
+def _check_watch(poll_us, rt_priority, prefix: str = "") -> None:
+    """A watcher's poll interval (µs, positive, at most ``MAX_POLL_US``) and SCHED_FIFO
+    priority (0..99); ``prefix`` names them as the caller's options do (the messenger's
+    ``watch_``)."""
+    if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not 0 < poll_us <= MAX_POLL_US:
+        raise InvalidArgumentError(f"{prefix}poll_us must be a positive number up to {MAX_POLL_US:g}, "
+                                   f"got {poll_us!r}")
+    if isinstance(rt_priority, bool) or not isinstance(rt_priority, int) or not 0 <= rt_priority <= 99:
+        raise InvalidArgumentError(f"{prefix}rt_priority must be an int in 0..99, got {rt_priority!r}")
+
+
 def _check_cpus(cpus) -> tuple:
     """The progress threads' CPUs (from the caller or a placement): ones this process may use."""
     if cpus is None:
@@ -1190,11 +1201,8 @@ class Engine:
         """A native counter watcher that posts armed writes when a counter reaches their
         threshold (see ``Watcher``); pinned to ``cpus`` (default: the engine's)."""
         self._check_open()
-        if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not 0 < poll_us <= MAX_POLL_US:
-            raise InvalidArgumentError(f"poll_us must be a positive number up to {MAX_POLL_US:g}, got {poll_us!r}")
+        _check_watch(poll_us, rt_priority)
         cpus = self.cpus if cpus is None else _check_cpus(cpus)
-        if isinstance(rt_priority, bool) or not isinstance(rt_priority, int) or not 0 <= rt_priority <= 99:
-            raise InvalidArgumentError(f"rt_priority must be an int in 0..99, got {rt_priority!r}")
         w = Watcher(self, word, poll_us, cpus or (), keep, rt_priority)
         self._watchers.add(w)
         return w

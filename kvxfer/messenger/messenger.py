@@ -445,7 +445,7 @@ class Messenger:
                  placements: Optional[Mapping[int, Any]] = None, counter_device: Optional[int] = None,
                  watch_poll_us: float = 10.0, watch_cpus: Optional[Iterable[int]] = None,
                  watch_rt_priority: int = 0) -> None:
-        from kvxfer.engine import MAX_POLL_US, Engine, _check_cpus   # here: the codecs import without libfabric
+        from kvxfer.engine import Engine, _check_cpus, _check_watch   # here: the codecs import without libfabric
 
         if not isinstance(engine, Engine):
             raise InvalidArgumentError(f"engine must be a kvxfer Engine, got {type(engine).__name__}")
@@ -477,15 +477,9 @@ class Messenger:
         if counter_device is not None and (isinstance(counter_device, bool) or not isinstance(counter_device, int)
                                            or counter_device < 0):
             raise InvalidArgumentError(f"counter_device must be a CUDA device ordinal, got {counter_device!r}")
-        if (isinstance(watch_poll_us, bool) or not isinstance(watch_poll_us, (int, float))
-                or not 0 < watch_poll_us <= MAX_POLL_US):
-            raise InvalidArgumentError(f"watch_poll_us must be a positive number up to {MAX_POLL_US:g}, "
-                                       f"got {watch_poll_us!r}")
-        rt = watch_rt_priority
-        if isinstance(rt, bool) or not isinstance(rt, int) or not 0 <= rt <= 99:
-            raise InvalidArgumentError(f"watch_rt_priority must be an int in 0..99, got {rt!r}")
+        _check_watch(watch_poll_us, watch_rt_priority, "watch_")
         self._counter_opts = (counter_device, float(watch_poll_us),
-                              None if watch_cpus is None else _check_cpus(watch_cpus), rt)
+                              None if watch_cpus is None else _check_cpus(watch_cpus), watch_rt_priority)
         self._counter: Optional[LayerCounter] = None
         self._watcher: Any = None
         self._counter_release: Optional[Callable[[], None]] = None
