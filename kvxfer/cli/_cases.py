@@ -179,13 +179,17 @@ class Checker:
     def check(self, iteration: int) -> tuple[int, bool]:
         """(pages that differ from the source, guard intact); then re-poison."""
         bad, guard_ok = self.verify(iteration)
+        self.poison()
+        return bad, guard_ok
+
+    def poison(self) -> None:
+        """Zero the written range and restore the guard, for the next iteration."""
         self.buf[: self.case.nbytes].fill(0)
         self.buf[self.case.nbytes:] = GUARD_VALUE
-        return bad, guard_ok
 
     def verify(self, iteration: int) -> tuple[int, bool]:
         """``check`` without the re-poisoning: a target that cannot tell when a write landed
-        (``--vs mooncake``) verifies until the bytes are all there."""
+        (``--vs mooncake``) verifies until the bytes are all there, then ``poison``s."""
         c = self.case
         data = self.buf[: c.nbytes]
         guard_ok = bool((self.buf[c.nbytes:] == GUARD_VALUE).all())
