@@ -1,9 +1,10 @@
 /* fi_pingpong.c: the floor kvxfer is measured against. Plain libfabric, one thread per
- * process, no kvxfer layer: what the provider itself costs on this machine.
+ * process (per rail with -R), no kvxfer layer: what the provider itself costs on this machine.
  *
- *   fi_pingpong [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] [-y] [-D]      round trips
- *   fi_pingpong -m pages [-p PROV] [-P PAGE] [-N PAGES] [-I IOV] [-n ITERS] [-y] [-D] paged writes
+ *   fi_pingpong [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] [-y|-b] [-D] [-C]   round trips
+ *   fi_pingpong -m pages [-p PROV] [-P PAGE] [-N PAGES] [-I IOV] [-R RAILS] [-n ITERS] [-y|-b] [-D] [-C]
  *   fi_pingpong -m cma [-P PAGE] [-N PAGES] [-I IOV] [-n ITERS]                  paged CMA copies
+ *   fi_pingpong -m sock [-P PAGE] [-N PAGES] [-I IOV] [-R RAILS] [-n ITERS]      the same bytes by TCP
  *
  * The process forks; parent (initiator) and child (target) each open fabric, domain, CQ,
  * AV and an RDM endpoint on PROV (tcp: bound to 127.0.0.1; shm: its own name), register one
@@ -22,12 +23,23 @@
  * carrying the immediate; the target counts the messages' CQ entries and answers with one
  * 8-byte write; that answer ends the iteration. Same timing definition as kvxfer-bench bw's
  * "acked" column. The target checks nothing (this is a probe of the provider, not of data).
+ * -R RAILS: as many endpoints per process (kvxfer's rails), each with its own CQ, connection
+ * and thread, the pages split evenly; an iteration ends when every rail's answer is in.
+ *
+ * Waiting: by default both sides poll purely; -y: sched_yield() after an empty CQ read; -b:
+ * sleep in poll() on the CQ's wait fd (tcp) after fi_trywait, as kvxfer's idle progress
+ * threads do. -C pins the initiator to CPU 0 and the target to CPU 1.
  *
  * CMA (-m cma, no libfabric at all): the same scattered pages copied by the initiator with
  * process_vm_writev() straight into the target's buffer, IOV destination pages per call (up
  * to IOV_MAX = 1024; the source pages are one contiguous local iovec). What a shm path
  * without libfabric's per-message command round trip and 4-iovec cap could reach: the
  * target spends no CPU. Time = the copies (a notification would add one small message).
+ *
+ * TCP (-m sock, no libfabric at all): the same number of bytes, contiguous, over RAILS plain
+ * loopback TCP connections with one blocking thread per connection on each side, in send()
+ * calls of IOV pages (by default, or with -I 0, the whole share in one call). What the kernel carries from process to
+ * process by TCP here: the ceiling of any TCP provider, whatever it does with the pages.
  *
  * Output: one JSON object on stdout (microseconds for round trips, GB/s for pages). */
 #define _GNU_SOURCE
@@ -36,7 +48,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
+#include <poll.h>
 #include <sched.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -59,11 +75,12 @@
         }                                                                                  \
     } while (0)
 
-typedef struct {
+typedef struct ep_s {
     struct fi_info *info;
     struct fid_fabric *fabric;
     struct fid_domain *domain;
     struct fid_cq *cq;
+    int cq_fd;                /* -b: the CQ's wait fd, -1 where none */
     struct fid_av *av;
     struct fid_ep *ep;
     struct fid_mr *mr;
@@ -82,6 +99,13 @@ typedef struct {
 /* -y: sched_yield() after an empty CQ read (on a machine with more runnable threads than
  * cores, two pure spinners can starve each other's peer) */
 static int yield_when_idle;
+/* -b: after an empty CQ read, sleep in poll() on the CQ's wait fd (after fi_trywait) where
+ * the provider has one (tcp): a thread that waits for its socket sleeps in the kernel, as
+ * kvxfer's progress threads do when idle */
+static int block_when_idle;
+
+struct ep_s;
+static void idle(struct ep_s *e);
 static uint64_t dc_flag;       /* -D: FI_DELIVERY_COMPLETE, as kvxfer's writes on tcp;ofi_rxm */
 
 typedef struct {
@@ -121,8 +145,14 @@ static void open_ep(ep_t *e, const char *prov, size_t len)
     CHECK(fi_fabric(fi->fabric_attr, &e->fabric, NULL));
     CHECK(fi_domain(e->fabric, fi, &e->domain, NULL));
     struct fi_cq_attr cqa = {.format = FI_CQ_FORMAT_DATA, .size = fi->tx_attr->size + fi->rx_attr->size,
-                             .wait_obj = FI_WAIT_NONE};
-    CHECK(fi_cq_open(e->domain, &cqa, &e->cq, NULL));
+                             .wait_obj = block_when_idle ? FI_WAIT_FD : FI_WAIT_NONE};
+    e->cq_fd = -1;
+    if (fi_cq_open(e->domain, &cqa, &e->cq, NULL)) {   /* no fd wait object (shm): poll, yielding */
+        cqa.wait_obj = FI_WAIT_NONE;
+        CHECK(fi_cq_open(e->domain, &cqa, &e->cq, NULL));
+    } else if (block_when_idle && fi_control(&e->cq->fid, FI_GETWAIT, &e->cq_fd)) {
+        e->cq_fd = -1;
+    }
     struct fi_av_attr ava = {.type = FI_AV_TABLE};
     CHECK(fi_av_open(e->domain, &ava, &e->av, NULL));
     CHECK(fi_endpoint(e->domain, fi, &e->ep, NULL));
@@ -161,6 +191,20 @@ static void swap_cards(ep_t *e, int sock)
     e->rkey = theirs.key;
 }
 
+static void idle(ep_t *e)
+{
+    if (e->cq_fd >= 0) {
+        struct fid *f = &e->cq->fid;
+        if (fi_trywait(e->fabric, &f, 1) == 0) {
+            struct pollfd p = {.fd = e->cq_fd, .events = POLLIN};
+            poll(&p, 1, 1);
+        }
+        return;
+    }
+    if (yield_when_idle || block_when_idle)
+        sched_yield();
+}
+
 /* read the CQ until an entry with remote CQ data arrives; returns its data. Arrivals read in
  * the same batch wait in a small ring for the next call. */
 static uint64_t wait_imm(ep_t *e, int64_t *tx_done)
@@ -169,8 +213,7 @@ static uint64_t wait_imm(ep_t *e, int64_t *tx_done)
     while (e->ring_head == e->ring_tail) {
         ssize_t n = fi_cq_read(e->cq, ent, 64);
         if (n == -FI_EAGAIN) {
-            if (yield_when_idle)
-                sched_yield();
+            idle(e);
             continue;
         }
         if (n < 0) {
@@ -213,8 +256,8 @@ static void post_write(ep_t *e, const void *src, size_t len, uint64_t raddr, uin
             CHECK(r);
         struct fi_cq_data_entry ent[64];
         ssize_t n = fi_cq_read(e->cq, ent, 64);
-        if (n == -FI_EAGAIN && yield_when_idle)
-            sched_yield();
+        if (n == -FI_EAGAIN)
+            idle(e);
         for (ssize_t i = 0; i < n; i++) {
             if (ent[i].flags & FI_REMOTE_CQ_DATA)
                 e->ring[e->ring_tail++ % 128] = ent[i].data;
@@ -284,32 +327,49 @@ static uint64_t xs(void)
     return rng_state;
 }
 
-static int run_pages(const char *prov, int sock, int initiator, long iters, long warmup, size_t page,
-                     size_t pages, size_t iov)
+static __thread uint64_t rail_rng = 88172645463325252ULL;
+/* a uniform index in [0, i] from this thread's xorshift (the rails shuffle independently) */
+static size_t xs_r(size_t *unused, size_t i)
 {
-    ep_t *e = calloc(1, sizeof(*e));
-    open_ep(e, prov, page * pages + 8);
-    swap_cards(e, sock);
-    if (iov > e->iov_limit)
-        iov = e->iov_limit;
-    if (iov < 1)
-        iov = 1;
-    size_t msgs = (pages + iov - 1) / iov;
-    size_t *perm = malloc(sizeof(size_t) * pages);
-    double *t = initiator ? malloc(sizeof(double) * (size_t)iters) : NULL;
-    long total = iters + warmup;
+    (void)unused;
+    rail_rng ^= rail_rng << 13;
+    rail_rng ^= rail_rng >> 7;
+    rail_rng ^= rail_rng << 17;
+    return (size_t)(rail_rng % (i + 1));
+}
+
+/* one rail of a paged run: its endpoint, its share of the pages, and its own thread */
+typedef struct {
+    ep_t *e;
+    int initiator;
+    long iters, warmup;
+    size_t page, pages, iov, msgs;
+    size_t *perm;
+    pthread_barrier_t *bar;    /* initiator: every rail starts and ends an iteration together */
+    double *t;                 /* initiator, rail 0: the iterations' times */
+} rail_t;
+
+static void *run_rail(void *arg)
+{
+    rail_t *rl = arg;
+    ep_t *e = rl->e;
+    size_t page = rl->page, pages = rl->pages, iov = rl->iov, msgs = rl->msgs;
+    long total = rl->iters + rl->warmup;
     int64_t tx = 0;
     char *flag = e->buf + page * pages;
+    double t0 = 0;
     for (long it = 0; it < total; it++) {
-        if (initiator) {
+        if (rl->initiator) {
             for (size_t i = 0; i < pages; i++)
-                perm[i] = i;
+                rl->perm[i] = i;
             for (size_t i = pages - 1; i > 0; i--) {
-                size_t j = xs() % (i + 1), s = perm[i];
-                perm[i] = perm[j];
-                perm[j] = s;
+                size_t j = xs_r(&rl->perm[0], i), s = rl->perm[i];
+                rl->perm[i] = rl->perm[j];
+                rl->perm[j] = s;
             }
-            double t0 = now_s();
+            pthread_barrier_wait(rl->bar);
+            if (rl->t)
+                t0 = now_s();
             int64_t tx0 = tx;
             for (size_t m = 0; m < msgs; m++) {
                 struct iovec v[16];
@@ -320,7 +380,7 @@ static int run_pages(const char *prov, int sock, int initiator, long iters, long
                     v[np].iov_base = e->buf + k * page;
                     v[np].iov_len = page;
                     d[np] = e->desc;
-                    r[np].addr = e->rbase + perm[k] * page;
+                    r[np].addr = e->rbase + rl->perm[k] * page;
                     r[np].len = page;
                     r[np].key = e->rkey;
                 }
@@ -336,22 +396,26 @@ static int run_pages(const char *prov, int sock, int initiator, long iters, long
                         CHECK(ret);
                     struct fi_cq_data_entry ent[64];
                     ssize_t n = fi_cq_read(e->cq, ent, 64);
-                    if (n == -FI_EAGAIN && yield_when_idle)
-                        sched_yield();
-                    for (ssize_t i = 0; i < n; i++)
-                        tx += !(ent[i].flags & FI_REMOTE_CQ_DATA);
+                    if (n == -FI_EAGAIN)
+                        idle(e);
+                    for (ssize_t i = 0; i < n; i++) {
+                        if (ent[i].flags & FI_REMOTE_CQ_DATA)
+                            e->ring[e->ring_tail++ % 128] = ent[i].data;
+                        else
+                            tx++;
+                    }
                 }
             }
-            wait_imm(e, &tx);   /* the target's answer ends the iteration */
-            double t1 = now_s();
+            wait_imm(e, &tx);   /* the target's answer ends this rail's iteration */
+            pthread_barrier_wait(rl->bar);
+            if (rl->t && it >= rl->warmup)
+                rl->t[it - rl->warmup] = now_s() - t0;
             while (tx - tx0 < (int64_t)msgs) {   /* reap the rest of our completions, untimed */
                 struct fi_cq_data_entry ent[64];
                 ssize_t n = fi_cq_read(e->cq, ent, 64);
                 for (ssize_t i = 0; i < n; i++)
                     tx += !(ent[i].flags & FI_REMOTE_CQ_DATA);
             }
-            if (it >= warmup)
-                t[it - warmup] = t1 - t0;
         } else {
             int64_t got = 0;
             while (got < (int64_t)msgs) {
@@ -361,6 +425,45 @@ static int run_pages(const char *prov, int sock, int initiator, long iters, long
             post_write(e, flag, 8, e->rbase + page * pages, (uint64_t)it, 0, &tx);
         }
     }
+    return NULL;
+}
+
+/* -R RAILS: as many endpoints per process, each with its own thread, CQ and connection, the
+ * pages split evenly between them (kvxfer's --rails); one rail is the plain one-thread floor */
+static int run_pages(const char *prov, int sock, int initiator, long iters, long warmup, size_t page,
+                     size_t pages, size_t iov, size_t rails)
+{
+    if (rails < 1)
+        rails = 1;
+    if (rails > pages)
+        rails = pages;
+    size_t share = pages / rails;
+    rail_t *rl = calloc(rails, sizeof(*rl));
+    pthread_t *th = calloc(rails, sizeof(*th));
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, (unsigned)rails);
+    double *t = initiator ? malloc(sizeof(double) * (size_t)iters) : NULL;
+    size_t used_iov = iov;
+    for (size_t k = 0; k < rails; k++) {
+        size_t n = k + 1 == rails ? pages - share * (rails - 1) : share;
+        ep_t *e = calloc(1, sizeof(*e));
+        open_ep(e, prov, page * n + 8);
+        swap_cards(e, sock);
+        size_t v = iov > e->iov_limit ? e->iov_limit : iov;
+        if (v < 1)
+            v = 1;
+        used_iov = v;
+        rl[k] = (rail_t){.e = e, .initiator = initiator, .iters = iters, .warmup = warmup, .page = page,
+                         .pages = n, .iov = v, .msgs = (n + v - 1) / v, .perm = malloc(sizeof(size_t) * n),
+                         .bar = &bar, .t = k == 0 ? t : NULL};
+    }
+    for (size_t k = 0; k < rails; k++)
+        pthread_create(&th[k], NULL, run_rail, &rl[k]);
+    size_t msgs = 0;
+    for (size_t k = 0; k < rails; k++) {
+        pthread_join(th[k], NULL);
+        msgs += rl[k].msgs;
+    }
     if (!initiator) {
         char c;
         if (read(sock, &c, 1) != 1) { /* fine */ }
@@ -369,8 +472,9 @@ static int run_pages(const char *prov, int sock, int initiator, long iters, long
     qsort(t, (size_t)iters, sizeof(double), cmp_d);
     double p50 = t[iters / 2];
     printf("{\"mode\": \"pages\", \"provider\": \"%s\", \"page_bytes\": %zu, \"pages\": %zu, \"iov\": %zu, "
-           "\"delivery_complete\": %d, \"messages\": %zu, \"iterations\": %ld, \"p50_s\": %.6f, \"gbps\": %.3f}\n",
-           e->info->fabric_attr->prov_name, page, pages, iov, dc_flag != 0, msgs, iters, p50,
+           "\"rails\": %zu, \"delivery_complete\": %d, \"messages\": %zu, \"iterations\": %ld, \"p50_s\": %.6f, "
+           "\"gbps\": %.3f}\n",
+           rl[0].e->info->fabric_attr->prov_name, page, pages, used_iov, rails, dc_flag != 0, msgs, iters, p50,
            (double)(page * pages) / p50 / 1e9);
     char c = 0;
     if (write(sock, &c, 1) != 1) { /* fine */ }
@@ -437,13 +541,126 @@ static int run_cma(int sock, int initiator, long iters, long warmup, size_t page
     return 0;
 }
 
+/* -m sock: one connection's share of the bytes per thread, each iteration ended by a 1-byte
+ * answer per connection (see the top of the file) */
+typedef struct {
+    int fd, initiator;
+    long iters, warmup;
+    char *buf;
+    size_t len, chunk;
+    pthread_barrier_t *bar;
+    double *t;
+} sock_rail_t;
+
+static void xfer_all(int fd, char *p, size_t len, int sending)
+{
+    while (len) {
+        ssize_t n = sending ? send(fd, p, len, MSG_NOSIGNAL) : recv(fd, p, len, 0);
+        if (n <= 0) {
+            if (n < 0 && errno == EINTR)
+                continue;
+            perror(sending ? "fi_pingpong: send" : "fi_pingpong: recv");
+            exit(2);
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+}
+
+static void *run_sock_rail(void *arg)
+{
+    sock_rail_t *s = arg;
+    char ack = 0;
+    double t0 = 0;
+    for (long it = 0; it < s->iters + s->warmup; it++) {
+        if (s->initiator) {
+            pthread_barrier_wait(s->bar);
+            if (s->t)
+                t0 = now_s();
+            for (size_t o = 0; o < s->len; o += s->chunk)
+                xfer_all(s->fd, s->buf + o, s->len - o < s->chunk ? s->len - o : s->chunk, 1);
+            xfer_all(s->fd, &ack, 1, 0);
+            pthread_barrier_wait(s->bar);
+            if (s->t && it >= s->warmup)
+                s->t[it - s->warmup] = now_s() - t0;
+        } else {
+            for (size_t o = 0; o < s->len; o += s->chunk)
+                xfer_all(s->fd, s->buf + o, s->len - o < s->chunk ? s->len - o : s->chunk, 0);
+            xfer_all(s->fd, &ack, 1, 1);
+        }
+    }
+    return NULL;
+}
+
+static int run_sock(int sock, int initiator, long iters, long warmup, size_t page, size_t pages, size_t iov,
+                    size_t rails)
+{
+    if (rails < 1)
+        rails = 1;
+    size_t len = page * pages;
+    char *buf = aligned_alloc(4096, (len + 4095) / 4096 * 4096);
+    memset(buf, initiator ? 0x5a : 0, len);
+    int *fds = calloc(rails, sizeof(int));
+    if (!initiator) {
+        int lfd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        socklen_t al = sizeof(a);
+        if (lfd < 0 || bind(lfd, (struct sockaddr *)&a, sizeof(a)) || listen(lfd, (int)rails) ||
+            getsockname(lfd, (struct sockaddr *)&a, &al) || write(sock, &a.sin_port, 2) != 2) {
+            perror("fi_pingpong: listen");
+            return 2;
+        }
+        for (size_t k = 0; k < rails; k++)
+            if ((fds[k] = accept(lfd, NULL, NULL)) < 0) {
+                perror("fi_pingpong: accept");
+                return 2;
+            }
+        close(lfd);
+    } else {
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        if (read(sock, &a.sin_port, 2) != 2) {
+            perror("fi_pingpong: socketpair");
+            return 2;
+        }
+        for (size_t k = 0; k < rails; k++) {
+            fds[k] = socket(AF_INET, SOCK_STREAM, 0);
+            if (fds[k] < 0 || connect(fds[k], (struct sockaddr *)&a, sizeof(a))) {
+                perror("fi_pingpong: connect");
+                return 2;
+            }
+        }
+    }
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, (unsigned)rails);
+    double *t = initiator ? malloc(sizeof(double) * (size_t)iters) : NULL;
+    sock_rail_t *sr = calloc(rails, sizeof(*sr));
+    pthread_t *th = calloc(rails, sizeof(*th));
+    size_t share = len / rails;
+    for (size_t k = 0; k < rails; k++) {
+        sr[k] = (sock_rail_t){.fd = fds[k], .initiator = initiator, .iters = iters, .warmup = warmup,
+                              .buf = buf + k * share, .len = k + 1 == rails ? len - share * k : share,
+                              .chunk = iov ? iov * page : len,
+                              .bar = &bar, .t = k == 0 ? t : NULL};
+        pthread_create(&th[k], NULL, run_sock_rail, &sr[k]);
+    }
+    for (size_t k = 0; k < rails; k++)
+        pthread_join(th[k], NULL);
+    if (!initiator)
+        return 0;
+    qsort(t, (size_t)iters, sizeof(double), cmp_d);
+    double p50 = t[iters / 2];
+    printf("{\"mode\": \"sock\", \"bytes\": %zu, \"chunk\": %zu, \"rails\": %zu, \"iterations\": %ld, "
+           "\"p50_s\": %.6f, \"gbps\": %.3f}\n", len, sr[0].chunk, rails, iters, p50, (double)len / p50 / 1e9);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *prov = "tcp;ofi_rxm", *mode = "lat";
     long iters = 10000, warmup = 500;
-    size_t size = 8, page = 16384, pages = 4096, iov = 16;
-    int inject = 0, opt, iters_set = 0, warmup_set = 0;
-    while ((opt = getopt(argc, argv, "p:n:w:s:jyDm:P:N:I:")) != -1) {
+    size_t size = 8, page = 16384, pages = 4096, iov = 16, rails = 1, sock_iov = 0;
+    int inject = 0, opt, iters_set = 0, warmup_set = 0, pin = 0;
+    while ((opt = getopt(argc, argv, "p:n:w:s:jybCDm:P:N:I:R:")) != -1) {
         switch (opt) {
         case 'p': prov = optarg; break;
         case 'n': iters = atol(optarg); iters_set = 1; break;
@@ -451,19 +668,22 @@ int main(int argc, char **argv)
         case 's': size = strtoull(optarg, NULL, 0); break;
         case 'j': inject = 1; break;
         case 'y': yield_when_idle = 1; break;
+        case 'b': block_when_idle = 1; break;
+        case 'C': pin = 1; break;
         case 'D': dc_flag = FI_DELIVERY_COMPLETE; break;
         case 'm': mode = optarg; break;
         case 'P': page = strtoull(optarg, NULL, 0); break;
         case 'N': pages = strtoull(optarg, NULL, 0); break;
-        case 'I': iov = strtoull(optarg, NULL, 0); break;
+        case 'I': iov = strtoull(optarg, NULL, 0); sock_iov = iov; break;
+        case 'R': rails = strtoull(optarg, NULL, 0); break;
         default:
-            fprintf(stderr, "usage: %s [-m lat|pages|cma] [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] "
-                            "[-y] [-P PAGE] [-N PAGES] [-I IOV]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-m lat|pages|cma|sock] [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] "
+                            "[-y] [-P PAGE] [-N PAGES] [-I IOV] [-R RAILS]\n", argv[0]);
             return 2;
         }
     }
-    int cma_mode = strcmp(mode, "cma") == 0;
-    int pages_mode = strcmp(mode, "pages") == 0 || cma_mode;
+    int cma_mode = strcmp(mode, "cma") == 0, sock_mode = strcmp(mode, "sock") == 0;
+    int pages_mode = strcmp(mode, "pages") == 0 || cma_mode || sock_mode;
     if (pages_mode && !iters_set)
         iters = 20;
     if (pages_mode && !warmup_set)
@@ -484,10 +704,18 @@ int main(int argc, char **argv)
         return 2;
     }
     int initiator = pid > 0;
+    if (pin) {   /* -C: the initiator on CPU 0, the target on CPU 1 */
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(initiator ? 0 : 1, &set);
+        if (sched_setaffinity(0, sizeof(set), &set))
+            perror("fi_pingpong: sched_setaffinity");
+    }
     close(sv[initiator ? 1 : 0]);
     int sock = sv[initiator ? 0 : 1];
-    int rc = cma_mode     ? run_cma(sock, initiator, iters, warmup, page, pages, iov)
-             : pages_mode ? run_pages(prov, sock, initiator, iters, warmup, page, pages, iov)
+    int rc = sock_mode    ? run_sock(sock, initiator, iters, warmup, page, pages, sock_iov, rails)
+             : cma_mode   ? run_cma(sock, initiator, iters, warmup, page, pages, iov)
+             : pages_mode ? run_pages(prov, sock, initiator, iters, warmup, page, pages, iov, rails)
                           : run_lat(prov, sock, initiator, iters, warmup, size, inject);
     if (!initiator)
         _exit(rc);

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-__all__ = ["compare", "table", "chart"]
+__all__ = ["compare", "median_round", "table", "chart"]
 
 _GOAL = {"a": 1.0, "b": 2.0, "c": 2.0}   # issue 13's goals, x the peer
 
@@ -19,6 +19,23 @@ def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
     if not num or not den or not math.isfinite(num) or not math.isfinite(den):
         return None
     return num / den
+
+
+def median_round(rounds: Sequence[dict]) -> dict:
+    """One case's result over several rounds (``bw --rounds``): the round with the median
+    GB/s (the lower middle of an even count), whole, so its columns stay one measurement;
+    every round's GB/s, sender p50 and check under ``rounds``; a failed check in any round
+    fails the case."""
+    if not rounds:
+        raise ValueError("no rounds")
+    order = sorted(range(len(rounds)), key=lambda k: rounds[k].get("gbps") or 0.0)
+    out = dict(rounds[order[(len(rounds) - 1) // 2]])
+    out["round"] = order[(len(rounds) - 1) // 2]
+    out["rounds"] = [{"gbps": r.get("gbps"), "local_p50_s": r.get("local_p50_s"), "check": r.get("check")}
+                     for r in rounds]
+    if any(r.get("check") != "ok" for r in rounds):
+        out["check"] = "FAIL"
+    return out
 
 
 def compare(provider: str, ours: Sequence[dict], theirs: Sequence[dict], peer: str) -> list[dict]:
@@ -38,6 +55,10 @@ def compare(provider: str, ours: Sequence[dict], theirs: Sequence[dict], peer: s
             "kvxfer_check": k.get("check"), "peer_check": t.get("check"),
             "goal": _GOAL.get(k.get("letter") or ""),
         }
+        kr, tr = k.get("rounds"), t.get("rounds")
+        if kr and tr and len(kr) == len(tr):   # bw --rounds: each round's pair, measured back to back
+            row["round_ratios"] = [_ratio(a.get("gbps"), b.get("gbps")) for a, b in zip(kr, tr)]
+            row["sender_round_ratios"] = [_ratio(b.get("local_p50_s"), a.get("local_p50_s")) for a, b in zip(kr, tr)]
         rows.append(row)
     return rows
 
@@ -50,12 +71,21 @@ def _us(v: Optional[float]) -> str:
     return "-" if v is None or not math.isfinite(v) else f"{v * 1e6:.1f} us"
 
 
+def _span(v: Optional[Sequence[Optional[float]]]) -> str:
+    """The range of per-round ratios, "-" without rounds."""
+    v = [x for x in (v or ()) if x is not None]
+    return f"{min(v):.2f}-{max(v):.2f}" if len(v) > 1 else "-"
+
+
 def table(rows: Sequence[dict]) -> str:
-    """The comparison as text: one block per peer, one line per (provider, case)."""
+    """The comparison as text: one block per peer, one line per (provider, case); with
+    ``--rounds``, the GB/s are each library's median round and ``rounds`` is the range of
+    the per-round ratios."""
     blocks = []
     for peer in dict.fromkeys(r["peer"] for r in rows):
         head = (f"{'provider':<11}  {'case':<20}  {'kvxfer GB/s':>11}  {peer + ' GB/s':>10}  {'x ' + peer:>7}  "
-                f"{'kvxfer sender p50':>17}  {peer + ' sender p50':>16}  {'x ' + peer:>7}  {'goal':>5}  check")
+                f"{'rounds':>9}  {'kvxfer sender p50':>17}  {peer + ' sender p50':>16}  {'x ' + peer:>7}  "
+                f"{'rounds':>9}  {'goal':>5}  check")
         lines = [head, "-" * len(head)]
         for r in rows:
             if r["peer"] != peer:
@@ -64,8 +94,10 @@ def table(rows: Sequence[dict]) -> str:
             lines.append(
                 f"{r['provider']:<11}  {r['label']:<20}  {_f(r['kvxfer_gbps'], '.2f'):>11}  "
                 f"{_f(r['peer_gbps'], '.2f'):>10}  {_f(r['gbps_ratio'], '.2f'):>7}  "
+                f"{_span(r.get('round_ratios')):>9}  "
                 f"{_us(r['kvxfer_sender_p50_s']):>17}  {_us(r['peer_sender_p50_s']):>16}  "
-                f"{_f(r['sender_ratio'], '.2f'):>7}  {_f(r['goal'], '.1f'):>5}  {check}"
+                f"{_f(r['sender_ratio'], '.2f'):>7}  {_span(r.get('sender_round_ratios')):>9}  "
+                f"{_f(r['goal'], '.1f'):>5}  {check}"
             )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

@@ -45,7 +45,7 @@ def binary() -> Path:
         raise FloorUnavailable(f"pkg-config libfabric: {flags.stderr.strip()}")
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = exe.with_suffix(f".tmp{os.getpid()}")
-    r = subprocess.run([cc, "-O2", "-o", str(tmp), str(src), *flags.stdout.split()], capture_output=True, text=True)
+    r = subprocess.run([cc, "-O2", "-pthread", "-o", str(tmp), str(src), *flags.stdout.split()], capture_output=True, text=True)
     if r.returncode:
         raise FloorUnavailable(f"building {src.name} failed: {r.stderr.strip()[-400:]}")
     os.replace(tmp, exe)

@@ -23,6 +23,7 @@ import time
 from typing import Any, Optional, Sequence, TextIO
 
 from kvxfer.cli._cases import DEFAULT_CASES, TARGET_MEMORY, Case, fmt_size, parse_case, parse_size
+from kvxfer.cli._compare import compare, median_round
 from kvxfer.errors import KvxferError
 
 __all__ = ["main", "build_parser", "DEFAULT_PROVIDERS"]
@@ -123,9 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "Mooncake's transfer engine over TCP, `pip install mooncake-transfer-engine-non-cuda`, "
                          "tcp rows only) in the same run, same checks, and print kvxfer/PEER ratios (local runs "
                          "only; repeat --vs for both)")
+    bw.add_argument("--rounds", type=int, default=1, metavar="N",
+                    help="run each case N times, kvxfer and every --vs peer back to back in each round, and "
+                         "report each library's median round (the comparison also gives the range of the "
+                         "per-round ratios): on a machine whose pace changes from second to second, pairs "
+                         "measured seconds apart are what a ratio should compare (default: 1)")
     bw.add_argument("--floor", action="store_true",
                     help="after each provider's paged cases, the same pages through bench/fi_pingpong.c "
-                         "(plain libfabric, one thread, same iov): what the provider itself allows")
+                         "(plain libfabric, one thread per rail, same iov): what the provider itself allows; "
+                         "on tcp also the same bytes over plain TCP sockets, one per rail: what the "
+                         "kernel's loopback allows")
     bw.add_argument("--chart", metavar="PNG",
                     help="with --vs: a bar chart of GB/s per case (default: next to --json, else none)")
     _common(bw)
@@ -474,29 +482,56 @@ def run_bw(args: argparse.Namespace) -> int:
     peers = list(dict.fromkeys(args.vs or ()))
     if peers and args.connect:
         raise SystemExit("kvxfer-bench: --vs runs both libraries on this host; it does not combine with --connect")
+    if args.rounds < 1:
+        raise SystemExit(f"kvxfer-bench: --rounds must be at least 1, got {args.rounds}")
     comparison: list[dict] = []
 
     def body(run: _Run, bar: Bar) -> None:
         memmove = None
-        for i in order:
-            case = cases[i]
-            label = f"{run.provider} {case.label}"
-            res = run.ini.bw(case, args.seed + i, warmup=warmup, iters=args.iters, budget=args.seconds,
-                             min_iters=args.min_iters, max_iters=args.max_iters,
-                             progress=lambda d, n, label=label: bar.update(label, d, n), memory=args.target_memory,
-                             target_wait=args.target_wait)
-            s = res.summary()
-            run.record["results"].append(s)
-            if case.kind == "memmove" and memmove is None:
-                memmove = s["gbps"]
-            bar.clear()
-            print(bw_row(run.provider, s, memmove), flush=True)
-            for p in s["problems"]:
-                print(f"    {p}", flush=True)
+        # case by case, each round kvxfer then every peer back to back, so a change of the
+        # machine's pace between two libraries' measurements is as short as it can be
+        opened = [_open_peer(peer, run) for peer in peers]
+        try:
+            for i in order:
+                case = cases[i]
+                ours: list[dict] = []
+                theirs: dict[str, list[dict]] = {peer: [] for peer, _, _ in opened}
+                for r in range(args.rounds):
+                    label = f"{run.provider} {case.label}" + (f" round {r + 1}" if args.rounds > 1 else "")
+                    res = run.ini.bw(case, args.seed + i, warmup=warmup, iters=args.iters, budget=args.seconds,
+                                     min_iters=args.min_iters, max_iters=args.max_iters,
+                                     progress=lambda d, n, label=label: bar.update(label, d, n),
+                                     memory=args.target_memory, target_wait=args.target_wait)
+                    ours.append(res.summary())
+                    if case.kind == "memmove":
+                        continue
+                    for peer, p, rec in opened:
+                        if p is not None and rec["error"] is None:
+                            s = _peer_case(peer, p, rec, run, case, args.seed + i, warmup, bar, label)
+                            if s is not None:
+                                theirs[peer].append(s)
+                s = ours[0] if args.rounds == 1 else median_round(ours)
+                run.record["results"].append(s)
+                if case.kind == "memmove" and memmove is None:
+                    memmove = s["gbps"]
+                bar.clear()
+                print(bw_row(run.provider, s, memmove), flush=True)
+                for prob in s["problems"]:
+                    print(f"    {prob}", flush=True)
+                for peer, p, rec in opened:
+                    got = theirs[peer]
+                    if got and len(got) == args.rounds:
+                        t = got[0] if args.rounds == 1 else median_round(got)
+                        rec["results"].append(t)
+                        print(bw_row(f"{peer}/{run.provider}"[:11], t, memmove), flush=True)
+        finally:
+            for _, p, _ in opened:
+                if p is not None:
+                    p.close()
         if args.floor and not args.connect:
             _run_floor_pages(run, cases, order, memmove)
-        for peer in peers:
-            comparison.extend(_run_peer(peer, run, cases, order, warmup, memmove, bar))
+        for peer, _, rec in opened:
+            comparison.extend(compare(run.provider, run.record["results"], rec["results"], peer))
 
     status = _session(args, body, _header(BW_COLUMNS, BW_WIDTHS), extra=lambda doc: doc.update(comparison=comparison))
     if peers:
@@ -523,19 +558,25 @@ def _floor_dc(eng) -> list:
 
 
 def _run_floor_pages(run: "_Run", cases: list, order: list, memmove) -> None:
-    """bench/fi_pingpong.c -m pages for each paged case: the better of its two polling modes."""
+    """bench/fi_pingpong.c -m pages for each paged case (the better of its two polling modes,
+    over as many endpoints and threads as kvxfer has rails), and on tcp the same bytes through
+    plain TCP sockets (-m sock): what the kernel's loopback carries, which no TCP provider beats."""
     from kvxfer.cli._floor import FloorUnavailable, run_floor
 
     rec = run.record.setdefault("floor", [])
+    rails = max(1, int(getattr(run.eng, "rails", 1) or 1))
+    tcp = run.provider.split(";")[0] == "tcp"
     for i in order:
         case = cases[i]
         if case.kind != "pages":
             continue
+        common = dict(page_bytes=case.page_bytes, pages=case.pages, iters=max(5, run.args.min_iters), warmup=1,
+                      timeout=max(120.0, run.args.timeout * 4))
         try:
-            runs = [run_floor(run.provider, mode="pages", page_bytes=case.page_bytes, pages=case.pages,
-                              iov=run.eng.iov, iters=max(5, run.args.min_iters), warmup=1,
-                              timeout=max(120.0, run.args.timeout * 4), extra=x + _floor_dc(run.eng))
+            runs = [run_floor(run.provider, mode="pages", iov=run.eng.iov,
+                              extra=x + _floor_dc(run.eng) + ["-R", str(rails)], **common)
                     for x in ([], ["-y"])]
+            sock = run_floor(run.provider, mode="sock", iov=0, extra=["-R", str(rails)], **common) if tcp else None
         except FloorUnavailable as exc:
             print(f"{run.provider:<11}  floor {case.label}: {exc}", flush=True)
             rec.append({"case": case.spec, "error": str(exc)})
@@ -546,12 +587,15 @@ def _run_floor_pages(run: "_Run", cases: list, order: list, memmove) -> None:
              "gbps": best["gbps"], "p50_s": best["p50_s"], "p99_s": None, "iterations": best["iterations"],
              "check": "-", "pages": case.pages}
         print(bw_row("floor (C)", s, memmove), flush=True)
+        if sock:
+            rec.append(dict(sock, case=case.spec))
+            s = dict(s, writes="-", gbps=sock["gbps"], p50_s=sock["p50_s"], iterations=sock["iterations"])
+            print(bw_row("socket (C)", s, memmove), flush=True)
 
 
-def _run_peer(peer: str, run: "_Run", cases: list, order: list, warmup: int, memmove, bar: "Bar") -> list[dict]:
-    """The same cases through `peer` for this provider; the rows of the comparison."""
-    from kvxfer.cli._compare import compare
-
+def _open_peer(peer: str, run: "_Run") -> tuple:
+    """(peer, its process or None, its record in this provider's JSON): NIXL's or Mooncake's
+    target and initiator for this provider, or the reason it cannot run here."""
     if peer == "mooncake":
         from kvxfer.cli._mooncake import MooncakePeer as Peer, available, supports
     else:
@@ -560,7 +604,6 @@ def _run_peer(peer: str, run: "_Run", cases: list, order: list, warmup: int, mem
         def supports(provider: str) -> Optional[str]:
             return None
 
-    args = run.args
     rec: dict[str, Any] = {"results": [], "error": None}
     run.record.setdefault("vs", {})[peer] = rec
     why = available()
@@ -570,35 +613,30 @@ def _run_peer(peer: str, run: "_Run", cases: list, order: list, warmup: int, mem
         rec["error"] = supports(run.provider)
     if rec["error"]:
         print(f"{run.provider:<11}  {peer}: skipped ({rec['error']})", flush=True)
-        return []
+        return peer, None, rec
     try:
-        p = Peer(run.provider, timeout=args.timeout)
+        return peer, Peer(run.provider, timeout=run.args.timeout), rec
     except Exception as exc:
         rec["error"] = f"{type(exc).__name__}: {exc}"
         print(f"{run.provider:<11}  {peer}: FAILED to start: {rec['error']}", flush=True)
-        return []
+        return peer, None, rec
+
+
+def _peer_case(peer: str, p: Any, rec: dict, run: "_Run", case: Case, seed: int, warmup: int, bar: "Bar",
+               label: str) -> Optional[dict]:
+    """One case through the peer: its summary, or None with the failure in ``rec`` (the peer
+    then runs no further case)."""
+    args = run.args
+    label = f"{peer} {label}"
     try:
-        for i in order:
-            case = cases[i]
-            if case.kind == "memmove":
-                continue
-            label = f"{peer} {run.provider} {case.label}"
-            try:
-                res = p.bw(case, args.seed + i, warmup=warmup, iters=args.iters, budget=args.seconds,
-                           min_iters=args.min_iters, max_iters=args.max_iters,
-                           progress=lambda d, n, label=label: bar.update(label, d, n), memory=args.target_memory)
-            except Exception as exc:
-                rec["error"] = f"{case.spec}: {type(exc).__name__}: {exc}"
-                bar.clear()
-                print(f"{peer + ' ' + run.provider:<11}  FAILED: {rec['error']}", flush=True)
-                break
-            s = res.summary()
-            rec["results"].append(s)
-            bar.clear()
-            print(bw_row(f"{peer}/{run.provider}"[:11], s, memmove), flush=True)
-    finally:
-        p.close()
-    return compare(run.provider, run.record["results"], rec["results"], peer)
+        res = p.bw(case, seed, warmup=warmup, iters=args.iters, budget=args.seconds, min_iters=args.min_iters,
+                   max_iters=args.max_iters, progress=lambda d, n: bar.update(label, d, n), memory=args.target_memory)
+    except Exception as exc:
+        rec["error"] = f"{case.spec}: {type(exc).__name__}: {exc}"
+        bar.clear()
+        print(f"{peer + ' ' + run.provider:<11}  FAILED: {rec['error']}", flush=True)
+        return None
+    return res.summary()
 
 
 def run_lat(args: argparse.Namespace) -> int:

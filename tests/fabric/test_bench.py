@@ -80,6 +80,34 @@ def test_bw_hot_target_and_transmit_completions(provider, capsys):
     assert rc == 0 and "FAIL" not in text and text.count(" ok") >= 2, text
 
 
+def test_bw_rounds_and_the_floor(provider, tmp_path, capsys):
+    """--rounds: each case's median round with every round kept; --floor: the provider's C floor
+    over as many endpoints as kvxfer has rails, and on tcp the kernel's socket ceiling."""
+    out = tmp_path / "r.json"
+    rc = bench.main(["bw", "--provider", provider, "--case", "pages:4Kx64", "--iters", "2", "--warmup", "1",
+                     "--rounds", "3", "--rails", "2", "--floor", "--timeout", "20", "-q", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    (run,) = json.loads(out.read_text())["runs"]
+    (r,) = run["results"]
+    assert r["check"] == "ok" and len(r["rounds"]) == 3 and 0 <= r["round"] < 3
+    assert sorted(x["gbps"] for x in r["rounds"])[1] == r["gbps"]
+    floor = {f.get("mode"): f for f in run["floor"]}
+    if "pages" not in floor:            # no C compiler here: the floor says why
+        assert all(f.get("error") for f in run["floor"])
+        return
+    assert floor["pages"]["rails"] == 2 and floor["pages"]["gbps"] > 0 and "floor (C)" in text
+    if provider == "tcp;ofi_rxm":
+        assert floor["sock"]["rails"] == 2 and floor["sock"]["gbps"] > 0 and "socket (C)" in text
+    else:
+        assert "sock" not in floor
+
+
+def test_bw_rounds_must_be_positive():
+    with pytest.raises(SystemExit, match="--rounds"):
+        bench.main(["bw", "--provider", "shm", "--rounds", "0"])
+
+
 def test_target_failure_comes_back_with_its_traceback(provider):
     if provider != "tcp;ofi_rxm":
         pytest.skip("one provider is enough: the failure path does not depend on it")

@@ -89,3 +89,33 @@ def test_vs_accepts_only_known_peers(capsys):
         bench.main(["bw", "--vs", "bogus"])
     assert e.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+# -- bw --rounds ----------------------------------------------------------------------------
+def test_median_round_keeps_one_whole_round_and_every_rounds_figures():
+    from kvxfer.cli._compare import median_round
+
+    rounds = [_res("pages:16Kx4096", "b", "b", g, t) for g, t in ((3.0, 0.02), (1.0, 0.06), (2.0, 0.03))]
+    m = median_round(rounds)
+    assert m["gbps"] == 2.0 and m["local_p50_s"] == 0.03 and m["round"] == 2   # one round, whole
+    assert [r["gbps"] for r in m["rounds"]] == [3.0, 1.0, 2.0] and m["check"] == "ok"
+    assert median_round(rounds[:2])["gbps"] == 1.0                              # even: the lower middle
+    bad = median_round([rounds[0], dict(rounds[1], check="FAIL"), rounds[2]])
+    assert bad["gbps"] == 2.0 and bad["check"] == "FAIL"                         # any failed round fails it
+    with pytest.raises(ValueError):
+        median_round([])
+
+
+def test_rounds_pair_up_in_the_comparison_and_the_table_shows_their_range():
+    from kvxfer.cli._compare import median_round
+
+    ours = median_round([_res("pages:16Kx4096", "b", "b", g, 0.02) for g in (3.0, 3.2, 1.5)])
+    theirs = median_round([_res("pages:16Kx4096", "b", "b", g, 0.04) for g in (1.0, 2.0, 1.5)])
+    (row,) = compare("tcp", [ours], [theirs], "nixl")
+    assert row["gbps_ratio"] == pytest.approx(3.0 / 1.5)                          # medians
+    assert row["round_ratios"] == pytest.approx([3.0, 1.6, 1.0])                  # round k against round k
+    assert row["sender_round_ratios"] == pytest.approx([2.0, 2.0, 2.0])
+    line = table([row]).splitlines()[2]
+    assert "1.00-3.00" in line and "2.00-2.00" in line
+    (plain,) = compare("tcp", OURS[2:3], THEIRS[1:], "nixl")                     # one round: no range
+    assert "round_ratios" not in plain and " - " in table([plain]).splitlines()[2]
