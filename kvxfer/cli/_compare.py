@@ -38,25 +38,41 @@ def median_round(rounds: Sequence[dict]) -> dict:
     return out
 
 
+def _median(v: Sequence[Optional[float]]) -> Optional[float]:
+    v = sorted(x for x in v if x is not None and math.isfinite(x))
+    if not v:
+        return None
+    m = len(v) // 2
+    return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
+
+
 def compare(provider: str, ours: Sequence[dict], theirs: Sequence[dict], peer: str) -> list[dict]:
-    """One row per case both ran (matched by case spec), in kvxfer's order."""
+    """One row per case both ran (matched by case spec), in kvxfer's order. With rounds
+    (``median_round``), each figure is that figure's median over the rounds (the sender p50 of
+    the median-GB/s round can be an outlier), and every round's pair of ratios is kept."""
     by_case = {r["case"]: r for r in theirs}
     rows = []
     for k in ours:
         t = by_case.get(k["case"])
         if t is None or k.get("kind") == "memmove":
             continue
+        kr, tr = k.get("rounds"), t.get("rounds")
+        paired = bool(kr and tr and len(kr) == len(tr))
+
+        def fig(res: dict, rounds: Optional[list], key: str) -> Optional[float]:
+            return _median([x.get(key) for x in rounds]) if paired and rounds else res.get(key)
+
+        kg, tg = fig(k, kr, "gbps"), fig(t, tr, "gbps")
+        ks, ts = fig(k, kr, "local_p50_s"), fig(t, tr, "local_p50_s")
         row = {
             "provider": provider, "case": k["case"], "label": k["label"], "letter": k.get("letter"), "peer": peer,
-            "kvxfer_gbps": k.get("gbps"), "peer_gbps": t.get("gbps"),
-            "gbps_ratio": _ratio(k.get("gbps"), t.get("gbps")),
-            "kvxfer_sender_p50_s": k.get("local_p50_s"), "peer_sender_p50_s": t.get("local_p50_s"),
-            "sender_ratio": _ratio(t.get("local_p50_s"), k.get("local_p50_s")),
+            "kvxfer_gbps": kg, "peer_gbps": tg, "gbps_ratio": _ratio(kg, tg),
+            "kvxfer_sender_p50_s": ks, "peer_sender_p50_s": ts, "sender_ratio": _ratio(ts, ks),
             "kvxfer_check": k.get("check"), "peer_check": t.get("check"),
             "goal": _GOAL.get(k.get("letter") or ""),
         }
-        kr, tr = k.get("rounds"), t.get("rounds")
-        if kr and tr and len(kr) == len(tr):   # bw --rounds: each round's pair, measured back to back
+        if paired:   # bw --rounds: each round's pair, measured back to back
+            row["rounds"] = len(kr)
             row["round_ratios"] = [_ratio(a.get("gbps"), b.get("gbps")) for a, b in zip(kr, tr)]
             row["sender_round_ratios"] = [_ratio(b.get("local_p50_s"), a.get("local_p50_s")) for a, b in zip(kr, tr)]
         rows.append(row)
@@ -79,7 +95,7 @@ def _span(v: Optional[Sequence[Optional[float]]]) -> str:
 
 def table(rows: Sequence[dict]) -> str:
     """The comparison as text: one block per peer, one line per (provider, case); with
-    ``--rounds``, the GB/s are each library's median round and ``rounds`` is the range of
+    ``--rounds``, each figure is its median over the rounds and ``rounds`` is the range of
     the per-round ratios."""
     blocks = []
     for peer in dict.fromkeys(r["peer"] for r in rows):

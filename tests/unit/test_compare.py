@@ -109,13 +109,16 @@ def test_median_round_keeps_one_whole_round_and_every_rounds_figures():
 def test_rounds_pair_up_in_the_comparison_and_the_table_shows_their_range():
     from kvxfer.cli._compare import median_round
 
-    ours = median_round([_res("pages:16Kx4096", "b", "b", g, 0.02) for g in (3.0, 3.2, 1.5)])
+    ours = median_round([_res("pages:16Kx4096", "b", "b", g, t) for g, t in ((3.0, 0.2), (3.2, 0.02), (1.5, 0.02))])
     theirs = median_round([_res("pages:16Kx4096", "b", "b", g, 0.04) for g in (1.0, 2.0, 1.5)])
     (row,) = compare("tcp", [ours], [theirs], "nixl")
-    assert row["gbps_ratio"] == pytest.approx(3.0 / 1.5)                          # medians
+    assert row["gbps_ratio"] == pytest.approx(3.0 / 1.5) and row["rounds"] == 3   # medians of each figure
+    # the median-GB/s round (3.0) is whole in the results, but the sender p50 is the median of
+    # the rounds' (0.02), not that round's
+    assert row["kvxfer_sender_p50_s"] == pytest.approx(0.02) and row["sender_ratio"] == pytest.approx(2.0)
     assert row["round_ratios"] == pytest.approx([3.0, 1.6, 1.0])                  # round k against round k
-    assert row["sender_round_ratios"] == pytest.approx([2.0, 2.0, 2.0])
+    assert ours["local_p50_s"] == 0.2 and row["sender_round_ratios"] == pytest.approx([0.2, 2.0, 2.0])
     line = table([row]).splitlines()[2]
-    assert "1.00-3.00" in line and "2.00-2.00" in line
+    assert "1.00-3.00" in line and "0.20-2.00" in line
     (plain,) = compare("tcp", OURS[2:3], THEIRS[1:], "nixl")                     # one round: no range
     assert "round_ratios" not in plain and " - " in table([plain]).splitlines()[2]
