@@ -24,11 +24,13 @@
  * 8-byte write; that answer ends the iteration. Same timing definition as kvxfer-bench bw's
  * "acked" column. The target checks nothing (this is a probe of the provider, not of data).
  * -R RAILS: as many endpoints per process (kvxfer's rails), each with its own CQ, connection
- * and thread, the pages split evenly; an iteration ends when every rail's answer is in.
+ * and thread, rail k taking pages [N*k/R, N*(k+1)/R) as kvxfer stripes them; an iteration
+ * ends when every rail's answer is in.
  *
  * Waiting: by default both sides poll purely; -y: sched_yield() after an empty CQ read; -b:
  * sleep in poll() on the CQ's wait fd (tcp) after fi_trywait, as kvxfer's idle progress
- * threads do. -C pins the initiator to CPU 0 and the target to CPU 1.
+ * threads do. -C pins the initiator process to CPU 0 and the target process to CPU 1 (every
+ * rail of a side on that one CPU).
  *
  * CMA (-m cma, no libfabric at all): the same scattered pages copied by the initiator with
  * process_vm_writev() straight into the target's buffer, IOV destination pages per call (up
@@ -37,7 +39,8 @@
  * target spends no CPU. Time = the copies (a notification would add one small message).
  *
  * TCP (-m sock, no libfabric at all): the same number of bytes, contiguous, over RAILS plain
- * loopback TCP connections with one blocking thread per connection on each side, in send()
+ * loopback TCP connections (TCP_NODELAY, as libfabric sets) with one blocking thread per
+ * connection on each side, in send()
  * calls of IOV pages (by default, or with -I 0, the whole share in one call). What the kernel carries from process to
  * process by TCP here: the ceiling of any TCP provider, whatever it does with the pages.
  *
@@ -53,6 +56,9 @@
 #include <sched.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -104,8 +110,6 @@ static int yield_when_idle;
  * kvxfer's progress threads do when idle */
 static int block_when_idle;
 
-struct ep_s;
-static void idle(struct ep_s *e);
 static uint64_t dc_flag;       /* -D: FI_DELIVERY_COMPLETE, as kvxfer's writes on tcp;ofi_rxm */
 
 typedef struct {
@@ -327,15 +331,14 @@ static uint64_t xs(void)
     return rng_state;
 }
 
-static __thread uint64_t rail_rng = 88172645463325252ULL;
-/* a uniform index in [0, i] from this thread's xorshift (the rails shuffle independently) */
-static size_t xs_r(size_t *unused, size_t i)
+/* a uniform index in [0, i] from a rail's own xorshift state (each rail shuffles its pages
+ * with its own seed) */
+static size_t xs_r(uint64_t *state, size_t i)
 {
-    (void)unused;
-    rail_rng ^= rail_rng << 13;
-    rail_rng ^= rail_rng >> 7;
-    rail_rng ^= rail_rng << 17;
-    return (size_t)(rail_rng % (i + 1));
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    return (size_t)(*state % (i + 1));
 }
 
 /* one rail of a paged run: its endpoint, its share of the pages, and its own thread */
@@ -345,6 +348,7 @@ typedef struct {
     long iters, warmup;
     size_t page, pages, iov, msgs;
     size_t *perm;
+    uint64_t rng;              /* the rail's shuffle state */
     pthread_barrier_t *bar;    /* initiator: every rail starts and ends an iteration together */
     double *t;                 /* initiator, rail 0: the iterations' times */
 } rail_t;
@@ -363,7 +367,7 @@ static void *run_rail(void *arg)
             for (size_t i = 0; i < pages; i++)
                 rl->perm[i] = i;
             for (size_t i = pages - 1; i > 0; i--) {
-                size_t j = xs_r(&rl->perm[0], i), s = rl->perm[i];
+                size_t j = xs_r(&rl->rng, i), s = rl->perm[i];
                 rl->perm[i] = rl->perm[j];
                 rl->perm[j] = s;
             }
@@ -428,8 +432,9 @@ static void *run_rail(void *arg)
     return NULL;
 }
 
-/* -R RAILS: as many endpoints per process, each with its own thread, CQ and connection, the
- * pages split evenly between them (kvxfer's --rails); one rail is the plain one-thread floor */
+/* -R RAILS: as many endpoints per process, each with its own thread, CQ and connection, rail
+ * k taking pages [pages*k/RAILS, pages*(k+1)/RAILS) as kvxfer stripes them
+ * (wire.stripe_bounds); one rail is the plain one-thread floor */
 static int run_pages(const char *prov, int sock, int initiator, long iters, long warmup, size_t page,
                      size_t pages, size_t iov, size_t rails)
 {
@@ -437,7 +442,6 @@ static int run_pages(const char *prov, int sock, int initiator, long iters, long
         rails = 1;
     if (rails > pages)
         rails = pages;
-    size_t share = pages / rails;
     rail_t *rl = calloc(rails, sizeof(*rl));
     pthread_t *th = calloc(rails, sizeof(*th));
     pthread_barrier_t bar;
@@ -445,20 +449,26 @@ static int run_pages(const char *prov, int sock, int initiator, long iters, long
     double *t = initiator ? malloc(sizeof(double) * (size_t)iters) : NULL;
     size_t used_iov = iov;
     for (size_t k = 0; k < rails; k++) {
-        size_t n = k + 1 == rails ? pages - share * (rails - 1) : share;
+        size_t n = pages * (k + 1) / rails - pages * k / rails;
         ep_t *e = calloc(1, sizeof(*e));
         open_ep(e, prov, page * n + 8);
         swap_cards(e, sock);
         size_t v = iov > e->iov_limit ? e->iov_limit : iov;
+        if (v > 16)
+            v = 16;                /* the message arrays below */
         if (v < 1)
             v = 1;
         used_iov = v;
         rl[k] = (rail_t){.e = e, .initiator = initiator, .iters = iters, .warmup = warmup, .page = page,
                          .pages = n, .iov = v, .msgs = (n + v - 1) / v, .perm = malloc(sizeof(size_t) * n),
-                         .bar = &bar, .t = k == 0 ? t : NULL};
+                         .rng = 88172645463325252ULL + 0x9e3779b97f4a7c15ULL * k, .bar = &bar,
+                         .t = k == 0 ? t : NULL};
     }
     for (size_t k = 0; k < rails; k++)
-        pthread_create(&th[k], NULL, run_rail, &rl[k]);
+        if (pthread_create(&th[k], NULL, run_rail, &rl[k])) {
+            perror("fi_pingpong: pthread_create");
+            exit(2);
+        }
     size_t msgs = 0;
     for (size_t k = 0; k < rails; k++) {
         pthread_join(th[k], NULL);
@@ -592,11 +602,24 @@ static void *run_sock_rail(void *arg)
     return NULL;
 }
 
+/* TCP_NODELAY, as libfabric's tcp provider sets it: without it a send() smaller than a segment
+ * waits for the peer's delayed ACK (Nagle), tens of milliseconds */
+static void nodelay(int fd)
+{
+    int one = 1;
+    if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one))) {
+        perror("fi_pingpong: TCP_NODELAY");
+        exit(2);
+    }
+}
+
 static int run_sock(int sock, int initiator, long iters, long warmup, size_t page, size_t pages, size_t iov,
                     size_t rails)
 {
     if (rails < 1)
         rails = 1;
+    if (rails > pages)
+        rails = pages;
     size_t len = page * pages;
     char *buf = aligned_alloc(4096, (len + 4095) / 4096 * 4096);
     memset(buf, initiator ? 0x5a : 0, len);
@@ -608,13 +631,15 @@ static int run_sock(int sock, int initiator, long iters, long warmup, size_t pag
         if (lfd < 0 || bind(lfd, (struct sockaddr *)&a, sizeof(a)) || listen(lfd, (int)rails) ||
             getsockname(lfd, (struct sockaddr *)&a, &al) || write(sock, &a.sin_port, 2) != 2) {
             perror("fi_pingpong: listen");
-            return 2;
+            exit(2);
         }
-        for (size_t k = 0; k < rails; k++)
+        for (size_t k = 0; k < rails; k++) {
             if ((fds[k] = accept(lfd, NULL, NULL)) < 0) {
                 perror("fi_pingpong: accept");
-                return 2;
+                exit(2);
             }
+            nodelay(fds[k]);
+        }
         close(lfd);
     } else {
         struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -626,8 +651,9 @@ static int run_sock(int sock, int initiator, long iters, long warmup, size_t pag
             fds[k] = socket(AF_INET, SOCK_STREAM, 0);
             if (fds[k] < 0 || connect(fds[k], (struct sockaddr *)&a, sizeof(a))) {
                 perror("fi_pingpong: connect");
-                return 2;
+                exit(2);           /* the target, waiting in accept(), dies with us (PDEATHSIG) */
             }
+            nodelay(fds[k]);
         }
     }
     pthread_barrier_t bar;
@@ -635,13 +661,15 @@ static int run_sock(int sock, int initiator, long iters, long warmup, size_t pag
     double *t = initiator ? malloc(sizeof(double) * (size_t)iters) : NULL;
     sock_rail_t *sr = calloc(rails, sizeof(*sr));
     pthread_t *th = calloc(rails, sizeof(*th));
-    size_t share = len / rails;
     for (size_t k = 0; k < rails; k++) {
+        size_t lo = pages * k / rails * page, hi = pages * (k + 1) / rails * page;
         sr[k] = (sock_rail_t){.fd = fds[k], .initiator = initiator, .iters = iters, .warmup = warmup,
-                              .buf = buf + k * share, .len = k + 1 == rails ? len - share * k : share,
-                              .chunk = iov ? iov * page : len,
+                              .buf = buf + lo, .len = hi - lo, .chunk = iov ? iov * page : hi - lo,
                               .bar = &bar, .t = k == 0 ? t : NULL};
-        pthread_create(&th[k], NULL, run_sock_rail, &sr[k]);
+        if (pthread_create(&th[k], NULL, run_sock_rail, &sr[k])) {
+            perror("fi_pingpong: pthread_create");
+            exit(2);
+        }
     }
     for (size_t k = 0; k < rails; k++)
         pthread_join(th[k], NULL);
@@ -650,7 +678,8 @@ static int run_sock(int sock, int initiator, long iters, long warmup, size_t pag
     qsort(t, (size_t)iters, sizeof(double), cmp_d);
     double p50 = t[iters / 2];
     printf("{\"mode\": \"sock\", \"bytes\": %zu, \"chunk\": %zu, \"rails\": %zu, \"iterations\": %ld, "
-           "\"p50_s\": %.6f, \"gbps\": %.3f}\n", len, sr[0].chunk, rails, iters, p50, (double)len / p50 / 1e9);
+           "\"p50_s\": %.6f, \"gbps\": %.3f}\n", len, iov ? iov * page : 0, rails, iters, p50,
+           (double)len / p50 / 1e9);
     return 0;
 }
 
@@ -678,7 +707,7 @@ int main(int argc, char **argv)
         case 'R': rails = strtoull(optarg, NULL, 0); break;
         default:
             fprintf(stderr, "usage: %s [-m lat|pages|cma|sock] [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] "
-                            "[-y] [-P PAGE] [-N PAGES] [-I IOV] [-R RAILS]\n", argv[0]);
+                            "[-y|-b] [-D] [-C] [-P PAGE] [-N PAGES] [-I IOV] [-R RAILS]\n", argv[0]);
             return 2;
         }
     }
@@ -698,12 +727,15 @@ int main(int argc, char **argv)
         return 2;
     }
     fflush(stdout);
+    pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0) {
         perror("fork");
         return 2;
     }
     int initiator = pid > 0;
+    if (!initiator && (prctl(PR_SET_PDEATHSIG, SIGKILL) || getppid() != parent))
+        _exit(2);                  /* never outlive the initiator (a killed or failed run) */
     if (pin) {   /* -C: the initiator on CPU 0, the target on CPU 1 */
         cpu_set_t set;
         CPU_ZERO(&set);

@@ -24,8 +24,8 @@ def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
 def median_round(rounds: Sequence[dict]) -> dict:
     """One case's result over several rounds (``bw --rounds``): the round with the median
     GB/s (the lower middle of an even count), whole, so its columns stay one measurement;
-    every round's GB/s, sender p50 and check under ``rounds``; a failed check in any round
-    fails the case."""
+    every round's GB/s, sender p50 and check under ``rounds``, every round's problems (and
+    the sum of bad iterations); a failed check in any round fails the case."""
     if not rounds:
         raise ValueError("no rounds")
     order = sorted(range(len(rounds)), key=lambda k: rounds[k].get("gbps") or 0.0)
@@ -33,17 +33,18 @@ def median_round(rounds: Sequence[dict]) -> dict:
     out["round"] = order[(len(rounds) - 1) // 2]
     out["rounds"] = [{"gbps": r.get("gbps"), "local_p50_s": r.get("local_p50_s"), "check": r.get("check")}
                      for r in rounds]
+    # every round's problems, so a failed case says why whichever round failed
+    out["problems"] = [f"round {k + 1}: {p}" for k, r in enumerate(rounds) for p in r.get("problems") or ()]
+    out["bad_iterations"] = sum(int(r.get("bad_iterations") or 0) for r in rounds)
     if any(r.get("check") != "ok" for r in rounds):
         out["check"] = "FAIL"
     return out
 
 
 def _median(v: Sequence[Optional[float]]) -> Optional[float]:
+    """The middle value, the lower middle of an even count (as ``median_round`` picks)."""
     v = sorted(x for x in v if x is not None and math.isfinite(x))
-    if not v:
-        return None
-    m = len(v) // 2
-    return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
+    return v[(len(v) - 1) // 2] if v else None
 
 
 def compare(provider: str, ours: Sequence[dict], theirs: Sequence[dict], peer: str) -> list[dict]:
@@ -100,8 +101,8 @@ def table(rows: Sequence[dict]) -> str:
     blocks = []
     for peer in dict.fromkeys(r["peer"] for r in rows):
         head = (f"{'provider':<11}  {'case':<20}  {'kvxfer GB/s':>11}  {peer + ' GB/s':>10}  {'x ' + peer:>7}  "
-                f"{'rounds':>9}  {'kvxfer sender p50':>17}  {peer + ' sender p50':>16}  {'x ' + peer:>7}  "
-                f"{'rounds':>9}  {'goal':>5}  check")
+                f"{'rounds':>11}  {'kvxfer sender p50':>17}  {peer + ' sender p50':>16}  {'x ' + peer:>7}  "
+                f"{'rounds':>11}  {'goal':>5}  check")
         lines = [head, "-" * len(head)]
         for r in rows:
             if r["peer"] != peer:
@@ -110,9 +111,9 @@ def table(rows: Sequence[dict]) -> str:
             lines.append(
                 f"{r['provider']:<11}  {r['label']:<20}  {_f(r['kvxfer_gbps'], '.2f'):>11}  "
                 f"{_f(r['peer_gbps'], '.2f'):>10}  {_f(r['gbps_ratio'], '.2f'):>7}  "
-                f"{_span(r.get('round_ratios')):>9}  "
+                f"{_span(r.get('round_ratios')):>11}  "
                 f"{_us(r['kvxfer_sender_p50_s']):>17}  {_us(r['peer_sender_p50_s']):>16}  "
-                f"{_f(r['sender_ratio'], '.2f'):>7}  {_span(r.get('sender_round_ratios')):>9}  "
+                f"{_f(r['sender_ratio'], '.2f'):>7}  {_span(r.get('sender_round_ratios')):>11}  "
                 f"{_f(r['goal'], '.1f'):>5}  {check}"
             )
         blocks.append("\n".join(lines))

@@ -125,10 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "tcp rows only) in the same run, same checks, and print kvxfer/PEER ratios (local runs "
                          "only; repeat --vs for both)")
     bw.add_argument("--rounds", type=int, default=1, metavar="N",
-                    help="run each case N times, kvxfer and every --vs peer back to back in each round, and "
-                         "report each library's median round (the comparison also gives the range of the "
-                         "per-round ratios): on a machine whose pace changes from second to second, pairs "
-                         "measured seconds apart are what a ratio should compare (default: 1)")
+                    help="run each case N times, kvxfer and every --vs peer back to back in each round: each "
+                         "library's row is its median-GB/s round, and the comparison takes each figure's "
+                         "median over the rounds with the range of the per-round ratios; on a machine whose "
+                         "pace changes from second to second, pairs measured seconds apart are what a ratio "
+                         "should compare (odd N gives one middle round; default: 1)")
     bw.add_argument("--floor", action="store_true",
                     help="after each provider's paged cases, the same pages through bench/fi_pingpong.c "
                          "(plain libfabric, one thread per rail, same iov): what the provider itself allows; "
@@ -339,7 +340,7 @@ class _Run:
             self.record["provider"] = self.provider
             self.record["info"] = self.eng.info
             if not a.connect:
-                budget = 900.0 + 120.0 * len(getattr(a, "case", None) or DEFAULT_CASES)
+                budget = 900.0 + 120.0 * len(getattr(a, "case", None) or DEFAULT_CASES) * getattr(a, "rounds", 1)
                 self.target = TargetProcess(self.provider, node, progress=a.progress,
                                             idle_timeout=max(60.0, 2 * a.timeout), deadline=budget,
                                             rails=getattr(a, "rails", 1))
@@ -490,8 +491,10 @@ def run_bw(args: argparse.Namespace) -> int:
         memmove = None
         # case by case, each round kvxfer then every peer back to back, so a change of the
         # machine's pace between two libraries' measurements is as short as it can be
-        opened = [_open_peer(peer, run) for peer in peers]
+        opened: list[tuple] = []
         try:
+            for peer in peers:
+                opened.append(_open_peer(peer, run))
             for i in order:
                 case = cases[i]
                 ours: list[dict] = []
@@ -505,11 +508,15 @@ def run_bw(args: argparse.Namespace) -> int:
                     ours.append(res.summary())
                     if case.kind == "memmove":
                         continue
-                    for peer, p, rec in opened:
-                        if p is not None and rec["error"] is None:
-                            s = _peer_case(peer, p, rec, run, case, args.seed + i, warmup, bar, label)
-                            if s is not None:
-                                theirs[peer].append(s)
+                    for j, (peer, p, rec) in enumerate(opened):
+                        if p is None:
+                            continue
+                        s = _peer_case(peer, p, rec, run, case, args.seed + i, warmup, bar, label)
+                        if s is None:        # it failed: it runs nothing more, so let it go now
+                            p.close()
+                            opened[j] = (peer, None, rec)
+                        else:
+                            theirs[peer].append(s)
                 s = ours[0] if args.rounds == 1 else median_round(ours)
                 run.record["results"].append(s)
                 if case.kind == "memmove" and memmove is None:
@@ -576,11 +583,17 @@ def _run_floor_pages(run: "_Run", cases: list, order: list, memmove) -> None:
             runs = [run_floor(run.provider, mode="pages", iov=run.eng.iov,
                               extra=x + _floor_dc(run.eng) + ["-R", str(rails)], **common)
                     for x in ([], ["-y"])]
-            sock = run_floor(run.provider, mode="sock", iov=0, extra=["-R", str(rails)], **common) if tcp else None
         except FloorUnavailable as exc:
             print(f"{run.provider:<11}  floor {case.label}: {exc}", flush=True)
             rec.append({"case": case.spec, "error": str(exc)})
             continue
+        sock = None
+        if tcp:
+            try:
+                sock = run_floor(run.provider, mode="sock", iov=0, extra=["-R", str(rails)], **common)
+            except FloorUnavailable as exc:
+                print(f"{run.provider:<11}  socket {case.label}: {exc}", flush=True)
+                rec.append({"case": case.spec, "mode": "sock", "error": str(exc)})
         best = dict(max(runs, key=lambda f: f["gbps"]), case=case.spec, variants=runs)
         rec.append(best)
         s = {"label": case.label, "bytes": case.nbytes, "writes": best["messages"], "kind": "pages",

@@ -100,8 +100,10 @@ def test_median_round_keeps_one_whole_round_and_every_rounds_figures():
     assert m["gbps"] == 2.0 and m["local_p50_s"] == 0.03 and m["round"] == 2   # one round, whole
     assert [r["gbps"] for r in m["rounds"]] == [3.0, 1.0, 2.0] and m["check"] == "ok"
     assert median_round(rounds[:2])["gbps"] == 1.0                              # even: the lower middle
-    bad = median_round([rounds[0], dict(rounds[1], check="FAIL"), rounds[2]])
+    bad = median_round([rounds[0], dict(rounds[1], check="FAIL", problems=["iteration 3: 2 pages differ"],
+                                        bad_iterations=1), rounds[2]])
     assert bad["gbps"] == 2.0 and bad["check"] == "FAIL"                         # any failed round fails it
+    assert bad["problems"] == ["round 2: iteration 3: 2 pages differ"] and bad["bad_iterations"] == 1
     with pytest.raises(ValueError):
         median_round([])
 
@@ -122,3 +124,13 @@ def test_rounds_pair_up_in_the_comparison_and_the_table_shows_their_range():
     assert "1.00-3.00" in line and "0.20-2.00" in line
     (plain,) = compare("tcp", OURS[2:3], THEIRS[1:], "nixl")                     # one round: no range
     assert "round_ratios" not in plain and " - " in table([plain]).splitlines()[2]
+
+
+def test_an_even_number_of_rounds_compares_the_rows_it_prints():
+    from kvxfer.cli._compare import median_round
+
+    ours = median_round([_res("pages:16Kx4096", "b", "b", g, 0.02) for g in (3.0, 1.0)])
+    theirs = median_round([_res("pages:16Kx4096", "b", "b", g, 0.04) for g in (2.0, 0.5)])
+    (row,) = compare("tcp", [ours], [theirs], "nixl")
+    assert row["kvxfer_gbps"] == ours["gbps"] == 1.0 and row["peer_gbps"] == theirs["gbps"] == 0.5
+    assert row["gbps_ratio"] == pytest.approx(2.0)
