@@ -175,6 +175,21 @@ static void open_ep(ep_t *e, const char *prov, size_t len)
     e->desc = fi_mr_desc(e->mr);
 }
 
+/* close everything open_ep opened: shm removes its region file (/dev/shm/<pid>:...) only
+ * when the endpoint is closed, and a process that exits without closing leaves it behind */
+static void close_ep(ep_t *e)
+{
+    fi_close(&e->ep->fid);
+    fi_close(&e->mr->fid);
+    fi_close(&e->av->fid);
+    fi_close(&e->cq->fid);
+    fi_close(&e->domain->fid);
+    fi_close(&e->fabric->fid);
+    fi_freeinfo(e->info);
+    free(e->buf);
+    free(e);
+}
+
 static void swap_cards(ep_t *e, int sock)
 {
     card_t mine, theirs;
@@ -307,6 +322,7 @@ static int run_lat(const char *prov, int sock, int initiator, long iters, long w
         /* let the last echo's completion arrive before closing under it */
         char c;
         if (read(sock, &c, 1) != 1) { /* the initiator is gone; fine */ }
+        close_ep(e);
         return 0;
     }
     double sum = 0;
@@ -319,6 +335,7 @@ static int run_lat(const char *prov, int sock, int initiator, long iters, long w
            rtt[(long)(iters * 0.99)] * 1e6, rtt[0] * 1e6, sum / (double)iters * 1e6);
     char c = 0;
     if (write(sock, &c, 1) != 1) { /* the target is gone; fine */ }
+    close_ep(e);
     return 0;
 }
 
@@ -477,6 +494,8 @@ static int run_pages(const char *prov, int sock, int initiator, long iters, long
     if (!initiator) {
         char c;
         if (read(sock, &c, 1) != 1) { /* fine */ }
+        for (size_t k = 0; k < rails; k++)
+            close_ep(rl[k].e);
         return 0;
     }
     qsort(t, (size_t)iters, sizeof(double), cmp_d);
@@ -488,6 +507,8 @@ static int run_pages(const char *prov, int sock, int initiator, long iters, long
            (double)(page * pages) / p50 / 1e9);
     char c = 0;
     if (write(sock, &c, 1) != 1) { /* fine */ }
+    for (size_t k = 0; k < rails; k++)
+        close_ep(rl[k].e);
     return 0;
 }
 

@@ -147,3 +147,26 @@ def test_vs_peer_tiny_run(peer, tmp_path, capsys):
     assert {r["case"] for r in rows} == {"pages:4Kx64", "write:64K"}
     assert all(r["peer"] == peer and r["peer_check"] == "ok" and r["kvxfer_check"] == "ok" for r in rows)
     assert all(r["peer_gbps"] > 0 for r in rows)
+
+
+def test_the_floor_leaves_no_shm_region_behind():
+    """bench/fi_pingpong.c closes its endpoints: shm removes /dev/shm/<pid>:... only then, and
+    every floor run used to leave 16 MiB of tmpfs per endpoint (and a name a later process
+    with that pid could not enable on)."""
+    import os
+
+    from _providers import available
+    from kvxfer.cli._floor import FloorUnavailable, run_floor
+
+    if not available("shm"):
+        pytest.skip("provider shm is not available here")
+    before = set(os.listdir("/dev/shm"))
+    try:
+        lat = run_floor("shm", iters=200, warmup=10)
+        pages = run_floor("shm", mode="pages", page_bytes=4096, pages=64, iov=4, iters=2, warmup=1, extra=["-R", "2"])
+    except FloorUnavailable as exc:
+        pytest.skip(f"no floor here: {exc}")
+    assert lat["p50_us"] > 0 and pages["rails"] == 2
+    left = [n for n in set(os.listdir("/dev/shm")) - before
+            if n.split(":")[0].isdigit() and not os.path.exists(f"/proc/{n.split(':')[0]}")]
+    assert left == []
