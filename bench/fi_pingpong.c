@@ -251,6 +251,22 @@ static uint64_t wait_imm(ep_t *e, int64_t *tx_done)
     return e->ring[e->ring_head++ % 128];
 }
 
+/* one CQ read while the provider is full: arrivals go to the ring, transmit completions
+ * are counted, and an empty read waits as -y / -b say */
+static void reap(ep_t *e, int64_t *tx_done)
+{
+    struct fi_cq_data_entry ent[64];
+    ssize_t n = fi_cq_read(e->cq, ent, 64);
+    if (n == -FI_EAGAIN)
+        idle(e);
+    for (ssize_t i = 0; i < n; i++) {
+        if (ent[i].flags & FI_REMOTE_CQ_DATA)
+            e->ring[e->ring_tail++ % 128] = ent[i].data;
+        else
+            (*tx_done)++;
+    }
+}
+
 /* post, reading the CQ while the provider is full (a full queue is not an error) */
 static void post_write(ep_t *e, const void *src, size_t len, uint64_t raddr, uint64_t imm, int inject,
                        int64_t *tx_done)
@@ -273,16 +289,7 @@ static void post_write(ep_t *e, const void *src, size_t len, uint64_t raddr, uin
             return;
         if (r != -FI_EAGAIN)
             CHECK(r);
-        struct fi_cq_data_entry ent[64];
-        ssize_t n = fi_cq_read(e->cq, ent, 64);
-        if (n == -FI_EAGAIN)
-            idle(e);
-        for (ssize_t i = 0; i < n; i++) {
-            if (ent[i].flags & FI_REMOTE_CQ_DATA)
-                e->ring[e->ring_tail++ % 128] = ent[i].data;
-            else
-                (*tx_done)++;
-        }
+        reap(e, tx_done);
     }
 }
 
@@ -415,16 +422,7 @@ static void *run_rail(void *arg)
                         break;
                     if (ret != -FI_EAGAIN)
                         CHECK(ret);
-                    struct fi_cq_data_entry ent[64];
-                    ssize_t n = fi_cq_read(e->cq, ent, 64);
-                    if (n == -FI_EAGAIN)
-                        idle(e);
-                    for (ssize_t i = 0; i < n; i++) {
-                        if (ent[i].flags & FI_REMOTE_CQ_DATA)
-                            e->ring[e->ring_tail++ % 128] = ent[i].data;
-                        else
-                            tx++;
-                    }
+                    reap(e, &tx);
                 }
             }
             wait_imm(e, &tx);   /* the target's answer ends this rail's iteration */
