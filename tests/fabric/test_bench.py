@@ -170,3 +170,49 @@ def test_the_floor_leaves_no_shm_region_behind():
     left = [n for n in set(os.listdir("/dev/shm")) - before
             if n.split(":")[0].isdigit() and not os.path.exists(f"/proc/{n.split(':')[0]}")]
     assert left == []
+
+
+def test_a_peer_failing_in_a_later_round_is_let_go_at_once(monkeypatch, tmp_path, capsys):
+    """--rounds with a --vs peer that fails in round 2 (a stand-in for NIXL): the peer is
+    closed right then and asked nothing more, its error is in the JSON with no half-measured
+    case, and kvxfer's own rounds and checks go on."""
+    from _providers import available
+    from kvxfer.cli._results import CaseResult
+
+    if not available("tcp;ofi_rxm"):
+        pytest.skip("provider tcp;ofi_rxm is not available here")
+    events = []
+
+    class FailingPeer:
+        def bw(self, case, seed, **kw):
+            events.append(("bw", case.spec))
+            if len([e for e in events if e[0] == "bw"]) == 2:
+                raise RuntimeError("the peer's target went away")
+            r = CaseResult(case, iterations=2, warmup=1, num_writes=1)
+            r.landed = r.acked = r.local = r.post = [1e-3, 1e-3]
+            return r
+
+        def close(self):
+            events.append(("close", None))
+
+    def open_peer(peer, run):
+        rec = {"results": [], "error": None}
+        run.record.setdefault("vs", {})[peer] = rec
+        return peer, FailingPeer(), rec
+
+    monkeypatch.setattr(bench, "_open_peer", open_peer)
+    out = tmp_path / "r.json"
+    rc = bench.main(["bw", "--provider", "tcp;ofi_rxm", "--vs", "nixl", "--rounds", "3", "--case", "pages:4Kx64",
+                     "--case", "write:64K", "--iters", "2", "--warmup", "1", "--timeout", "20", "-q",
+                     "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    # round 1 ran, round 2 failed, and then the peer was closed once and never asked again
+    assert events == [("bw", "pages:4Kx64"), ("bw", "pages:4Kx64"), ("close", None)]
+    doc = json.loads(out.read_text())
+    (run,) = doc["runs"]
+    rec = run["vs"]["nixl"]
+    assert "RuntimeError" in rec["error"] and rec["results"] == []
+    assert [len(r["rounds"]) for r in run["results"]] == [3, 3]
+    assert all(r["check"] == "ok" for r in run["results"])
+    assert doc["comparison"] == [] and "no comparison" in text
