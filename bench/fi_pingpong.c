@@ -1,8 +1,8 @@
 /* fi_pingpong.c: the floor kvxfer is measured against. Plain libfabric, one thread per
  * process (per rail with -R), no kvxfer layer: what the provider itself costs on this machine.
  *
- *   fi_pingpong [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] [-y|-b] [-D] [-C]   round trips
- *   fi_pingpong -m pages [-p PROV] [-P PAGE] [-N PAGES] [-I IOV] [-R RAILS] [-n ITERS] [-y|-b] [-D] [-C]
+ *   fi_pingpong [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] [-y|-b] [-D] [-C I:T]   round trips
+ *   fi_pingpong -m pages [-p PROV] [-P PAGE] [-N PAGES] [-I IOV] [-R RAILS] [-n ITERS] [-y|-b] [-D] [-C I:T]
  *   fi_pingpong -m cma [-P PAGE] [-N PAGES] [-I IOV] [-n ITERS]                  paged CMA copies
  *   fi_pingpong -m sock [-P PAGE] [-N PAGES] [-I IOV] [-R RAILS] [-n ITERS]      the same bytes by TCP
  *
@@ -29,8 +29,8 @@
  *
  * Waiting: by default both sides poll purely; -y: sched_yield() after an empty CQ read; -b:
  * sleep in poll() on the CQ's wait fd (tcp) after fi_trywait, as kvxfer's idle progress
- * threads do. -C pins the initiator process to CPU 0 and the target process to CPU 1 (every
- * rail of a side on that one CPU).
+ * threads do. -C I:T pins the initiator process to the CPUs of list I and the target process
+ * to those of T (comma-separated, e.g. -C 0:1; kvxfer-bench --pin passes its two halves).
  *
  * CMA (-m cma, no libfabric at all): the same scattered pages copied by the initiator with
  * process_vm_writev() straight into the target's buffer, IOV destination pages per call (up
@@ -702,13 +702,41 @@ static int run_sock(int sock, int initiator, long iters, long warmup, size_t pag
     return 0;
 }
 
+/* -C I:T: the CPU list of one side (I for the initiator, T for the target), comma-separated */
+static int parse_cpus(const char *spec, int initiator, cpu_set_t *set)
+{
+    const char *colon = strchr(spec, ':');
+    if (!colon) {
+        fprintf(stderr, "fi_pingpong: -C wants INITIATOR_CPUS:TARGET_CPUS, e.g. 0:1\n");
+        return 2;
+    }
+    const char *p = initiator ? spec : colon + 1, *end = initiator ? colon : spec + strlen(spec);
+    CPU_ZERO(set);
+    while (p < end) {
+        char *q;
+        long c = strtol(p, &q, 10);
+        if (q == p || q > end || c < 0 || c >= CPU_SETSIZE || (q != end && *q != ',')) {
+            fprintf(stderr, "fi_pingpong: bad CPU list in -C %s\n", spec);
+            return 2;
+        }
+        CPU_SET((int)c, set);
+        p = q == end ? q : q + 1;
+    }
+    if (CPU_COUNT(set) == 0) {
+        fprintf(stderr, "fi_pingpong: empty CPU list in -C %s\n", spec);
+        return 2;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *prov = "tcp;ofi_rxm", *mode = "lat";
     long iters = 10000, warmup = 500;
     size_t size = 8, page = 16384, pages = 4096, iov = 16, rails = 1, sock_iov = 0;
-    int inject = 0, opt, iters_set = 0, warmup_set = 0, pin = 0;
-    while ((opt = getopt(argc, argv, "p:n:w:s:jybCDm:P:N:I:R:")) != -1) {
+    int inject = 0, opt, iters_set = 0, warmup_set = 0;
+    const char *pin = NULL;
+    while ((opt = getopt(argc, argv, "p:n:w:s:jybC:Dm:P:N:I:R:")) != -1) {
         switch (opt) {
         case 'p': prov = optarg; break;
         case 'n': iters = atol(optarg); iters_set = 1; break;
@@ -717,7 +745,7 @@ int main(int argc, char **argv)
         case 'j': inject = 1; break;
         case 'y': yield_when_idle = 1; break;
         case 'b': block_when_idle = 1; break;
-        case 'C': pin = 1; break;
+        case 'C': pin = optarg; break;
         case 'D': dc_flag = FI_DELIVERY_COMPLETE; break;
         case 'm': mode = optarg; break;
         case 'P': page = strtoull(optarg, NULL, 0); break;
@@ -726,7 +754,7 @@ int main(int argc, char **argv)
         case 'R': rails = strtoull(optarg, NULL, 0); break;
         default:
             fprintf(stderr, "usage: %s [-m lat|pages|cma|sock] [-p PROV] [-n ITERS] [-w WARMUP] [-s BYTES] [-j] "
-                            "[-y|-b] [-D] [-C] [-P PAGE] [-N PAGES] [-I IOV] [-R RAILS]\n", argv[0]);
+                            "[-y|-b] [-D] [-C I:T] [-P PAGE] [-N PAGES] [-I IOV] [-R RAILS]\n", argv[0]);
             return 2;
         }
     }
@@ -740,6 +768,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "fi_pingpong: bad arguments\n");
         return 2;
     }
+    cpu_set_t cpus[2];   /* -C: [0] the target's, [1] the initiator's; checked before the fork */
+    if (pin && (parse_cpus(pin, 0, &cpus[0]) || parse_cpus(pin, 1, &cpus[1])))
+        return 2;
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv)) {
         perror("socketpair");
@@ -755,12 +786,11 @@ int main(int argc, char **argv)
     int initiator = pid > 0;
     if (!initiator && (prctl(PR_SET_PDEATHSIG, SIGKILL) || getppid() != parent))
         _exit(2);                  /* never outlive the initiator (a killed or failed run) */
-    if (pin) {   /* -C: the initiator on CPU 0, the target on CPU 1 */
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(initiator ? 0 : 1, &set);
-        if (sched_setaffinity(0, sizeof(set), &set))
-            perror("fi_pingpong: sched_setaffinity");
+    if (pin && sched_setaffinity(0, sizeof(cpu_set_t), &cpus[initiator])) {
+        perror("fi_pingpong: -C");
+        if (!initiator)
+            _exit(2);
+        return 2;          /* the target dies with us (PDEATHSIG) */
     }
     close(sv[initiator ? 1 : 0]);
     int sock = sv[initiator ? 0 : 1];

@@ -8,7 +8,11 @@ import numpy as np
 
 import kvxfer
 
-__all__ = ["machine_info"]
+__all__ = ["machine_info", "pin_halves", "unpin", "pin_from_env", "pinned_halves", "PIN_ENV"]
+
+#: ``kvxfer-bench --pin``: the CPUs the benchmark's target processes (kvxfer's and the --vs
+#: peers') pin themselves to, set by the initiator for its children
+PIN_ENV = "KVXFER_BENCH_CPUS"
 
 
 def machine_info() -> dict:
@@ -46,3 +50,44 @@ def _boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def pin_halves() -> tuple:
+    """``--pin``: this thread (the initiator's main thread, before any engine starts its
+    threads) onto the first half of the CPUs it may use, the target processes it starts onto
+    the second (through ``PIN_ENV``). Returns what ``unpin`` restores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit(f"kvxfer-bench: --pin needs at least 2 CPUs; this process may use {len(cpus)}")
+    half = len(cpus) // 2
+    before = (set(cpus), os.environ.get(PIN_ENV))
+    os.sched_setaffinity(0, cpus[:half])
+    os.environ[PIN_ENV] = ",".join(str(c) for c in cpus[half:])
+    return before
+
+
+def unpin(before: tuple) -> None:
+    """Undo ``pin_halves`` (the benchmark may run inside a longer-lived process, e.g. a test)."""
+    cpus, env = before
+    os.sched_setaffinity(0, cpus)
+    if env is None:
+        os.environ.pop(PIN_ENV, None)
+    else:
+        os.environ[PIN_ENV] = env
+
+
+def pin_from_env() -> None:
+    """In a target process: pin onto the CPUs the initiator chose (``PIN_ENV``), if any,
+    before any engine starts its threads."""
+    v = os.environ.get(PIN_ENV)
+    if v:
+        os.sched_setaffinity(0, {int(c) for c in v.split(",")})
+
+
+def pinned_halves() -> "str | None":
+    """``fi_pingpong -C``'s argument for the halves ``--pin`` chose, None without ``--pin``."""
+    v = os.environ.get(PIN_ENV)
+    if not v:
+        return None
+    mine = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return f"{mine}:{v}"

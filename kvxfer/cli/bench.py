@@ -63,6 +63,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     where.add_argument("--connect", metavar="ADDR", help="run against a target started with --listen (hex address)")
     g.add_argument("--listen-timeout", type=float, metavar="S",
                    help="with --listen: give up if no initiator arrives within S seconds (default: wait)")
+    g.add_argument("--pin", action="store_true",
+                   help="pin this process (the initiator) to the first half of the CPUs it may use and the "
+                        "target processes (kvxfer's, the --vs peers', the C floor's) to the second half, as a "
+                        "deployment pins its engines; local runs only, at least 2 CPUs (default: the "
+                        "scheduler places them)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write every result, the command line, provider and machine facts")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -189,7 +194,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     provider failed, 2 bad usage, 130 interrupted)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_target"]:
+        from kvxfer.cli._machine import pin_from_env
         from kvxfer.cli._target import target_main
+
+        pin_from_env()
 
         a = _target_parser().parse_args(argv[1:])
         return target_main(a.provider, a.node, progress=a.progress, parent_pid=a.parent_pid,
@@ -203,11 +211,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(args, "timeout", 1) <= 0:
         parser.error("--timeout must be positive")
     args.argv = argv
+    pinned = None
+    if getattr(args, "pin", False):
+        if args.listen or args.connect:
+            parser.error("--pin places the two processes of a local run; pin a remote one with taskset")
+        from kvxfer.cli._machine import pin_halves
+
+        pinned = pin_halves()
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print("\nkvxfer-bench: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if pinned is not None:
+            from kvxfer.cli._machine import unpin
+
+            unpin(pinned)
 
 
 # --------------------------------------------------------------------------------------
@@ -557,6 +577,14 @@ def run_bw(args: argparse.Namespace) -> int:
     return status
 
 
+def _floor_pin() -> list:
+    """``-C`` for the floor under ``--pin``: its two processes on the halves kvxfer's got."""
+    from kvxfer.cli._machine import pinned_halves
+
+    halves = pinned_halves()
+    return ["-C", halves] if halves else []
+
+
 def _floor_dc(eng) -> list:
     """The floor's flag for kvxfer's completion semantics: ``-D`` (FI_DELIVERY_COMPLETE)
     when this engine's writes ask for it (tcp;ofi_rxm by default), so both pay the same
@@ -581,7 +609,7 @@ def _run_floor_pages(run: "_Run", cases: list, order: list, memmove) -> None:
                       timeout=max(120.0, run.args.timeout * 4))
         try:
             runs = [run_floor(run.provider, mode="pages", iov=run.eng.iov,
-                              extra=x + _floor_dc(run.eng) + ["-R", str(rails)], **common)
+                              extra=x + _floor_dc(run.eng) + ["-R", str(rails)] + _floor_pin(), **common)
                     for x in ([], ["-y"])]
         except FloorUnavailable as exc:
             print(f"{run.provider:<11}  floor {case.label}: {exc}", flush=True)
@@ -590,7 +618,8 @@ def _run_floor_pages(run: "_Run", cases: list, order: list, memmove) -> None:
         sock = None
         if tcp:
             try:
-                sock = run_floor(run.provider, mode="sock", iov=0, extra=["-R", str(rails)], **common)
+                sock = run_floor(run.provider, mode="sock", iov=0, extra=["-R", str(rails)] + _floor_pin(),
+                                 **common)
             except FloorUnavailable as exc:
                 print(f"{run.provider:<11}  socket {case.label}: {exc}", flush=True)
                 rec.append({"case": case.spec, "mode": "sock", "error": str(exc)})
@@ -672,11 +701,13 @@ def run_lat(args: argparse.Namespace) -> int:
             dc = _floor_dc(run.eng)
             try:
                 runs = [run_floor(run.provider, size=args.size, iters=args.iters, warmup=args.warmup,
-                                  timeout=max(60.0, args.timeout * 4), extra=x + dc) for x in ([], ["-y"])]
+                                  timeout=max(60.0, args.timeout * 4), extra=x + dc + _floor_pin())
+                        for x in ([], ["-y"])]
                 floor = dict(min(runs, key=lambda f: f["p50_us"]), variants=runs)
                 if dc:
                     plain = [run_floor(run.provider, size=args.size, iters=args.iters, warmup=args.warmup,
-                                       timeout=max(60.0, args.timeout * 4), extra=x) for x in ([], ["-y"])]
+                                       timeout=max(60.0, args.timeout * 4), extra=x + _floor_pin())
+                             for x in ([], ["-y"])]
                     floor["plain"] = dict(min(plain, key=lambda f: f["p50_us"]), variants=plain)
             except FloorUnavailable as exc:
                 floor = {"error": str(exc)}

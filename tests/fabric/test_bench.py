@@ -216,3 +216,33 @@ def test_a_peer_failing_in_a_later_round_is_let_go_at_once(monkeypatch, tmp_path
     assert [len(r["rounds"]) for r in run["results"]] == [3, 3]
     assert all(r["check"] == "ok" for r in run["results"])
     assert doc["comparison"] == [] and "no comparison" in text
+
+
+def test_pin_splits_the_cpus_between_initiator_and_target(tmp_path, capsys):
+    """--pin: the initiator on the first half of the CPUs, the target process on the second
+    (the JSON's machine facts of each side say how many each may use), and the calling
+    process gets its CPUs back afterwards."""
+    import os
+
+    from _providers import available
+
+    if not available("shm"):
+        pytest.skip("provider shm is not available here")
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        pytest.skip("--pin needs 2 CPUs")
+    out = tmp_path / "pin.json"
+    rc = bench.main(["lat", "--provider", "shm", "--iters", "50", "--warmup", "5", "--pin", "-q", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    assert os.sched_getaffinity(0) == cpus and "KVXFER_BENCH_CPUS" not in os.environ
+    doc = json.loads(out.read_text())
+    (run,) = doc["runs"]
+    assert doc["options"]["pin"] is True
+    assert doc["machine"]["affinity"] == len(cpus) // 2
+    assert run["target"]["machine"]["affinity"] == len(cpus) - len(cpus) // 2
+    assert run["results"][0]["check"] == "ok"
+
+
+def test_pin_is_for_local_runs():
+    with pytest.raises(SystemExit):
+        bench.main(["bw", "--pin", "--connect", "00"])

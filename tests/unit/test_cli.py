@@ -120,3 +120,32 @@ def test_floor_without_its_source_says_why(monkeypatch, tmp_path):
     monkeypatch.setattr(_floor, "source", lambda: tmp_path / "missing.c")
     with pytest.raises(_floor.FloorUnavailable, match="not found"):
         _floor.run_floor("shm")
+
+
+def test_pin_halves_and_back(monkeypatch):
+    """--pin's helpers: halves of this thread's CPUs, the target's half through the
+    environment, everything restored by unpin; fewer than 2 CPUs is refused."""
+    import os
+
+    from kvxfer.cli import _machine
+
+    cpus = os.sched_getaffinity(0)
+    monkeypatch.delenv(_machine.PIN_ENV, raising=False)
+    assert _machine.pinned_halves() is None
+    if len(cpus) >= 2:
+        before = _machine.pin_halves()
+        try:
+            mine, theirs = _machine.pinned_halves().split(":")
+            assert {int(c) for c in mine.split(",")} == os.sched_getaffinity(0)
+            assert {int(c) for c in theirs.split(",")} == cpus - os.sched_getaffinity(0)
+            assert os.environ[_machine.PIN_ENV] == theirs
+        finally:
+            _machine.unpin(before)
+        assert os.sched_getaffinity(0) == cpus and _machine.PIN_ENV not in os.environ
+    one = {min(cpus)}
+    os.sched_setaffinity(0, one)
+    try:
+        with pytest.raises(SystemExit, match="at least 2 CPUs"):
+            _machine.pin_halves()
+    finally:
+        os.sched_setaffinity(0, cpus)
