@@ -33,14 +33,13 @@
 void kx_bell_create(kx_rail *r)
 {
     char name[256], path[300];
-    size_t len = sizeof(name) - 1;
+    size_t len;
     r->bell = NULL;
     const char *off = getenv("KVXFER_SHM_BELL");     /* "0": no bell, the back-off alone */
     if (off && strcmp(off, "0") == 0)
         return;
-    if (!r->shm || fi_getname(&r->ep->fid, name, &len) || len >= sizeof(name))
+    if (!r->shm || kx_ep_name(r, name, sizeof(name), &len))
         return;
-    name[len] = '\0';
     if (kx_shm_path(name, len, ".kxbell", path, sizeof(path)))
         return;
     int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);

@@ -316,6 +316,7 @@ typedef struct kx_peer {
 int kx_local_publish(kx_rail *r);
 void kx_shm_clear_stale(kx_rail *r);
 int kx_shm_path(const void *name, size_t len, const char *suffix, char *path, size_t size);
+int kx_ep_name(kx_rail *r, char *name, size_t size, size_t *len);   /* NUL-terminated; -1: none */
 void kx_local_retire(kx_rail *r);
 int kx_addr_check(kx_rail *r, const void *addr, size_t len);
 int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len);

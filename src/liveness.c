@@ -284,6 +284,17 @@ int kx_shm_path(const void *name, size_t len, const char *suffix, char *path, si
     return 0;
 }
 
+/* The endpoint's name, NUL-terminated in `name` (of `size` bytes), its length in *len: 0, or
+ * -1 if it has none or it does not fit (shm names are short strings) */
+int kx_ep_name(kx_rail *r, char *name, size_t size, size_t *len)
+{
+    *len = size - 1;
+    if (fi_getname(&r->ep->fid, name, len) || *len >= size)
+        return -1;
+    name[*len] = '\0';
+    return 0;
+}
+
 /* Before fi_enable of a shm endpoint: shm names its region /dev/shm/<pid>:<n>:<m> and refuses
  * to enable (EBUSY) when the file exists. A file with our own pid that no open engine of
  * this process owns was left by a dead process that had our pid (a crash or a SIGKILL leaves
@@ -291,10 +302,9 @@ int kx_shm_path(const void *name, size_t len, const char *suffix, char *path, si
 void kx_shm_clear_stale(kx_rail *r)
 {
     char name[256];
-    size_t len = sizeof(name) - 1;
-    if (fi_getname(&r->ep->fid, name, &len) || len >= sizeof(name))
+    size_t len;
+    if (kx_ep_name(r, name, sizeof(name), &len))
         return;
-    name[len] = '\0';
     if (kx_shm_pid(r->info->fabric_attr->prov_name, name, len) != getpid())
         return;
     kx_local *mine = kx_local_find(name, len);
