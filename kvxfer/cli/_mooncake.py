@@ -71,10 +71,7 @@ def _register(eng, buf: np.ndarray) -> None:
 
 def target_main() -> int:
     """The Mooncake target process: ``python -m kvxfer.cli._mooncake``; requests on stdin."""
-    from kvxfer.cli._machine import pin_from_env
-
-    pin_from_env()      # kvxfer-bench --pin: the target's half of the CPUs
-    ch = TargetChannel()
+    ch = TargetChannel()      # first: it pins the process where kvxfer-bench --pin asked
     eng = _engine()
     ch.say(t="hello", session=f"{HOST}:{eng.get_rpc_port()}")
     for req in ch.requests():

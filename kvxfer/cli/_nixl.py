@@ -72,10 +72,7 @@ def _agent(name: str, progress_thread: bool):
 
 def target_main() -> int:
     """The NIXL target process: ``python -m kvxfer.cli._nixl``; requests on stdin."""
-    from kvxfer.cli._machine import pin_from_env
-
-    pin_from_env()      # kvxfer-bench --pin: the target's half of the CPUs
-    ch = TargetChannel()
+    ch = TargetChannel()      # first: it pins the process where kvxfer-bench --pin asked
     agent = _agent("kvxfer-bench-nixl-target", False)
     ch.say(t="hello", meta=agent.get_agent_metadata().hex())
     for req in ch.requests():

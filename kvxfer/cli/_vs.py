@@ -12,6 +12,7 @@ import sys
 from typing import Callable, Optional
 
 from kvxfer.cli._cases import Case, pattern
+from kvxfer.cli._machine import pin_from_env
 from kvxfer.cli._memmove import iterations as _iterations
 from kvxfer.cli._results import CaseResult
 
@@ -19,9 +20,12 @@ __all__ = ["TargetChannel", "PeerProcess", "VsPeer", "record_iteration"]
 
 
 class TargetChannel:
-    """The target side: answers on the process's original stdout, requests from stdin."""
+    """The target side: answers on the process's original stdout, requests from stdin. Made
+    first thing in a peer's target process, it also pins the process where ``kvxfer-bench
+    --pin`` asked (before the peer library starts any thread)."""
 
     def __init__(self) -> None:
+        pin_from_env()
         self._out = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)            # whatever the library prints goes to stderr, not into the channel
 

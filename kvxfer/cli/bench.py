@@ -507,6 +507,11 @@ def run_bw(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvxfer-bench: --rounds must be at least 1, got {args.rounds}")
     comparison: list[dict] = []
 
+    def one(rounds: list[dict]) -> dict:
+        """A case's row: its only round as it is (the JSON of a run without --rounds), else
+        the median round with every round's figures."""
+        return rounds[0] if args.rounds == 1 else median_round(rounds)
+
     def body(run: _Run, bar: Bar) -> None:
         memmove = None
         # case by case, each round kvxfer then every peer back to back, so a change of the
@@ -537,7 +542,7 @@ def run_bw(args: argparse.Namespace) -> int:
                             opened[j] = (peer, None, rec)
                         else:
                             theirs[peer].append(s)
-                s = ours[0] if args.rounds == 1 else median_round(ours)
+                s = one(ours)
                 run.record["results"].append(s)
                 if case.kind == "memmove" and memmove is None:
                     memmove = s["gbps"]
@@ -548,7 +553,7 @@ def run_bw(args: argparse.Namespace) -> int:
                 for peer, p, rec in opened:
                     got = theirs[peer]
                     if got and len(got) == args.rounds:
-                        t = got[0] if args.rounds == 1 else median_round(got)
+                        t = one(got)
                         rec["results"].append(t)
                         print(bw_row(f"{peer}/{run.provider}"[:11], t, memmove), flush=True)
         finally:
@@ -699,16 +704,17 @@ def run_lat(args: argparse.Namespace) -> int:
             # with kvxfer's completion semantics (-D where its writes ask for delivery-complete);
             # the plain floor too, in the JSON, where they differ
             dc = _floor_dc(run.eng)
-            try:
+
+            def best(flags: list) -> dict:
                 runs = [run_floor(run.provider, size=args.size, iters=args.iters, warmup=args.warmup,
-                                  timeout=max(60.0, args.timeout * 4), extra=x + dc + _floor_pin())
+                                  timeout=max(60.0, args.timeout * 4), extra=x + flags + _floor_pin())
                         for x in ([], ["-y"])]
-                floor = dict(min(runs, key=lambda f: f["p50_us"]), variants=runs)
+                return dict(min(runs, key=lambda f: f["p50_us"]), variants=runs)
+
+            try:
+                floor = best(dc)
                 if dc:
-                    plain = [run_floor(run.provider, size=args.size, iters=args.iters, warmup=args.warmup,
-                                       timeout=max(60.0, args.timeout * 4), extra=x + _floor_pin())
-                             for x in ([], ["-y"])]
-                    floor["plain"] = dict(min(plain, key=lambda f: f["p50_us"]), variants=plain)
+                    floor["plain"] = best([])
             except FloorUnavailable as exc:
                 floor = {"error": str(exc)}
             s["floor"] = floor
