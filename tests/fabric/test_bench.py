@@ -172,6 +172,26 @@ def test_the_floor_leaves_no_shm_region_behind():
     assert left == []
 
 
+def test_the_tcp_staging_probe_runs_and_checks_its_pages():
+    """bench/probe_tcp_staging.py (docs/benchmarks.md, staging on tcp): both modes land every
+    page where it belongs, with the source scattered too (--gather)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _providers import available
+
+    if not available("tcp;ofi_rxm"):
+        pytest.skip("provider tcp;ofi_rxm is not available here")
+    probe = Path(__file__).resolve().parents[2] / "bench" / "probe_tcp_staging.py"
+    r = subprocess.run([sys.executable, str(probe), "--iters", "2", "--chunk", "4M", "--gather"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["rma", "stage"]
+    assert all(ln.endswith("data ok") for ln in lines)
+
+
 def test_a_peer_failing_in_a_later_round_is_let_go_at_once(monkeypatch, tmp_path, capsys):
     """--rounds with a --vs peer that fails in round 2 (a stand-in for NIXL): the peer is
     closed right then and asked nothing more, its error is in the JSON with no half-measured
