@@ -26,6 +26,7 @@ from kvxfer._core cimport *
 import errno as _errno
 import os as _os
 import time as _time
+import weakref as _weakref
 
 cimport cython
 
@@ -523,6 +524,10 @@ cdef class Rail:
         for t in self.pending_sets:
             if region in (<TransferSet>t).regions and (not (<TransferSet>t).done or (<TransferSet>t).linked):
                 return True
+        for ref in region.watches:       # armed from it: the watcher posts from it later
+            h = ref()
+            if h is not None and (<WatchHandle>h).busy:
+                return True
         return False
 
     # -- counters --------------------------------------------------------------------------
@@ -672,6 +677,8 @@ cdef class RegionHandle:
     cdef readonly size_t nbytes
     cdef public int busy       # posts under way from this region
     cdef public object keep    # the memory's owner, alive as long as the registration
+    cdef readonly list watches # weak references to the watch entries armed from it
+
 
     def __cinit__(self, Rail rail, uintptr_t ptr, size_t nbytes, int iface, int device, int dmabuf_fd,
                   bint remote):
@@ -683,6 +690,7 @@ cdef class RegionHandle:
         cdef int ret
         self.rail = rail
         self.mr = NULL
+        self.watches = []
         with nogil:
             ret = kx_mr_reg(r, <void *>ptr, nbytes, iface, device, dmabuf_fd, remote,
                             &self.mr, &self.key, &self.desc, raw, &rawlen, &raw_base, &call)
@@ -1019,6 +1027,7 @@ cdef class WatcherHandle:
         h.e = e
         h.rail = rail
         h.region = region
+        _track_watches(region, [h])
         return h
 
     def arm_groups(self, const uint64_t[::1] thresholds, uint64_t tag, Rail rail, fi_addr_t peer, uintptr_t src_base,
@@ -1066,6 +1075,7 @@ cdef class WatcherHandle:
             h.rail = rail
             h.region = region
             out.append(h)
+        _track_watches(region, out)
         if ret:
             for x in out:
                 x.disarm()
@@ -1106,6 +1116,14 @@ cdef class WatcherHandle:
         return ret == 0
 
 
+def _track_watches(RegionHandle region, list handles):
+    """Remember entries armed from ``region`` (weakly: a dropped entry disarms itself), so
+    that closing the region is refused while one may still post from it; forget finished ones."""
+    if len(region.watches) >= 64:
+        region.watches = [r for r in region.watches if r() is not None and (<WatchHandle>r()).busy]
+    region.watches.extend(_weakref.ref(h) for h in handles)
+
+
 def _array_i64(n):
     import numpy
     return numpy.zeros(n, dtype=numpy.int64)
@@ -1121,6 +1139,7 @@ cdef class WatchHandle:
     cdef readonly Rail rail
     cdef readonly RegionHandle region   # the source registration, alive while the entry is
     cdef kx_watch *e
+    cdef object __weakref__             # RegionHandle.watches
 
     def __dealloc__(self):
         if self.e != NULL:
@@ -1146,6 +1165,17 @@ cdef class WatchHandle:
     @property
     def fired_ns(self):
         return self._state().fired_ns
+
+    @property
+    def busy(self):
+        """Whether it may still post from, or have writes in flight from, its source
+        registration: armed, posting, or posted and not yet complete (or still linked)."""
+        cdef kx_watch_state s = self._state()
+        cdef kx_transfer_state t
+        if s.transfer != NULL:
+            kx_transfer_get_state(s.transfer, &t)
+            return bool(not t.done or t.linked)
+        return s.state == KX_WATCH_ARMED or s.state == KX_WATCH_POSTING
 
     @property
     def num_writes(self):

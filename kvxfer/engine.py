@@ -97,7 +97,13 @@ def _as_offsets(a, name: str) -> np.ndarray:
 
 def _concat_index(parts: list) -> np.ndarray:
     """Concatenate groups' index arrays; signed and unsigned groups mixed would promote to
-    float, so integer groups are joined as int64 (values that large are refused anyway)."""
+    float, so integer groups are joined as int64 (values that large are refused anyway).
+    Each group's dtype is checked on its own: a bool or float group joined to an int one
+    would otherwise be promoted and pass as offsets."""
+    for p in parts:
+        a = np.asarray(p)
+        if a.size and a.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"a group's offsets and lengths must be integer arrays, got dtype {a.dtype}")
     out = np.concatenate(parts)
     if out.dtype.kind == "f" and all(np.asarray(p).dtype.kind in "iu" for p in parts):
         out = np.concatenate([np.asarray(p).astype(np.int64) for p in parts])
@@ -163,7 +169,7 @@ def _check_options(progress, iov, max_write, pack_min, rails) -> None:
     if pack_min is not None and (isinstance(pack_min, bool) or not isinstance(pack_min, (int, np.integer))
                                  or pack_min < 0):
         raise InvalidArgumentError(f"pack_min must be a non-negative int, got {pack_min!r}")
-    if rails is not None and (isinstance(rails, bool) or int(rails) < 1):
+    if rails is not None and (isinstance(rails, bool) or not isinstance(rails, (int, np.integer)) or rails < 1):
         raise InvalidArgumentError(f"rails must be a positive int, got {rails!r}")
 
 
@@ -180,6 +186,33 @@ def _check_watch(poll_us, rt_priority, prefix: str = "") -> None:
                                    f"got {poll_us!r}")
     if isinstance(rt_priority, bool) or not isinstance(rt_priority, int) or not 0 <= rt_priority <= 99:
         raise InvalidArgumentError(f"{prefix}rt_priority must be an int in 0..99, got {rt_priority!r}")
+
+
+def _u64(v, name: str) -> int:
+    """An int in [0, 2**64) (a tag or threshold the native side keeps as uint64_t)."""
+    v = _nonneg(v, name)
+    if v >= 2**64:
+        raise InvalidArgumentError(f"{name} must be below 2**64, got {v}")
+    return v
+
+
+def _check_rail(rail, n: int) -> int:
+    """A local rail index in [0, n)."""
+    rail = _nonneg(rail, "rail")
+    if rail >= n:
+        raise InvalidArgumentError(f"rail {rail} is not one of this engine's {n}")
+    return rail
+
+
+def _check_word(word) -> int:
+    """A watcher's counter address: 0 (it allocates one) or an 8-byte-aligned u64 that is
+    mapped writable in this process (the thread reads it natively; a wild one would crash)."""
+    word = _nonneg(word, "word")
+    if word:
+        if word % 8 or word >= 2**64 - 8:
+            raise InvalidArgumentError(f"word {word:#x} is not the address of an aligned 64-bit counter")
+        _maps.check_writable(word, 8)
+    return word
 
 
 def _check_cpus(cpus) -> tuple:
@@ -200,7 +233,15 @@ def _check_cpus(cpus) -> tuple:
 def _check_nics(nics) -> Optional[list[str]]:
     if nics is None:
         return None
-    nics = [str(n) for n in nics]
+    # one string is one NIC's name, not a list of one-letter names
+    if isinstance(nics, (str, bytes)):
+        raise ArgumentTypeError(f"nics must be a list of NIC (libfabric domain) names, got the string {nics!r}")
+    try:
+        nics = list(nics)
+    except TypeError:
+        raise ArgumentTypeError(f"nics must be a list of NIC names, got {type(nics).__name__}") from None
+    if not all(isinstance(n, str) and n for n in nics):
+        raise ArgumentTypeError(f"each NIC must be a non-empty string, got {nics!r}")
     if not nics:
         raise InvalidArgumentError("nics must name at least one NIC (libfabric domain)")
     return nics
@@ -345,10 +386,12 @@ class MemoryRegion:
 
     def close(self) -> None:
         """Deregister (on every rail). Refused while a transfer from this region is still
-        posting or in flight: wait for it (or cancel it) first."""
+        posting or in flight, or a watch entry armed from it may still post: wait for it
+        (or cancel or disarm it) first."""
         if self._handles and not self.engine.closed:
             if not self.engine._rails[0].close_if_idle(self._handles):
-                raise InvalidArgumentError("memory region has transfers in flight; wait for them before closing it")
+                raise InvalidArgumentError("memory region has transfers in flight or watch entries armed from it; "
+                                           "wait for them (or disarm them) before closing it")
         self._close()
 
     def _close(self) -> None:
@@ -592,7 +635,7 @@ class WatchEntry:
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until ``done``; raise its error, or TimeoutError."""
-        if not self._h.wait(timeout):
+        if not self._h.wait(_timeout(timeout)):
             raise TimeoutError(f"watch entry still {self.state} after {timeout} s")
         err = self.error
         if err is not None:
@@ -654,12 +697,12 @@ class Watcher:
             if int(de[j]) > dst.nbytes:
                 raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
         imm = _check_imm(imm)
-        threshold = _nonneg(threshold, "threshold")
-        if not 0 <= rail < len(eng._rails):
-            raise InvalidArgumentError(f"rail {rail} is not one of this engine's {len(eng._rails)}")
+        threshold = _u64(threshold, "threshold")
+        tag = _u64(tag, "tag")
+        rail = _check_rail(rail, len(eng._rails))
         handles = src._live()
         r = eng._rails[rail]
-        h = self._h.arm(threshold, int(tag), r, peer.fi_addrs[rail], src.ptr, handles[rail], dst.base, dst.keys[rail],
+        h = self._h.arm(threshold, tag, r, peer.fi_addrs[rail], src.ptr, handles[rail], dst.base, dst.keys[rail],
                         dst._direct_from(src), np.ascontiguousarray(so, np.uint64),
                         np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), imm, eng.iov,
                         eng.max_write, dst._pack_min)
@@ -677,7 +720,8 @@ class Watcher:
         do = _as_offsets(dst_offsets, "dst_offsets")
         ln = _as_offsets(lengths, "lengths")
         th = _as_offsets(thresholds, "thresholds")
-        st = np.ascontiguousarray(starts, dtype=np.int64)
+        st = _as_offsets(starts, "starts").astype(np.int64)
+        tag = _u64(tag, "tag")
         if not (len(so) == len(do) == len(ln)):
             raise InvalidArgumentError(f"triples differ in length: {len(so)}, {len(do)}, {len(ln)}")
         if (st.ndim != 1 or len(st) != len(th) + 1 or st[0] != 0 or st[-1] != len(ln)
@@ -691,10 +735,9 @@ class Watcher:
             if int(de[j]) > dst.nbytes:
                 raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
         imm = _check_imm(imm)
-        if not 0 <= rail < len(eng._rails):
-            raise InvalidArgumentError(f"rail {rail} is not one of this engine's {len(eng._rails)}")
+        rail = _check_rail(rail, len(eng._rails))
         handles = src._live()
-        hs = self._h.arm_groups(np.ascontiguousarray(th, np.uint64), int(tag), eng._rails[rail], peer.fi_addrs[rail],
+        hs = self._h.arm_groups(np.ascontiguousarray(th, np.uint64), tag, eng._rails[rail], peer.fi_addrs[rail],
                                 src.ptr, handles[rail], dst.base, dst.keys[rail], dst._direct_from(src),
                                 np.ascontiguousarray(so, np.uint64),
                                 np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), st, imm,
@@ -705,7 +748,7 @@ class Watcher:
 
     def disarm_tag(self, tag: int) -> int:
         """Disarm every still-armed entry of ``tag``; returns how many."""
-        return self._h.disarm_tag(int(tag))
+        return self._h.disarm_tag(_u64(tag, "tag"))
 
     def latencies(self) -> tuple[list[int], list[int]]:
         """CPU ``bump()`` -> first post of what it fired, in ns, since the last call: to the
@@ -717,7 +760,7 @@ class Watcher:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop and join the thread (idempotent); armed entries never post."""
-        self._h.close(timeout)
+        self._h.close(_check_timeout(timeout))
 
     @property
     def closed(self) -> bool:
@@ -792,8 +835,12 @@ class Engine:
         self._watchers: "weakref.WeakSet[Watcher]" = weakref.WeakSet()
         self._rails: list = []
         _check_options(progress, iov, max_write, pack_min, rails)
-        if direct is not None and not isinstance(direct, bool):
-            raise ArgumentTypeError(f"direct must be True, False or None, got {direct!r}")
+        for name, v in (("direct", direct), ("delivery_complete", delivery_complete), ("hmem", hmem)):
+            if v is not None and not isinstance(v, (bool, np.bool_)):
+                raise ArgumentTypeError(f"{name} must be True, False{'' if name == 'hmem' else ' or None'}, got {v!r}")
+        for name, v in (("provider", provider), ("node", node)):
+            if v is not None and not isinstance(v, str):
+                raise ArgumentTypeError(f"{name} must be a string or None, got {type(v).__name__}")
         if provider is None:
             provider = _environ.user_provider()   # kvxfer's own include list is not a name
         if placement is not None:
@@ -1202,6 +1249,7 @@ class Engine:
         threshold (see ``Watcher``); pinned to ``cpus`` (default: the engine's)."""
         self._check_open()
         _check_watch(poll_us, rt_priority)
+        word = _check_word(word)
         cpus = self.cpus if cpus is None else _check_cpus(cpus)
         w = Watcher(self, word, poll_us, cpus or (), keep, rt_priority)
         self._watchers.add(w)
@@ -1501,7 +1549,10 @@ def _resolve_buffer(obj: Any):
         # a lease keeps the mapping alive even if the buffer is closed under the region
         keep = obj.lease() if hasattr(obj, "lease") else obj
         if kind == "host":
-            return int(obj.ptr), int(obj.nbytes), "cpu", sys_iface, 0, -1, keep
+            ptr, nbytes = int(obj.ptr), int(obj.nbytes)
+            if nbytes:           # a duck-typed host buffer: its memory must be ours to be written
+                _maps.check_writable(ptr, nbytes)
+            return ptr, nbytes, "cpu", sys_iface, 0, -1, keep
         ordinal = int(getattr(obj, "ordinal", 0))
         fd = -1
         if _fabric.HAVE_DMABUF and hasattr(obj, "dmabuf_fd"):
@@ -1526,6 +1577,10 @@ def _resolve_buffer(obj: Any):
             raise InvalidArgumentError("tensor must be contiguous")
         nbytes = obj.numel() * obj.element_size()
         if obj.device.type == "cpu":
+            # torch.frombuffer over read-only memory makes a tensor that reports nothing:
+            # ask the mappings, as for (ptr, nbytes), before a peer's write faults this process
+            if nbytes:
+                _maps.check_writable(int(obj.data_ptr()), nbytes)
             return int(obj.data_ptr()), nbytes, "cpu", sys_iface, 0, -1, obj
         if obj.device.type == "cuda":
             o = obj.device.index or 0
@@ -1555,6 +1610,8 @@ def _resolve_buffer(obj: Any):
             arr = np.from_dlpack(obj)
             mv = memoryview(arr)
             obj = arr
+            if mv.nbytes:        # a DLPack capsule need not say its memory is read-only
+                _maps.check_writable(int(arr.__array_interface__["data"][0]), mv.nbytes)
         else:
             raise InvalidArgumentError(f"cannot register {type(obj).__name__}: not a buffer, tensor or (ptr, nbytes)") from None
     if mv.readonly:

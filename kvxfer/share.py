@@ -253,7 +253,7 @@ def pidfd_getfd(pid: int, fd: int) -> int:
                 )
             if err == errno.EBADF:  # the exporter closed that fd
                 raise PeerError(f"pidfd_getfd(pid={pid}, fd={fd}): the exporter no longer has that fd open")
-            raise OSError(err, f"pidfd_getfd(pid={pid}, fd={fd}): {text}")
+            raise PeerError(f"pidfd_getfd(pid={pid}, fd={fd}): {text} (errno {err})")
         return int(r)
     finally:
         os.close(pidfd)
@@ -278,16 +278,21 @@ def unpack_handles(data: bytes) -> list[SharedHandle]:
     try:
         magic, version, _, _, blen = _PREFIX.unpack_from(data)
         doc: dict[str, Any] = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + blen]))
-        pid = int(doc["pid"])
+        pid = doc["pid"]
         items = list(doc["handles"])
-    except (struct.error, ValueError, KeyError, TypeError) as e:
+        fds = [d.get("fd_number", -1) for d in items]
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DescriptorError(f"malformed packed handles: {e}") from e
     if magic != _PACK_MAGIC or version != VERSION:
         raise DescriptorError(f"not packed kvxfer handles (magic {magic!r}, version {version})")
+    # JSON gives any type: only plain ints name a process and its fds
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        raise DescriptorError(f"malformed packed handles: pid {pid!r}")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < -1 for n in fds):
+        raise DescriptorError(f"malformed packed handles: fd numbers {fds!r}")
     out: list[SharedHandle] = []
     try:
-        for d in items:
-            n = int(d.get("fd_number", -1))
+        for d, n in zip(items, fds):
             fd = pidfd_getfd(pid, n) if n >= 0 else -1
             try:
                 out.append(SharedHandle.from_description(d, fd))

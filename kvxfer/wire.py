@@ -261,6 +261,17 @@ def split_write(src_offset: int, dst_offset: int, nbytes: int, rails: int):
     return cut[:-1] + np.uint64(src_offset), cut[:-1] + np.uint64(dst_offset), ln
 
 
+def _u64_array(a, name: str) -> np.ndarray:
+    """Offsets or lengths as a flat uint64 array; anything but non-negative integers is
+    refused (a cast would truncate floats and wrap negatives into a wrong count)."""
+    arr = np.asarray(a)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"{name} must be integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise InvalidArgumentError(f"{name} has a negative entry ({int(arr.min())})")
+    return np.ascontiguousarray(arr, dtype=np.uint64).ravel()
+
+
 def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int, pack_min: int = 0,
                  rails: int = 1) -> int:
     """How many RMA messages (= immediates at the target) a write of these triples posts.
@@ -282,9 +293,8 @@ def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int, pa
     ``write_pairs`` count each group on its own and add (groups never merge, even when
     contiguous); with ``rail=`` pinned, count with ``rails=1``.
     """
-    so = np.ascontiguousarray(src_offsets, dtype=np.uint64).ravel()
-    do = np.ascontiguousarray(dst_offsets, dtype=np.uint64).ravel()
-    ln = np.ascontiguousarray(lengths, dtype=np.uint64).ravel()
+    so, do, ln = (_u64_array(a, name) for a, name in ((src_offsets, "src_offsets"), (dst_offsets, "dst_offsets"),
+                                                      (lengths, "lengths")))
     if not (len(so) == len(do) == len(ln)):
         raise InvalidArgumentError("offset and length arrays differ in length")
     if rails > 1:

@@ -70,8 +70,8 @@ def allocate(buf: KVBuffer, nbytes: int, huge_pages: bool) -> None:
         os.ftruncate(fd, size)
         try:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)  # importers can trust the size
-        except OSError:
-            pass  # older kernels without hugetlb sealing: still correct, just unsealed
+        except OSError as e:      # every kernel since 4.16 seals hugetlb memfds too
+            raise BufferError(f"sealing the memfd failed ({e}): importers could not trust its size") from e
         try:
             mapping = HostMapping(fd, size)
         except OSError as e:
@@ -103,6 +103,15 @@ def import_(buf: KVBuffer, h: SharedHandle) -> None:
     fd = os.dup(h.fd)
     try:
         os.set_inheritable(fd, False)
+        # unsealed, its owner (or anyone holding the fd) could shrink it under our mapping,
+        # and the next touch, ours or a peer's write, would SIGBUS
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as e:
+            raise BufferError(f"handle fd {_fd_name(fd)} is not a memfd that can be sealed: {e}") from e
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise BufferError(f"handle fd {_fd_name(fd)} is not sealed against shrinking (F_SEAL_SHRINK): "
+                              "its size could change under the mapping")
         st = os.fstat(fd)
         if st.st_size < h.alloc_nbytes:  # mapping past EOF would SIGBUS on first touch
             raise BufferError(

@@ -315,7 +315,13 @@ class KVBuffer:
     def _span(
         self, dtype: Any, shape: int | tuple[int, ...] | None, offset: int
     ) -> tuple[np.dtype, tuple[int, ...], int]:
-        dt = np.dtype(dtype)
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise InvalidArgumentError(f"{dtype!r} is not a numpy dtype") from None
+        if dt.hasobject:
+            raise InvalidArgumentError("a view of raw memory cannot hold Python objects (object dtype)")
+        offset = as_int(offset, "offset")
         if offset < 0:
             raise OutOfBoundsError(f"offset {offset} is negative")
         avail = self.nbytes - offset
@@ -325,12 +331,14 @@ class KVBuffer:
                     f"{avail} bytes from offset {offset} are not a whole number of {dt} items; pass a shape"
                 )
             shape = (avail // dt.itemsize,)
-        elif isinstance(shape, (int, np.integer)):
-            shape = (int(shape),)
-        shape = tuple(int(s) for s in shape)
+        elif not isinstance(shape, (tuple, list)):
+            shape = (shape,)
+        shape = tuple(as_int(s, "a shape dimension") for s in shape)
         if any(s < 0 for s in shape):
             raise InvalidArgumentError(f"negative dimension in shape {shape}")
-        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        n = dt.itemsize
+        for s in shape:            # Python ints: a product past 2**63 cannot wrap
+            n *= s
         if offset + n > self.nbytes:
             raise OutOfBoundsError(f"view of {n} bytes at offset {offset} exceeds the buffer's {self.nbytes} bytes")
         return dt, shape, n
@@ -401,7 +409,11 @@ class KVBuffer:
     def write(self, data: Any, offset: int = 0) -> None:
         """Copy ``data`` (any bytes-like) into the buffer at ``offset``."""
         m = self._live()
-        src = memoryview(data).cast("B")
+        offset = as_int(offset, "offset")
+        try:
+            src = memoryview(data).cast("B")
+        except TypeError:
+            raise InvalidArgumentError(f"data must be bytes-like, got {type(data).__name__}") from None
         n = src.nbytes
         if offset < 0 or offset + n > self.nbytes:
             raise OutOfBoundsError(f"{n} bytes at offset {offset} exceed the buffer's {self.nbytes} bytes")
@@ -421,8 +433,8 @@ class KVBuffer:
     def read(self, nbytes: int | None = None, offset: int = 0) -> bytes:
         """Copy ``nbytes`` (default: to the end) from ``offset`` out of the buffer."""
         m = self._live()
-        if nbytes is None:
-            nbytes = self.nbytes - offset
+        offset = as_int(offset, "offset")
+        nbytes = self.nbytes - offset if nbytes is None else as_int(nbytes, "nbytes")
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
             raise OutOfBoundsError(f"{nbytes} bytes at offset {offset} exceed the buffer's {self.nbytes} bytes")
         if self.kind == "host":

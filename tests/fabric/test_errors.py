@@ -104,6 +104,38 @@ def test_register_rejects_what_it_cannot_write(engine):
         engine.register(bytearray())
 
 
+def test_register_asks_the_mappings_where_the_object_cannot_say(engine):
+    """A duck-typed host buffer (``kind == "host"``) and a DLPack export carry no read-only
+    flag that register could trust: a read-only page behind them is refused, not registered
+    for a peer's write to fault this process on (tcp) or hang (shm)."""
+    import ctypes
+    import mmap
+
+    ro = mmap.mmap(-1, 4096, prot=mmap.PROT_READ)
+    ptr = np.frombuffer(ro, np.uint8).ctypes.data
+
+    class HostLike:
+        kind, nbytes = "host", 4096
+
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    with pytest.raises(errors.InvalidArgumentError, match="not writable"):
+        engine.register(HostLike(ptr))
+    rw = np.zeros(4096, np.uint8)
+    assert engine.register(HostLike(rw.ctypes.data)).nbytes == 4096
+
+    class Capsule:      # a DLPack producer over the read-only page that calls it writable
+        def __dlpack__(self, **kw):
+            return np.ctypeslib.as_array((ctypes.c_uint8 * 4096).from_address(ptr)).__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return (1, 0)   # kDLCPU
+
+    with pytest.raises(errors.InvalidArgumentError, match="not writable"):
+        engine.register(Capsule())
+
+
 def test_register_raw_pointer_and_dlpack(engine, provider):
     a = np.arange(4096, dtype=np.uint8)
     r = engine.register((a.ctypes.data, a.nbytes))

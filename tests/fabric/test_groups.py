@@ -137,6 +137,8 @@ def _bad_inputs(a, b, ms, rd, peer):
         ([ok, (ms[1], foreign, one, one, pg)], errors.DescriptorError),          # another engine's region
         ([ok, (ms[1], rd[1], np.zeros((1, 1), np.uint64), one, pg)], errors.InvalidArgumentError),
         ([ok, ([1], rd[1], one, one, pg)], errors.InvalidArgumentError),         # unhashable src
+        ([ok, (ms[1], rd[1], one, one, np.array([True]))], errors.InvalidArgumentError),  # bool beside ints
+        ([ok, (ms[1], rd[1], np.array([0.0]), one, pg)], errors.InvalidArgumentError),    # float beside ints
     ]
     return cases, other
 

@@ -197,9 +197,16 @@ def test_bad_inputs_raise_kvxfer_errors(pair, bad):
 
 def test_bad_engine_options(provider):
     for kw in ({"iov": 0}, {"max_write": 0}, {"pack_min": -1}, {"cpus": [10_000]}, {"rails": 0},
-               {"progress": "busy"}):
+               {"progress": "busy"}, {"rails": 1.5}, {"rails": "x"}, {"rails": [2]}):
         with pytest.raises(errors.InvalidArgumentError):
             kvxfer.Engine(provider, "127.0.0.1", **kw)
+    # wrong types that used to be coerced: "lo" opened rails on domains "l" and "o", "no" meant True
+    for kw in ({"nics": "lo"}, {"nics": [5]}, {"nics": 5}, {"delivery_complete": "no"}, {"direct": 1},
+               {"hmem": "yes"}, {"node": 5}):
+        with pytest.raises(errors.ArgumentTypeError):
+            kvxfer.Engine(provider, "127.0.0.1" if "node" not in kw else kw.pop("node"), **kw)
+    with pytest.raises(errors.ArgumentTypeError):
+        kvxfer.Engine(5, "127.0.0.1")
 
 
 def test_address_with_wrong_name_size_rejected(engine):

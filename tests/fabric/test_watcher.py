@@ -61,6 +61,55 @@ def test_fires_in_order_with_exact_counts(pair):
     assert [e.state for e in entries[2:]] == ["armed", "armed"]   # never posted after close
 
 
+def test_a_region_with_an_armed_entry_cannot_be_closed(pair):
+    """The watcher posts from the entry's source registration later: closing the region is
+    refused (as for a transfer in flight) until the entry is disarmed or its writes completed;
+    before the fix the close went through and the watcher later sent whatever the freed
+    memory then held."""
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher()
+    e0 = w.arm(1, ms, peer, rd, *_layer(0), imm=11)
+    e1, e2 = w.arm_groups([2, 3], ms, peer, rd, *[np.concatenate(x) for x in zip(_layer(1), _layer(2))],
+                          [0, 4, 8], imm=12)
+    with pytest.raises(InvalidArgumentError, match="watch entries armed"):
+        ms.close()
+    assert not ms.closed
+    w.bump()
+    e0.wait(10)
+    b.expect(11, e0.num_writes).wait(10)
+    assert e0.done
+    with pytest.raises(InvalidArgumentError, match="watch entries armed"):
+        ms.close()                         # e1, e2 still armed
+    assert e1.disarm() and e2.disarm()
+    ms.close()                             # posted and complete, or disarmed: free to go
+    assert ms.closed
+    w.bump(5)
+    time.sleep(0.05)
+    assert b.banked(12) == 0 and not dst[2 * 4 * 1024:].any()
+    w.close()
+
+
+def test_a_dropped_armed_entry_no_longer_holds_its_region(pair):
+    """Entries are remembered weakly: dropping an armed one disarms it (as before), and the
+    region can then be closed."""
+    import gc
+
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher()
+    e = w.arm(1, ms, peer, rd, *_layer(0), imm=13)
+    with pytest.raises(InvalidArgumentError):
+        ms.close()
+    del e
+    gc.collect()
+    ms.close()
+    w.bump()
+    time.sleep(0.05)
+    assert b.banked(13) == 0 and not dst.any()
+    w.close()
+
+
 def test_disarm_and_cancel_tell_what_was_posted(pair):
     a, b = pair
     src, dst, ms, peer, rd, _ = _setup(a, b)
@@ -107,7 +156,33 @@ def test_bad_input_arms_nothing(pair):
         w.arm(1, ms, peer, rd, [0], [0], [1], rail=3)
     with pytest.raises(InvalidArgumentError):
         a.watcher(poll_us=0)
+    # what would reach native code unchecked: every one a kvxfer error, nothing armed
+    bad = [lambda: w.arm(1, ms, peer, rd, [0], [0], [1], rail=0.0),
+           lambda: w.arm(1, ms, peer, rd, [0], [0], [1], tag="x"),
+           lambda: w.arm(1, ms, peer, rd, [0], [0], [1], tag=2**64),
+           lambda: w.arm(2**64, ms, peer, rd, [0], [0], [1]),
+           lambda: w.arm_groups([1, 2], ms, peer, rd, [0, 8], [0, 8], [8, 8], ["a", "b", "c"]),
+           lambda: w.arm_groups([1, 2], ms, peer, rd, [0, 8], [0, 8], [8, 8], [0, 2**70, 2]),
+           lambda: w.arm_groups([1, 2], ms, peer, rd, [0, 8], [0, 8], [8, 8], [0, 1, 2], tag=-1),
+           lambda: w.disarm_tag("x"),
+           lambda: w.close("x"),
+           lambda: a.watcher(word=8),            # not mapped: the thread would read it and crash
+           lambda: a.watcher(word=-1),
+           lambda: a.watcher(word=ms.ptr + 4),   # not aligned
+           lambda: a.watcher(word=1.5)]
+    for call in bad:
+        with pytest.raises(kvxfer.errors.KvxferError):
+            call()
+    e = w.arm(1 << 40, ms, peer, rd, [0], [0], [1])
+    for t in ("1", float("nan"), -1):
+        with pytest.raises(kvxfer.errors.KvxferError):
+            e.wait(t)
+    assert e.disarm()
     assert w.stats()["armed"] == 0
+    word = np.zeros(1, np.uint64)                # a counter of the caller's own: accepted
+    w2 = a.watcher(word=word.ctypes.data, keep=word)
+    assert w2.bump(3) == 3 and word[0] == 3
+    w2.close()
     w.close()
     with pytest.raises(ClosedError):
         w.arm(1, ms, peer, rd, [0], [0], [1])

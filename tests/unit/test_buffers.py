@@ -80,6 +80,25 @@ def test_allocate_rejects_bad_arguments(nbytes, device, exc):
         KVBuffer.allocate(nbytes, device)
 
 
+def test_views_and_copies_refuse_what_is_not_an_offset(no_leaks):
+    """numpy/read/write take plain ints only: a numpy uint64 near 2**64 must not wrap the
+    bounds check into an address before the mapping, a float is not truncated, and every
+    refusal is a kvxfer error."""
+    with KVBuffer.allocate(8192, name=uniq()) as buf:
+        huge = np.uint64(2**64 - 8)
+        for call in (lambda: buf.numpy(np.uint8, 4096, huge), lambda: buf.read(16, huge),
+                     lambda: buf.read(np.uint64(2**64 - 1), 8), lambda: buf.write(b"x" * 16, huge),
+                     lambda: buf.numpy(np.uint8, (16 * (2**20 + 1), 2**40 - 2**20 + 1))):
+            with pytest.raises(OutOfBoundsError):
+                call()
+        for call in (lambda: buf.numpy(np.uint8, 16, 0.5), lambda: buf.write(b"x", 0.5),
+                     lambda: buf.read(1.0), lambda: buf.numpy(np.uint8, "ab"), lambda: buf.numpy(np.uint8, 2.5),
+                     lambda: buf.numpy(object, 8), lambda: buf.numpy("not a dtype"), lambda: buf.write(5)):
+            with pytest.raises(InvalidArgumentError):
+                call()
+        assert buf.read(4, np.uint64(8)) == bytes(4)     # numpy ints in range are fine
+
+
 def test_constructor_is_private():
     with pytest.raises(TypeError):
         KVBuffer()
@@ -195,11 +214,27 @@ def test_closed_handle_and_buffer_refuse():
 
 
 def test_import_rejects_short_fd(no_leaks):
-    fd = os.memfd_create("kvt-short", os.MFD_CLOEXEC)
+    import fcntl
+
+    fd = os.memfd_create("kvt-short", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, 4096)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     with SharedHandle(kind="host", nbytes=8192, alloc_nbytes=8192, device="cpu", fd=fd) as h:
         with pytest.raises(Exception, match="smaller than alloc_nbytes"):
             KVBuffer.import_(h)  # mapping past EOF would SIGBUS later; refuse now
+
+
+def test_import_rejects_an_fd_that_can_shrink(no_leaks):
+    """Unsealed, the memfd's owner could ftruncate it under the importer's mapping, and the
+    next touch (a read here, a peer's write into a registered region) would SIGBUS."""
+    from kvxfer.errors import BufferError
+
+    for flags in (os.MFD_CLOEXEC, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING):   # unsealable, or not sealed
+        fd = os.memfd_create("kvt-unsealed", flags)
+        os.ftruncate(fd, 8192)
+        with SharedHandle(kind="host", nbytes=8192, alloc_nbytes=8192, device="cpu", fd=fd) as h:
+            with pytest.raises(BufferError, match="not sealed against shrinking"):
+                KVBuffer.import_(h)
 
 
 def test_shared_handle_validation():
@@ -366,6 +401,25 @@ def test_pidfd_getfd_road(no_leaks):
             assert m.read(5) == b"pidfd"
     with pytest.raises(DescriptorError):
         unpack_handles(b"garbage")
+
+
+@pytest.mark.parametrize("body", [
+    {"pid": 1, "handles": [5]},                              # an item that is no description
+    {"pid": 1, "handles": [{"fd_number": "x"}]},
+    {"pid": 1, "handles": [{"fd_number": None}]},
+    {"pid": 1, "handles": [{"fd_number": True}]},
+    {"pid": "1", "handles": []},
+    {"pid": 0, "handles": []},
+    {"pid": 1, "handles": [{"fd_number": -7}]},
+])
+def test_unpack_handles_refuses_malformed_bodies(body):
+    """JSON gives any type: each of these is a DescriptorError before any fd is fetched."""
+    import json
+    import struct
+
+    raw = json.dumps(body).encode()
+    with pytest.raises(DescriptorError):
+        unpack_handles(struct.pack("<4sHHII", b"KVXP", 1, 0, 0, len(raw)) + raw)
 
 
 # ---- several processes ----------------------------------------------------------------------
