@@ -9,6 +9,7 @@ cdef extern from "rdma/fabric.h" nogil:
     uint64_t FI_MR_LOCAL, FI_MR_VIRT_ADDR, FI_MR_ALLOCATED, FI_MR_PROV_KEY, FI_MR_ENDPOINT, FI_MR_RAW
     uint64_t FI_RMA_EVENT, FI_HMEM
     int FI_EAGAIN
+    int FI_EBUSY
 
 cdef extern from "rdma/fi_domain.h" nogil:
     struct fid_mr:
@@ -93,11 +94,11 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
 
     # peers and addresses
     int kx_getname(kx_rail *r, void *buf, size_t *len)
-    int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out)
+    int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out, uint32_t *gen)
     void kx_set_peer_timeout(kx_rail *r, int64_t ns)
     void kx_set_delivery_complete(kx_rail *r, int on)
     int kx_peer_state(kx_rail *r, fi_addr_t peer)
-    int kx_av_remove(kx_rail *r, fi_addr_t addr)
+    int kx_av_remove(kx_rail *r, fi_addr_t addr, int64_t wait_ns)
 
     # regions
     int kx_mr_reg(kx_rail *r, void *buf, size_t len, int iface, int device, int dmabuf_fd, int remote,
@@ -116,7 +117,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     # writes
     int64_t kx_count_messages(const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length,
                               size_t n, size_t iov, uint64_t max_write, uint64_t pack_min)
-    int kx_write(kx_rail *r, fi_addr_t peer, char *src_base, void *desc, uint64_t dst_base, uint64_t key,
+    int kx_write(kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *desc, uint64_t dst_base, uint64_t key,
                  kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
                  int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min,
                  kx_transfer **out)
@@ -139,7 +140,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     void kx_dispatch_stop(kx_rail *r)
 
     # control messages
-    int kx_send(kx_rail *r, fi_addr_t peer, const char *data, size_t len)
+    int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t len)
     int kx_recv_wait(kx_rail *r, int64_t slice_ns, kx_msg **out)
     size_t kx_msg_len(const kx_msg *m)
     const char *kx_msg_data(const kx_msg *m)
@@ -166,7 +167,8 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     uint64_t kx_watcher_value(const kx_watcher *w)
     uint64_t kx_watcher_bump(kx_watcher *w, uint64_t n)
     uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to)
-    int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, char *src_base,
+    int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen,
+                     char *src_base,
                      void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct, const uint64_t *src_off,
                      const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm, uint32_t imm,
                      size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out)

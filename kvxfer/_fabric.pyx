@@ -300,20 +300,30 @@ cdef class Rail:
         return PyBytes_FromStringAndSize(buf, n)
 
     def av_insert(self, const uint8_t[::1] addr):
-        """Insert a peer's endpoint name (checked natively first); its fi_addr."""
+        """Insert a peer's endpoint name (checked natively first); (its fi_addr, the slot's
+        generation), both named by every post to it."""
         cdef fi_addr_t a = 0
+        cdef uint32_t gen = 0
         cdef kx_rail *r = self._rail()
         cdef size_t n = addr.shape[0]
         if n == 0:
             check(-22, "fi_av_insert")
         with nogil:
-            check(kx_av_insert(r, &addr[0], n, &a), "fi_av_insert")
-        return a
+            check(kx_av_insert(r, &addr[0], n, &a, &gen), "fi_av_insert")
+        return a, gen
 
-    def av_remove(self, fi_addr_t addr):
+    def av_remove(self, fi_addr_t addr, double wait=1.0):
+        """Remove `addr` once no post is inside a provider call to it (later ones fail with
+        ENOTCONN at once); False if one still was after `wait` s (the slot stays, unused)."""
         cdef kx_rail *r = self._rail()
+        cdef int ret
+        cdef int64_t ns = <int64_t>(wait * 1e9)
         with nogil:
-            check(kx_av_remove(r, addr), "fi_av_remove")
+            ret = kx_av_remove(r, addr, ns)
+        if ret == -FI_EBUSY:
+            return False
+        check(ret, "fi_av_remove")
+        return True
 
     def map_raw(self, uint64_t base, const uint8_t[::1] raw):
         cdef uint64_t key = 0
@@ -357,27 +367,28 @@ cdef class Rail:
         return RegionHandle(self, ptr, nbytes, iface, device, dmabuf_fd, remote)
 
     # -- writes ----------------------------------------------------------------------------
-    def write(self, fi_addr_t peer, uintptr_t src_base, RegionHandle region, uint64_t dst_base, uint64_t key,
-              DirectMap direct, const uint64_t[::1] src_off, const uint64_t[::1] dst_off,
+    def write(self, fi_addr_t peer, uint32_t gen, uintptr_t src_base, RegionHandle region, uint64_t dst_base,
+              uint64_t key, DirectMap direct, const uint64_t[::1] src_off, const uint64_t[::1] dst_off,
               const uint64_t[::1] length, imm, size_t iov, uint64_t max_write, uint64_t pack_min):
         """Post every message of the triples (the message rule: src/post.c) without the GIL;
-        with ``direct`` (the peer region's DirectMap, or None) as direct writes."""
+        with ``direct`` (the peer region's DirectMap, or None) as direct writes. ``gen``: the
+        peer's slot generation from ``av_insert``."""
         cdef size_t n = length.shape[0]
         if n == 0:
-            return self._post(peer, src_base, region, dst_base, key, direct, NULL, NULL, NULL, 0,
+            return self._post(peer, gen, src_base, region, dst_base, key, direct, NULL, NULL, NULL, 0,
                               imm, iov, max_write, pack_min)
-        return self._post(peer, src_base, region, dst_base, key, direct, &src_off[0], &dst_off[0], &length[0], n,
-                          imm, iov, max_write, pack_min)
+        return self._post(peer, gen, src_base, region, dst_base, key, direct, &src_off[0], &dst_off[0], &length[0],
+                          n, imm, iov, max_write, pack_min)
 
-    def write_one(self, fi_addr_t peer, uintptr_t src_base, RegionHandle region, uint64_t dst_base, uint64_t key,
-                  DirectMap direct, uint64_t src_off, uint64_t dst_off, uint64_t length, imm, size_t iov,
+    def write_one(self, fi_addr_t peer, uint32_t gen, uintptr_t src_base, RegionHandle region, uint64_t dst_base,
+                  uint64_t key, DirectMap direct, uint64_t src_off, uint64_t dst_off, uint64_t length, imm, size_t iov,
                   uint64_t max_write, uint64_t pack_min):
         """`write` of one triple, without arrays: the small-write path (a control write, a
         layer's last write) pays no numpy."""
-        return self._post(peer, src_base, region, dst_base, key, direct, &src_off, &dst_off, &length, 1,
+        return self._post(peer, gen, src_base, region, dst_base, key, direct, &src_off, &dst_off, &length, 1,
                           imm, iov, max_write, pack_min)
 
-    cdef object _post(self, fi_addr_t peer, uintptr_t src_base, RegionHandle region, uint64_t dst_base,
+    cdef object _post(self, fi_addr_t peer, uint32_t gen, uintptr_t src_base, RegionHandle region, uint64_t dst_base,
                               uint64_t key, DirectMap direct, const uint64_t *so, const uint64_t *do_,
                               const uint64_t *ln, size_t n, imm, size_t iov, uint64_t max_write, uint64_t pack_min):
         cdef kx_rail *r = self._rail()
@@ -390,7 +401,7 @@ cdef class Rail:
             raise ClosedError("source registration is closed or belongs to another rail")
         region.busy += 1          # RegionHandle.close refuses while a post is under way
         with nogil:
-            ret = kx_write(r, peer, <char *>src_base, region.desc, dst_base, key, d, so, do_, ln, n,
+            ret = kx_write(r, peer, gen, <char *>src_base, region.desc, dst_base, key, d, so, do_, ln, n,
                            has_imm, imm_value, iov, max_write, pack_min, &x)
         if ret:
             region.busy -= 1
@@ -414,7 +425,7 @@ cdef class Rail:
         with nogil:
             kx_rail_hold_awake(r, delta)
 
-    def write_groups(self, fi_addr_t peer, list regions, const uint64_t[::1] dst_base, const uint64_t[::1] key,
+    def write_groups(self, fi_addr_t peer, uint32_t gen, list regions, const uint64_t[::1] dst_base, const uint64_t[::1] key,
                      list directs, const int64_t[::1] pair, const uint64_t[::1] src_off,
                      const uint64_t[::1] dst_off, const uint64_t[::1] length, const int64_t[::1] starts, imm,
                      size_t iov, uint64_t max_write, const uint64_t[::1] pack_min):
@@ -469,7 +480,7 @@ cdef class Rail:
             with nogil:
                 for g in range(ng):
                     p = pair[g]
-                    ret = kx_write(r, peer, bases[g], descs[g], dst_base[p], key[p], dmaps[p],
+                    ret = kx_write(r, peer, gen, bases[g], descs[g], dst_base[p], key[p], dmaps[p],
                                    &src_off[0] + starts[g], &dst_off[0] + starts[g], &length[0] + starts[g],
                                    <size_t>(starts[g + 1] - starts[g]), has_imm, imm_value, iov, max_write,
                                    pack_min[p], &t.xs[g])
@@ -580,7 +591,7 @@ cdef class Rail:
                 kx_dispatch_stop(self.r)
 
     # -- control messages ------------------------------------------------------------------
-    def send(self, fi_addr_t peer, const uint8_t[::1] data, timeout=None):
+    def send(self, fi_addr_t peer, uint32_t gen, const uint8_t[::1] data, timeout=None):
         """Post one message; while the provider's queue stays full, retry in 50 ms native
         slices until `timeout` (seconds, None: forever), answering signals in between."""
         cdef kx_rail *r = self._rail()
@@ -592,7 +603,7 @@ cdef class Rail:
         deadline = None if timeout is None else _time.monotonic() + timeout
         while True:
             with nogil:
-                ret = kx_send(r, peer, p, n)
+                ret = kx_send(r, peer, gen, p, n)
             if ret != -FI_EAGAIN:
                 break
             if _deadline_passed(deadline):
@@ -996,7 +1007,7 @@ cdef class WatcherHandle:
             v = kx_watcher_advance(w, to)
         return v
 
-    def arm(self, uint64_t threshold, uint64_t tag, Rail rail, fi_addr_t peer, uintptr_t src_base,
+    def arm(self, uint64_t threshold, uint64_t tag, Rail rail, fi_addr_t peer, uint32_t gen, uintptr_t src_base,
             RegionHandle region, uint64_t dst_base, uint64_t key, DirectMap direct, const uint64_t[::1] src_off,
             const uint64_t[::1] dst_off, const uint64_t[::1] length, imm, size_t iov, uint64_t max_write,
             uint64_t pack_min):
@@ -1019,7 +1030,7 @@ cdef class WatcherHandle:
         if region.rail is not rail or region.mr == NULL:
             raise ClosedError("source registration is closed or belongs to another rail")
         with nogil:
-            ret = kx_watch_arm(w, threshold, tag, r, peer, <char *>src_base, region.desc, dst_base, key, d,
+            ret = kx_watch_arm(w, threshold, tag, r, peer, gen, <char *>src_base, region.desc, dst_base, key, d,
                                so, do_, ln, n, has_imm, imm_value, iov, max_write, pack_min, &e)
         check(ret, "kx_watch_arm")
         cdef WatchHandle h = WatchHandle.__new__(WatchHandle)
@@ -1030,7 +1041,8 @@ cdef class WatcherHandle:
         _track_watches(region, [h])
         return h
 
-    def arm_groups(self, const uint64_t[::1] thresholds, uint64_t tag, Rail rail, fi_addr_t peer, uintptr_t src_base,
+    def arm_groups(self, const uint64_t[::1] thresholds, uint64_t tag, Rail rail, fi_addr_t peer, uint32_t gen,
+                   uintptr_t src_base,
                    RegionHandle region, uint64_t dst_base, uint64_t key, DirectMap direct, const uint64_t[::1] src_off,
                    const uint64_t[::1] dst_off, const uint64_t[::1] length, const int64_t[::1] starts, imm,
                    size_t iov, uint64_t max_write, uint64_t pack_min):
@@ -1058,7 +1070,7 @@ cdef class WatcherHandle:
             for g in range(ng):
                 a = starts[g]
                 b = starts[g + 1]
-                ret = kx_watch_arm(w, thresholds[g], tag, r, peer, <char *>src_base, region.desc, dst_base, key, d,
+                ret = kx_watch_arm(w, thresholds[g], tag, r, peer, gen, <char *>src_base, region.desc, dst_base, key, d,
                                    &src_off[a] if b > a else &zero, &dst_off[a] if b > a else &zero,
                                    &length[a] if b > a else &zero, <size_t>(b - a), has_imm, imm_value, iov,
                                    max_write, pack_min, &e)

@@ -306,12 +306,15 @@ class Peer:
     live Peer for the same address, so it is shared: ``close()`` disconnects it for every user.
     """
 
-    __slots__ = ("engine", "address", "fi_addrs", "remote_rails", "owner", "closed", "__weakref__")
+    __slots__ = ("engine", "address", "fi_addrs", "gens", "remote_rails", "owner", "closed", "__weakref__")
 
-    def __init__(self, engine: "Engine", address: bytes, fi_addrs: tuple, remote_rails: int) -> None:
+    def __init__(self, engine: "Engine", address: bytes, fi_addrs: tuple, gens: tuple, remote_rails: int) -> None:
         self.engine = engine
         self.address = address
         self.fi_addrs = fi_addrs
+        # each AV slot's generation at insert: posts name it, so one racing disconnect never
+        # reaches the peer libfabric puts in the slot next (src/liveness.c, kx_peer_enter)
+        self.gens = gens
         self.remote_rails = remote_rails
         self.owner = wire.owner_digest(address)
         self.closed = False
@@ -702,7 +705,7 @@ class Watcher:
         rail = _check_rail(rail, len(eng._rails))
         handles = src._live()
         r = eng._rails[rail]
-        h = self._h.arm(threshold, tag, r, peer.fi_addrs[rail], src.ptr, handles[rail], dst.base, dst.keys[rail],
+        h = self._h.arm(threshold, tag, r, peer.fi_addrs[rail], peer.gens[rail], src.ptr, handles[rail], dst.base, dst.keys[rail],
                         dst._direct_from(src), np.ascontiguousarray(so, np.uint64),
                         np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), imm, eng.iov,
                         eng.max_write, dst._pack_min)
@@ -738,6 +741,7 @@ class Watcher:
         rail = _check_rail(rail, len(eng._rails))
         handles = src._live()
         hs = self._h.arm_groups(np.ascontiguousarray(th, np.uint64), tag, eng._rails[rail], peer.fi_addrs[rail],
+                                peer.gens[rail],
                                 src.ptr, handles[rail], dst.base, dst.keys[rail], dst._direct_from(src),
                                 np.ascontiguousarray(so, np.uint64),
                                 np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), st, imm,
@@ -1027,10 +1031,9 @@ class Engine:
             peer = self._peers.get(address)
             if peer is not None and not peer.closed:
                 return peer
-            fi_addrs = tuple(
-                r.av_insert(np.frombuffer(a.names[i % len(a.names)], dtype=np.uint8)) for i, r in enumerate(self._rails)
-            )
-            peer = Peer(self, address, fi_addrs, len(a.names))
+            slots = [r.av_insert(np.frombuffer(a.names[i % len(a.names)], dtype=np.uint8))
+                     for i, r in enumerate(self._rails)]
+            peer = Peer(self, address, tuple(s[0] for s in slots), tuple(s[1] for s in slots), len(a.names))
             self._peers[address] = peer
         return peer
 
@@ -1059,7 +1062,9 @@ class Engine:
         for r, addr in zip(self._rails, peer.fi_addrs):
             _, posting = r.wait_peer_idle(addr, max(0.0, deadline - time.monotonic()))
             if posting == 0 and not r.closed:
-                r.av_remove(addr)
+                # refuses later posts at once; removes the address once no post is inside
+                # a provider call to it (else the slot stays, unused, until close)
+                r.av_remove(addr, max(0.0, deadline - time.monotonic()) + 0.1)
 
     def register(self, obj: Any, *, remote: bool = True) -> MemoryRegion:
         """Register memory for RMA: a writable buffer, a DLPack/CPU-torch tensor, a KVBuffer,
@@ -1155,7 +1160,7 @@ class Engine:
         for i, r in enumerate(self._rails):
             a, b = bounds[i], bounds[i + 1]
             if b > a or (i == 0 and len(ln) == 0):
-                per_rail.append(r.write(peer.fi_addrs[i], src.ptr, handles[i], dst.base, dst.keys[i],
+                per_rail.append(r.write(peer.fi_addrs[i], peer.gens[i], src.ptr, handles[i], dst.base, dst.keys[i],
                                         dst._direct_from(src), so[a:b], do[a:b], ln[a:b], imm, self.iov,
                                         self.max_write, dst._pack_min))
         # what stays alive for the progress thread is owned natively: the triples are copied,
@@ -1179,7 +1184,7 @@ class Engine:
             imm = _check_imm(imm)
             if imm is not None and self._rails[0].cq_data_size < 4:
                 raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")
-            h = self._rails[0].write_one(peer.fi_addrs[0], src.ptr, src._handles[0], dst.base, dst.keys[0],
+            h = self._rails[0].write_one(peer.fi_addrs[0], peer.gens[0], src.ptr, src._handles[0], dst.base, dst.keys[0],
                                          dst._direct_from(src), src_offset, dst_offset, nbytes, imm, self.iov,
                                          self.max_write, dst._pack_min)
             return Transfer([h], nbytes, imm)
@@ -1371,7 +1376,7 @@ class Engine:
         nr = len(self._rails)
         if rail is not None or nr == 1:
             k = 0 if rail is None else rail
-            sets = [self._rails[k].write_groups(peer.fi_addrs[k], pairs.handles[k], pairs.dst_base, pairs.keys[k],
+            sets = [self._rails[k].write_groups(peer.fi_addrs[k], peer.gens[k], pairs.handles[k], pairs.dst_base, pairs.keys[k],
                                                 pairs.directs, which, so, do, ln, starts, imm, self.iov, self.max_write,
                                                 pairs.pack_mins)]
         else:
@@ -1387,7 +1392,7 @@ class Engine:
                 np.cumsum(lens, out=st[1:])
                 # rail k's triples: [starts[g] + lo[g], starts[g] + hi[g]) of each selected group g
                 idx = np.repeat(starts[sel] + lo[sel] - st[:-1], lens) + np.arange(int(st[-1]))
-                sets.append(self._rails[k].write_groups(peer.fi_addrs[k], pairs.handles[k], pairs.dst_base,
+                sets.append(self._rails[k].write_groups(peer.fi_addrs[k], peer.gens[k], pairs.handles[k], pairs.dst_base,
                                                         pairs.keys[k], pairs.directs, which[sel], so[idx], do[idx],
                                                         ln[idx], st, imm, self.iov, self.max_write, pairs.pack_mins))
         return Transfer(sets, int(ln.sum()) if len(ln) else 0, imm)
@@ -1528,7 +1533,7 @@ class Engine:
         buf = np.frombuffer(bytes(data), dtype=np.uint8)
         if len(buf) > _fabric.MSG_MAX:
             raise InvalidArgumentError(f"control message of {len(buf)} bytes exceeds {_fabric.MSG_MAX}")
-        if not self._rails[0].send(peer.fi_addrs[0], buf, timeout):
+        if not self._rails[0].send(peer.fi_addrs[0], peer.gens[0], buf, timeout):
             raise TimeoutError(f"control message not accepted by the provider within {timeout} s")
 
     def recv(self, timeout: Optional[float] = None) -> bytes:

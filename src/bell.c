@@ -143,12 +143,19 @@ void kx_bell_poke(kx_bell *b)
         kx_bell_wake(b);
 }
 
-/* The progress thread sleeps up to `ns` unless a ring comes first; `look` reads the CQ once
- * more after `sleeping` is visible (returns what it handled): nonzero means don't sleep. */
-void kx_bell_sleep(kx_rail *r, int64_t ns, int (*look)(kx_rail *))
+/* the bell's sequence now: read by the progress thread before it announces `sleeping`, so
+ * a poke from this process in between (kx_wake) makes the futex wait return at once */
+uint32_t kx_bell_seq(const kx_bell *b)
+{
+    return __atomic_load_n(&b->seq, __ATOMIC_SEQ_CST);
+}
+
+/* The progress thread sleeps up to `ns` unless a ring (or a poke after `seq` was read)
+ * comes first; `look` reads the CQ once more after `sleeping` is visible (returns what it
+ * handled): nonzero means don't sleep. */
+void kx_bell_sleep(kx_rail *r, uint32_t seq, int64_t ns, int (*look)(kx_rail *))
 {
     kx_bell *b = r->bell;
-    uint32_t seq = __atomic_load_n(&b->seq, __ATOMIC_SEQ_CST);
     __atomic_store_n(&b->sleeping, 1, __ATOMIC_SEQ_CST);
     if (look(r) == 0 && !__atomic_load_n(&r->stop, __ATOMIC_SEQ_CST)) {
         struct timespec ts = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};

@@ -67,6 +67,7 @@ struct kx_transfer {
     size_t iov;
     uint64_t max_write, pack_min;
     fi_addr_t peer;
+    uint32_t gen;                  /* the peer slot's generation when the caller named it */
     char *src_base;
     void *desc;
     uint64_t dst_base, key, flags;
@@ -300,8 +301,10 @@ typedef struct kx_local {
 } kx_local;
 
 typedef struct kx_peer {
-    int used;
+    int used;             /* once inserted: a removed peer's slot stays used, dead = ENOTCONN */
     int dead;             /* errno, 0 while alive */
+    uint32_t gen;         /* bumped at every insert into the slot; never 0 once used */
+    int busy;             /* posts inside a provider call to it (kx_peer_enter .. kx_peer_leave) */
     int pidfd;            /* -1: none */
     kx_local *local;
     int64_t out;          /* operations outstanding to it */
@@ -323,7 +326,9 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len);
 void kx_peer_forget(kx_rail *r, fi_addr_t fa);
 void kx_peer_kill_locked(kx_rail *r, fi_addr_t fa, int err);
 int kx_peer_gone(kx_rail *r, fi_addr_t fa);
-int kx_peer_enter(kx_rail *r, fi_addr_t fa);
+int kx_peer_enter(kx_rail *r, fi_addr_t fa, uint32_t gen);
+uint32_t kx_peer_gen(kx_rail *r, fi_addr_t fa);
+int kx_peer_retire(kx_rail *r, fi_addr_t fa, int64_t wait_ns);
 void kx_peer_leave(kx_rail *r, fi_addr_t fa);
 void kx_peer_count(kx_rail *r, fi_addr_t fa, int delta);
 void kx_peer_uncount(kx_rail *r, fi_addr_t fa, int again);
@@ -337,6 +342,7 @@ void kx_local_release(kx_rail *r);
 int kx_local_defer(kx_rail *r);
 int kx_local_still_deferred(kx_rail *r, int freeing);
 int kx_local_deferred_done(kx_rail *r);
+int kx_local_deferred_end(kx_rail *r);
 void kx_rail_finish_deferred(kx_rail *r);
 void kx_transfer_fail_locked(kx_rail *r, kx_transfer *x, int err);
 
@@ -355,7 +361,8 @@ kx_bell *kx_bell_open(const void *name, size_t len, pid_t pid);
 void kx_bell_close(kx_bell *b);
 int kx_bell_ring(kx_bell *b);
 void kx_bell_poke(kx_bell *b);
-void kx_bell_sleep(kx_rail *r, int64_t ns, int (*look)(kx_rail *));
+uint32_t kx_bell_seq(const struct kx_bell *b);
+void kx_bell_sleep(kx_rail *r, uint32_t seq, int64_t ns, int (*look)(kx_rail *));
 
 /* ---- direct.c -------------------------------------------------------------------- */
 void kx_direct_ref(kx_direct *d);    /* NULL: nothing */

@@ -192,15 +192,29 @@ int kx_local_still_deferred(kx_rail *r, int freeing)
     return d;
 }
 
-/* the closing thread of a deferred rail, after kx_rail_close_fids: 1 to close its domain,
- * 2 to close it and free the rail as well; 0: its owner will */
+/* the closing thread of a deferred rail, after kx_rail_close_fids: 1 if its owner asked for
+ * the domain's close, which the caller now does while the rail stays deferred ("being
+ * closed": the owner's own close and free wait for kx_local_deferred_end); 0: the rail is
+ * no longer deferred and its owner closes the domain */
 int kx_local_deferred_done(kx_rail *r)
 {
     pthread_mutex_lock(&kx_locals_lock);
-    int out = r->free_requested ? 2 : r->domain_requested ? 1 : 0;
-    r->deferred = 0;
+    int out = r->free_requested || r->domain_requested;
+    if (!out)
+        r->deferred = 0;
     pthread_mutex_unlock(&kx_locals_lock);
     return out;
+}
+
+/* ... and after closing the domain: the rail is no longer deferred; 1 if its owner asked
+ * for its freeing meanwhile (the caller frees it: the owner never touches it again) */
+int kx_local_deferred_end(kx_rail *r)
+{
+    pthread_mutex_lock(&kx_locals_lock);
+    int f = r->free_requested;
+    r->deferred = 0;
+    pthread_mutex_unlock(&kx_locals_lock);
+    return f;
 }
 
 /* publish this rail's endpoint name (after fi_enable) */
@@ -557,6 +571,8 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     p->out = 0;
     p->refused_ns = 0;
     p->last_ns = kx_now_ns();
+    uint32_t gen = p->gen + 1;
+    __atomic_store_n(&p->gen, gen ? gen : 1, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->used, 1, __ATOMIC_RELEASE);
     if ((size_t)fa + 1 > r->peer_hi)
         r->peer_hi = (size_t)fa + 1;
@@ -572,7 +588,9 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     return 0;
 }
 
-/* forget a removed peer (fi_av_remove): its slot will be reused */
+/* forget a removed peer (fi_av_remove; kx_av_remove saw no post inside a provider call to
+ * it): the slot stays a tombstone, dead with ENOTCONN, until libfabric reuses it for the next
+ * peer inserted (kx_peer_add bumps its generation) */
 void kx_peer_forget(kx_rail *r, fi_addr_t fa)
 {
     pthread_mutex_lock(&r->hub->lock);
@@ -587,10 +605,11 @@ void kx_peer_forget(kx_rail *r, fi_addr_t fa)
         map = p->map;
         bell = p->bell;
         p->bell = NULL;
-        __atomic_store_n(&p->used, 0, __ATOMIC_RELEASE);
         p->local = NULL;
         p->pidfd = -1;
-        p->dead = 0;
+        __atomic_store_n(&p->dead, ENOTCONN, __ATOMIC_SEQ_CST);
+        p->out = 0;
+        p->refused_ns = 0;
         p->lockw = NULL;
         p->map = NULL;
     }
@@ -619,7 +638,7 @@ void kx_peer_kill_locked(kx_rail *r, fi_addr_t fa, int err)
     kx_peer *p = kx_peer_get(r, fa);
     if (!p || p->dead)
         return;
-    p->dead = err;
+    __atomic_store_n(&p->dead, err, __ATOMIC_SEQ_CST);     /* kx_peer_enter's Dekker partner */
     for (kx_transfer *x = r->inflight; x; x = x->next)
         if (x->peer == fa)
             kx_transfer_fail_locked(r, x, err);
@@ -634,7 +653,7 @@ int kx_peer_gone(kx_rail *r, fi_addr_t fa)
     kx_peer *p = kx_peer_get(r, fa);
     if (!p)
         return 0;
-    int d = __atomic_load_n(&p->dead, __ATOMIC_ACQUIRE);
+    int d = __atomic_load_n(&p->dead, __ATOMIC_SEQ_CST);
     if (d)
         return d;
     if (p->local && __atomic_load_n(&p->local->closed, __ATOMIC_SEQ_CST))
@@ -651,29 +670,71 @@ int kx_peer_gone(kx_rail *r, fi_addr_t fa)
     return d;
 }
 
-/* Bracket one post to `fa`: 0 and entered (call kx_peer_leave after the post), or the errno
- * the post must fail with (nothing entered). Keeps a local peer's endpoint open meanwhile. */
-int kx_peer_enter(kx_rail *r, fi_addr_t fa)
+/* Bracket one post to `fa` as the caller named it (`gen`: the slot's generation then; 0:
+ * unchecked): 0 and entered (call kx_peer_leave after the post), or the errno the post must
+ * fail with (nothing entered). While entered, kx_av_remove waits (p->busy), so no provider
+ * call ever reaches a removed address; a slot reused since the caller named it (another
+ * generation) answers ENOTCONN, so a post never reaches the peer that took its place. Keeps a
+ * local peer's endpoint open meanwhile. (Dekker with kx_av_remove: busy++ then read dead,
+ * against dead = ENOTCONN then read busy, seq_cst on both sides.) */
+int kx_peer_enter(kx_rail *r, fi_addr_t fa, uint32_t gen)
 {
-    int d = kx_peer_gone(r, fa);
-    if (d)
-        return d;
     kx_peer *p = kx_peer_get(r, fa);
-    if (p && p->local) {
+    if (p) {
+        __atomic_add_fetch(&p->busy, 1, __ATOMIC_SEQ_CST);
+        if (gen && __atomic_load_n(&p->gen, __ATOMIC_SEQ_CST) != gen) {
+            __atomic_sub_fetch(&p->busy, 1, __ATOMIC_SEQ_CST);
+            return ENOTCONN;
+        }
+    }
+    int d = kx_peer_gone(r, fa);
+    if (!d && p && p->local) {
         __atomic_add_fetch(&p->local->busy, 1, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&p->local->closed, __ATOMIC_SEQ_CST)) {
             __atomic_sub_fetch(&p->local->busy, 1, __ATOMIC_SEQ_CST);
-            return kx_peer_gone(r, fa);
+            d = kx_peer_gone(r, fa);
         }
     }
-    return 0;
+    if (d && p)
+        __atomic_sub_fetch(&p->busy, 1, __ATOMIC_SEQ_CST);
+    return d;
 }
 
 void kx_peer_leave(kx_rail *r, fi_addr_t fa)
 {
     kx_peer *p = kx_peer_get(r, fa);
-    if (p && p->local)
+    if (!p)
+        return;
+    if (p->local)
         __atomic_sub_fetch(&p->local->busy, 1, __ATOMIC_SEQ_CST);
+    __atomic_sub_fetch(&p->busy, 1, __ATOMIC_SEQ_CST);
+}
+
+/* the generation of `fa`'s slot (0: not a peer of this rail) */
+uint32_t kx_peer_gen(kx_rail *r, fi_addr_t fa)
+{
+    kx_peer *p = kx_peer_get(r, fa);
+    return p ? __atomic_load_n(&p->gen, __ATOMIC_SEQ_CST) : 0;
+}
+
+/* kx_av_remove's first half: ENOTCONN from now on, then wait (up to wait_ns) for posts still
+ * inside a provider call to `fa` to leave. 0, or -FI_EBUSY at the deadline. */
+int kx_peer_retire(kx_rail *r, fi_addr_t fa, int64_t wait_ns)
+{
+    kx_peer *p = kx_peer_get(r, fa);
+    if (!p)
+        return 0;
+    pthread_mutex_lock(&r->hub->lock);
+    kx_peer_kill_locked(r, fa, ENOTCONN);
+    pthread_mutex_unlock(&r->hub->lock);
+    int64_t end = kx_now_ns() + wait_ns;
+    while (__atomic_load_n(&p->busy, __ATOMIC_SEQ_CST) > 0) {
+        if (kx_now_ns() >= end)
+            return -FI_EBUSY;
+        struct timespec ts = {0, 50000};
+        nanosleep(&ts, NULL);
+    }
+    return 0;
 }
 
 /* an operation to `fa` was posted (1) or completed (-1); any thread */
@@ -741,6 +802,10 @@ int kx_peers_scan(kx_rail *r)
         if (!x->done && open > 0 && now - __atomic_load_n(&x->last_ns, __ATOMIC_ACQUIRE) > r->peer_timeout_ns) {
             kx_transfer_fail_locked(r, x, ETIMEDOUT);
             x->written_off += open;
+            /* off the rail's count too: shm never completes a refused CMA write, and one
+             * left there would keep the progress thread from sleeping on the CQ fd and
+             * every later close() draining to its deadline */
+            __atomic_sub_fetch(&r->outstanding, open, __ATOMIC_RELAXED);
             for (int64_t k = 0; k < open; k++)
                 kx_peer_uncount(r, x->peer, 0);
             killed++;

@@ -1,7 +1,7 @@
 /* msg.c: control messages (FI_MSG): small sends, and the hub's queue of received ones. */
 #include "internal.h"
 
-int kx_send(kx_rail *r, fi_addr_t peer, const char *data, size_t len)
+int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t len)
 {
     kx_sendbuf *s = malloc(sizeof(kx_sendbuf) + (len ? len : 1));
     if (!s)
@@ -38,15 +38,15 @@ int kx_send(kx_rail *r, fi_addr_t peer, const char *data, size_t len)
     int64_t until = kx_now_ns() + 50000000LL;
     kx_peer_count(r, peer, 1);
     for (;;) {
-        int gone = kx_peer_enter(r, peer);     /* never to a closed, exited or stalled peer */
+        int gone = kx_peer_enter(r, peer, gen);     /* never to a closed, exited or stalled peer */
         if (gone) {
             ret = -gone;
             break;
         }
         ret = fi_send(r->ep, s->data, len, desc, peer, &s->op.fi);
-        kx_peer_leave(r, peer);
         if (ret == 0)
-            kx_peer_accepted(r, peer);
+            kx_peer_accepted(r, peer);       /* its bell: only while entered (kx_av_remove) */
+        kx_peer_leave(r, peer);
         if (ret != -FI_EAGAIN || r->stop || kx_now_ns() > until)
             break;
         kx_wake(r);

@@ -152,7 +152,7 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         for (int k = 0; k < np; k++)
             bytes += (int64_t)x->piece_len[k];
         /* never post to a peer known closed, exited or stalled (liveness.c says why) */
-        int gone = kx_peer_enter(r, x->peer);
+        int gone = kx_peer_enter(r, x->peer, x->gen);
         if (gone) {
             kx_transfer_fail(r, x, gone);
             return 1;
@@ -221,9 +221,14 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         if (index + 1 < x->planned)
             flags &= ~(uint64_t)FI_DELIVERY_COMPLETE;
         ssize_t ret = fi_writemsg(r->ep, &msg, flags);
+        /* the peer's entry (its bell, its counts) only while entered: kx_av_remove waits
+         * for that before it retires the entry */
+        if (ret == 0)
+            kx_peer_accepted(r, x->peer);
+        else
+            kx_peer_uncount(r, x->peer, ret == -FI_EAGAIN);
         kx_peer_leave(r, x->peer);
         if (ret == 0) {
-            kx_peer_accepted(r, x->peer);
             x->have_msg = 0;
             if (x->direct)
                 x->copied = 0;          /* its bytes were counted against the budget as copied */
@@ -234,7 +239,6 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         }
         __atomic_sub_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
         __atomic_sub_fetch(&x->posted, 1, __ATOMIC_RELEASE);
-        kx_peer_uncount(r, x->peer, ret == -FI_EAGAIN);
         if (ret == -FI_EAGAIN) {
             r->eagain_ns = kx_now_ns();
             return 0;
@@ -345,15 +349,21 @@ static kx_transfer *kx_transfer_new(const uint64_t *src_off, const uint64_t *dst
     return x;
 }
 
-int kx_write(kx_rail *r, fi_addr_t peer, char *src_base, void *desc, uint64_t dst_base, uint64_t key,
+int kx_write(kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *desc, uint64_t dst_base, uint64_t key,
              kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
              int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min,
              kx_transfer **out)
 {
+    /* libfabric 1.17's release builds check these only by assert: a message past them
+     * corrupts memory. The engine computes them from rail 0 (every rail is the same
+     * provider); each rail refuses what its own provider would not take. */
+    if (iov < 1 || iov > r->iov_limit || max_write < 1 || max_write > r->max_msg_size || pack_min > max_write)
+        return -FI_EINVAL;
     kx_transfer *x = kx_transfer_new(src_off, dst_off, length, n, iov, max_write, pack_min, r->need_ctx);
     if (!x)
         return -FI_ENOMEM;
     x->peer = peer;
+    x->gen = gen;
     x->src_base = src_base;
     x->desc = desc;
     x->dst_base = dst_base;

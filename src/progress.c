@@ -150,11 +150,12 @@ static void kx_complete_locked(kx_rail *r, void *context, uint64_t flags, uint64
     switch (op->kind) {
     case KX_OP_WRITE: {
         kx_transfer *x = (kx_transfer *)op->owner;
-        __atomic_sub_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
-        if (x->written_off > 0)
-            x->written_off--;            /* already taken off the peer's count */
-        else
+        if (x->written_off > 0) {
+            x->written_off--;            /* already taken off the rail's and the peer's counts */
+        } else {
+            __atomic_sub_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
             kx_peer_count(r, x->peer, -1);
+        }
         __atomic_store_n(&x->last_ns, kx_now_ns(), __ATOMIC_RELEASE);
         x->completed++;
         if (err && !x->error)
@@ -413,7 +414,9 @@ void *kx_progress_main(void *arg)
             continue;
         }
         /* idle: block. Announce it first, then look again, so a post (or a driver) that
-         * raced with us either sees `sleeping` (and signals) or is seen here. */
+         * raced with us either sees `sleeping` (and signals) or is seen here. The bell's
+         * sequence is read before the announcement: a poke in between then ends the wait. */
+        uint32_t bell_seq = r->bell ? kx_bell_seq(r->bell) : 0;
         __atomic_store_n(&r->sleeping, 1, __ATOMIC_SEQ_CST);
         outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_SEQ_CST) + (r->q_head != NULL)
                       + __atomic_load_n(&r->awake, __ATOMIC_SEQ_CST);
@@ -449,7 +452,7 @@ void *kx_progress_main(void *arg)
         if (r->bell) {
             /* shm: sleep on our doorbell, which writers of other processes ring (bell.c);
              * this process's posters poke it through kx_wake */
-            kx_bell_sleep(r, backoff, kx_look_again);
+            kx_bell_sleep(r, bell_seq, backoff, kx_look_again);
             __atomic_store_n(&r->sleeping, 0, __ATOMIC_RELEASE);
             backoff = backoff * 2 > KX_MAX_BACKOFF_BELL_NS ? KX_MAX_BACKOFF_BELL_NS : backoff * 2;
             continue;

@@ -344,10 +344,12 @@ static void kx_rail_close_domain_fids(kx_rail *r)
 void kx_rail_finish_deferred(kx_rail *r)
 {
     kx_rail_close_fids(r);
-    int what = kx_local_deferred_done(r);
-    if (what)
-        kx_rail_close_domain_fids(r);
-    if (what == 2) {
+    /* the rail stays deferred until its domain is closed too, so an owner closing or
+     * freeing it meanwhile leaves both to us (no double fi_close, no free under our feet) */
+    if (!kx_local_deferred_done(r))
+        return;
+    kx_rail_close_domain_fids(r);
+    if (kx_local_deferred_end(r)) {
         kx_bell_free(r);
         kx_hub_unref(r->hub);
         free(r);
@@ -435,7 +437,7 @@ int kx_getname(kx_rail *r, void *buf, size_t *len)
 }
 
 /* insert a peer's endpoint name, checked first (liveness.c: kx_addr_check), and track it */
-int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out)
+int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out, uint32_t *gen)
 {
     int ret = kx_addr_check(r, addr, len);
     if (ret)
@@ -446,6 +448,7 @@ int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out)
     ret = n == 1 ? 0 : (n < 0 ? n : -FI_EINVAL);
     if (!ret)
         ret = kx_peer_add(r, *out, addr, len);
+    *gen = ret ? 0 : kx_peer_gen(r, *out);
     kx_leave(r);
     return ret;
 }
@@ -462,11 +465,16 @@ void kx_rail_park(kx_rail *r) { r->parked = 1; }
 int kx_rail_parked(const kx_rail *r) { return r->parked; }
 int kx_rail_took_traffic(const kx_rail *r) { return r->hub->stat_imm > 0 || r->took_msgs; }
 
-int kx_av_remove(kx_rail *r, fi_addr_t addr)
+int kx_av_remove(kx_rail *r, fi_addr_t addr, int64_t wait_ns)
 {
     if (!kx_enter(r))
         return -FI_ECANCELED;
-    int ret = fi_av_remove(r->av, &addr, 1, 0);
+    int ret = kx_peer_retire(r, addr, wait_ns);
+    if (ret) {
+        kx_leave(r);
+        return ret;
+    }
+    ret = fi_av_remove(r->av, &addr, 1, 0);
     if (!ret)
         kx_peer_forget(r, addr);
     kx_leave(r);

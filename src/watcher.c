@@ -34,6 +34,7 @@ struct kx_watch {
     kx_rail *rail;
     kx_transfer *x;            /* set once posted; its caller reference is ours */
     fi_addr_t peer;
+    uint32_t gen;            /* the peer slot's generation at arm time (kx_peer_enter) */
     char *src_base;
     void *desc;
     uint64_t dst_base, key;
@@ -93,7 +94,7 @@ static void post_batch(kx_watcher *w, kx_watch *batch)
     for (kx_watch *e = batch; e; e = e->next) {
         int64_t t0 = kx_now_ns();
         kx_transfer *x = NULL;
-        int ret = kx_write(e->rail, e->peer, e->src_base, e->desc, e->dst_base, e->key, e->direct, e->triples,
+        int ret = kx_write(e->rail, e->peer, e->gen, e->src_base, e->desc, e->dst_base, e->key, e->direct, e->triples,
                            e->triples + e->n, e->triples + 2 * e->n, e->n, e->has_imm, e->imm, e->iov,
                            e->max_write, e->pack_min, &x);
         kx_direct_unref(e->direct);    /* the entry posts no more; the transfer holds its own */
@@ -262,12 +263,14 @@ uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to)
     return v < to ? to : v;
 }
 
-int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, char *src_base,
-                 void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct, const uint64_t *src_off,
-                 const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm, uint32_t imm, size_t iov,
-                 uint64_t max_write, uint64_t pack_min, kx_watch **out)
+int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen,
+                 char *src_base, void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct,
+                 const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm,
+                 uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out)
 {
-    if (iov < 1 || iov > KX_MAX_IOV || max_write == 0)
+    /* what kx_write would refuse when the entry fires: refused now, so the entry's count is real */
+    if (iov < 1 || iov > KX_MAX_IOV || max_write == 0 || pack_min > max_write ||
+        (r && (iov > r->iov_limit || max_write > r->max_msg_size)))
         return -FI_EINVAL;
     kx_watch *e = calloc(1, sizeof(*e));
     if (!e)
@@ -288,6 +291,7 @@ int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi
     e->tag = tag;
     e->rail = r;
     e->peer = peer;
+    e->gen = gen;
     e->src_base = src_base;
     e->desc = desc;
     e->dst_base = dst_base;

@@ -113,15 +113,19 @@ int kx_rail_thread_id(const kx_rail *r);   /* the progress thread's kernel tid, 
 /* ---- peers and addresses (src/rail.c) ---------------------------------------------- */
 
 int kx_getname(kx_rail *r, void *buf, size_t *len);
-int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out);
+/* *out: the peer's AV index; *gen: the generation of that slot (a post names both, so a
+ * post meant for a removed peer never reaches the next one libfabric puts in its slot) */
+int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out, uint32_t *gen);
 /* liveness (src/liveness.c): how long a peer may leave operations outstanding with none
  * completing before it is dead (0: never); FI_DELIVERY_COMPLETE on writes; 0 while `peer`
  * may be posted to, else the errno posts to it fail with */
 void kx_set_peer_timeout(kx_rail *r, int64_t ns);
 void kx_set_delivery_complete(kx_rail *r, int on);
 int kx_peer_state(kx_rail *r, fi_addr_t peer);
-/* The caller makes sure nothing is still posting to `addr` (AV_TABLE reuses the slot). */
-int kx_av_remove(kx_rail *r, fi_addr_t addr);
+/* Remove `addr`: later posts to it fail with ENOTCONN, and it waits (up to wait_ns) for
+ * posts already inside a provider call to return before fi_av_remove (AV_TABLE reuses the
+ * slot); -FI_EBUSY when one is still inside at the deadline (the slot is kept, unused). */
+int kx_av_remove(kx_rail *r, fi_addr_t addr, int64_t wait_ns);
 
 /* ---- regions (src/mr.c) ------------------------------------------------------------ */
 
@@ -158,7 +162,7 @@ int64_t kx_count_messages(const uint64_t *src_off, const uint64_t *dst_off, cons
  * the peer region's mapping here: each message is then a memcpy into it and a 0-byte write
  * carrying the imm (none without imm); the transfer holds a reference until posting ends. *out
  * holds two references: the caller's (kx_transfer_release) and the in-flight one. */
-int kx_write(kx_rail *r, fi_addr_t peer, char *src_base, void *desc, uint64_t dst_base, uint64_t key,
+int kx_write(kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *desc, uint64_t dst_base, uint64_t key,
              kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
              int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min,
              kx_transfer **out);
@@ -197,7 +201,7 @@ void kx_dispatch_stop(kx_rail *r);
 
 /* Post one message of at most KX_MSG_MAX bytes; -FI_EAGAIN when the queue stayed full for
  * 50 ms (the caller retries). */
-int kx_send(kx_rail *r, fi_addr_t peer, const char *data, size_t len);
+int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t len);
 /* Blocks up to slice_ns; 1 with the next received message (kx_msg_free it), else 0. */
 int kx_recv_wait(kx_rail *r, int64_t slice_ns, kx_msg **out);
 size_t kx_msg_len(const kx_msg *m);
@@ -243,10 +247,10 @@ uint64_t kx_watcher_bump(kx_watcher *w, uint64_t n);
 uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to);
 /* Arm the triples' writes for when the word reaches `threshold` (copies the triples). The
  * rail, source registration and peer must outlive the entry. *out: the owner's reference. */
-int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, char *src_base,
-                 void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct, const uint64_t *src_off,
-                 const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm, uint32_t imm, size_t iov,
-                 uint64_t max_write, uint64_t pack_min, kx_watch **out);
+int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen,
+                 char *src_base, void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct,
+                 const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm,
+                 uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out);
 int64_t kx_watch_planned(const kx_watch *e);
 void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out);
 /* 1 if the entry was still armed and now never posts; 0 if it was posted (waits for a post

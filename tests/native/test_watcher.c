@@ -9,7 +9,7 @@ static kx_watch *arm(kx_watcher *w, uint64_t threshold, uint64_t tag)
 {
     uint64_t so[3] = {0, 4096, 8192}, dof[3] = {0, 4096, 8192}, ln[3] = {4096, 4096, 100};
     kx_watch *e = NULL;
-    CHECK_EQ(kx_watch_arm(w, threshold, tag, NULL, 0, NULL, NULL, 0, 0, NULL, so, dof, ln, 3, 1, 7, 4, 1 << 20, 65, &e), 0);
+    CHECK_EQ(kx_watch_arm(w, threshold, tag, NULL, 0, 0, NULL, NULL, 0, 0, NULL, so, dof, ln, 3, 1, 7, 4, 1 << 20, 65, &e), 0);
     return e;
 }
 
