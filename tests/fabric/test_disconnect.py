@@ -189,3 +189,23 @@ def test_a_written_off_write_leaves_the_rails_count():
     finally:
         a.close()
         b.close()
+
+
+def test_the_native_poster_refuses_limits_past_the_rails(pair):
+    """libfabric 1.17 checks iov, message size and inject limits only by assert: the engine
+    computes legal ones, and each rail's native poster refuses others itself (a caller of
+    the Cython layer, or a future rail of another provider, cannot post past them)."""
+    a, b = pair
+    src = a.register(np.zeros(4096, np.uint8))
+    md = b.register(np.zeros(4096, np.uint8))
+    peer, rr = a.connect(b.address), a.remote(md.descriptor())
+    r = a._rails[0]
+    before = a.stats()["writes_posted"]
+    cases = [(r.iov_limit + 1, a.max_write, 0), (a.iov, 1024, 2048), (0, a.max_write, 0)]
+    if r.max_msg_size < 2**64 - 1:
+        cases.append((a.iov, r.max_msg_size + 1, 0))
+    for iov, max_write, pack_min in cases:
+        with pytest.raises(errors.FabricError):
+            r.write_one(peer.fi_addrs[0], peer.gens[0], src.ptr, src._handles[0], rr.base, rr.keys[0], None,
+                        0, 0, 4096, 1, iov, max_write, pack_min)
+    assert a.stats()["writes_posted"] == before and b.banked(1) == 0
