@@ -13,9 +13,11 @@ a crash fails the test instead of killing pytest.
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -130,7 +132,7 @@ def test_a_deferred_shm_close_finished_while_its_owner_frees_it():
     if not cc:
         pytest.skip("needs a C compiler for the LD_PRELOAD shim")
     shim = Path(__file__).with_name("_slow_freeinfo.c")
-    so = Path(__import__("tempfile").mkdtemp()) / "slow_freeinfo.so"
+    so = Path(tempfile.mkdtemp()) / "slow_freeinfo.so"
     subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(so), str(shim), "-ldl"], check=True)
     code = """
         import gc, os, threading, time, kvxfer
@@ -151,7 +153,7 @@ def test_a_deferred_shm_close_finished_while_its_owner_frees_it():
         print("survived")
     """
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60,
-                       env={**__import__("os").environ, "LD_PRELOAD": str(so)})
+                       env={**os.environ, "LD_PRELOAD": " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(so)]))})
     assert r.returncode == 0 and r.stdout.strip() == "survived", f"rc {r.returncode}: {r.stderr[-2000:]}"
     race = r.stderr.split("RACE\n", 1)[-1]
     freed = [ln.split()[-1] for ln in race.splitlines() if ln.startswith("[shim]")]
