@@ -10,6 +10,7 @@ cdef extern from "rdma/fabric.h" nogil:
     uint64_t FI_RMA_EVENT, FI_HMEM
     int FI_EAGAIN
     int FI_EBUSY
+    int FI_ECANCELED
 
 cdef extern from "rdma/fi_domain.h" nogil:
     struct fid_mr:
@@ -125,8 +126,8 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     int kx_transfer_wait(kx_rail *r, kx_transfer *x, int64_t slice_ns)
     void kx_transfer_cancel(kx_rail *r, kx_transfer *x)
     void kx_transfer_release(kx_rail *r, kx_transfer *x)
-    int kx_peer_cancel(kx_rail *r, fi_addr_t peer)
-    int kx_peer_wait(kx_rail *r, fi_addr_t peer, int64_t slice_ns, int *posting)
+    int kx_peer_cancel(kx_rail *r, fi_addr_t peer, uint32_t gen)
+    int kx_peer_wait(kx_rail *r, fi_addr_t peer, uint32_t gen, int64_t slice_ns, int *posting)
 
     # counters
     int kx_expect(kx_rail *r, uint32_t imm, uint64_t count, int want_callback, kx_counter **out)

@@ -320,7 +320,7 @@ cdef class Rail:
         cdef int64_t ns = <int64_t>(wait * 1e9)
         with nogil:
             ret = kx_av_remove(r, addr, ns)
-        if ret == -FI_EBUSY:
+        if ret == -FI_EBUSY or ret == -FI_ECANCELED:     # still posted to, or the rail closing
             return False
         check(ret, "fi_av_remove")
         return True
@@ -339,17 +339,19 @@ cdef class Rail:
                 check(kx_unmap_key(self.r, key), "fi_mr_unmap_key")
 
     # -- peers -----------------------------------------------------------------------------
-    def cancel_peer(self, fi_addr_t addr):
-        """Cancel every unfinished transfer to `addr` on this rail; returns how many."""
+    def cancel_peer(self, fi_addr_t addr, uint32_t gen=0):
+        """Cancel every unfinished transfer to `addr` (of slot generation `gen`; 0: any) on
+        this rail; returns how many."""
         cdef kx_rail *r = self._rail()
         cdef int n
         with nogil:
-            n = kx_peer_cancel(r, addr)
+            n = kx_peer_cancel(r, addr, gen)
         return n
 
-    def wait_peer_idle(self, fi_addr_t addr, timeout):
-        """Wait (at most `timeout` s) until no transfer to `addr` is in flight on this rail.
-        Returns (transfers still in flight, of which still posting)."""
+    def wait_peer_idle(self, fi_addr_t addr, timeout, uint32_t gen=0):
+        """Wait (at most `timeout` s) until no transfer to `addr` (of generation `gen`; 0:
+        any) is in flight on this rail. Returns (transfers still in flight, of which still
+        posting)."""
         cdef kx_rail *r = self._rail()
         cdef int n = 0, posting = 0
         cdef int64_t slice_ns
@@ -357,7 +359,7 @@ cdef class Rail:
         while True:
             slice_ns = _slice_ns(deadline)
             with nogil:
-                n = kx_peer_wait(r, addr, slice_ns, &posting)
+                n = kx_peer_wait(r, addr, gen, slice_ns, &posting)
             if n == 0 or _deadline_passed(deadline):
                 return n, posting
 

@@ -1056,11 +1056,11 @@ class Engine:
                 del self._peers[peer.address]
         if self._closed:
             return
-        for r, addr in zip(self._rails, peer.fi_addrs):
-            r.cancel_peer(addr)
+        for r, addr, gen in zip(self._rails, peer.fi_addrs, peer.gens):
+            r.cancel_peer(addr, gen)
         deadline = time.monotonic() + timeout
-        for r, addr in zip(self._rails, peer.fi_addrs):
-            _, posting = r.wait_peer_idle(addr, max(0.0, deadline - time.monotonic()))
+        for r, addr, gen in zip(self._rails, peer.fi_addrs, peer.gens):
+            _, posting = r.wait_peer_idle(addr, max(0.0, deadline - time.monotonic()), gen)
             if posting == 0 and not r.closed:
                 # refuses later posts at once; removes the address once no post is inside
                 # a provider call to it (else the slot stays, unused, until close)

@@ -54,6 +54,7 @@ struct kx_transfer {
     int linked;            /* on the in-flight list: the provider may still own its contexts */
     int64_t last_ns;       /* its last post or completion: the per-transfer stall clock */
     int64_t written_off;   /* operations given up on (stalled): their late completions are not the peer's */
+    int64_t accepted;      /* messages the provider took (posted counts them from just before the call) */
     int error;             /* first positive errno seen, 0 if none */
     int refs;              /* owner + in-flight */
     struct kx_transfer *prev, *next;   /* the rail's in-flight list */
@@ -122,6 +123,7 @@ typedef struct kx_rxbuf {
 typedef struct kx_sendbuf {
     kx_op op;
     fi_addr_t peer;
+    uint32_t gen;          /* the peer slot's generation (kx_peer_enter; completions) */
     struct fid_mr *mr;     /* registered only where the provider wants FI_MR_LOCAL */
     size_t len;
     char data[];
@@ -328,6 +330,7 @@ void kx_peer_kill_locked(kx_rail *r, fi_addr_t fa, int err);
 int kx_peer_gone(kx_rail *r, fi_addr_t fa);
 int kx_peer_enter(kx_rail *r, fi_addr_t fa, uint32_t gen);
 uint32_t kx_peer_gen(kx_rail *r, fi_addr_t fa);
+int kx_peer_is(kx_rail *r, fi_addr_t fa, uint32_t gen);
 int kx_peer_retire(kx_rail *r, fi_addr_t fa, int64_t wait_ns);
 void kx_peer_leave(kx_rail *r, fi_addr_t fa);
 void kx_peer_count(kx_rail *r, fi_addr_t fa, int delta);

@@ -559,8 +559,12 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     int oldfd = p->used ? p->pidfd : -1;
     void *oldmap = p->used ? p->map : NULL;
     kx_bell *oldbell = p->used ? p->bell : NULL;
+    /* the new generation first, `dead` last: a poster that reads this insert's `dead`
+     * reads its generation too (kx_peer_enter checks the generation after `dead`), so a
+     * post meant for the slot's old peer is refused however the two interleave */
+    uint32_t gen = p->gen + 1;
+    __atomic_store_n(&p->gen, gen ? gen : 1, __ATOMIC_SEQ_CST);
     p->bell = bell;
-    p->dead = dead;
     p->pidfd = fd;
     p->pid = fd >= 0 ? pid : 0;
     p->lockw = NULL;
@@ -571,8 +575,7 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     p->out = 0;
     p->refused_ns = 0;
     p->last_ns = kx_now_ns();
-    uint32_t gen = p->gen + 1;
-    __atomic_store_n(&p->gen, gen ? gen : 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&p->dead, dead, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->used, 1, __ATOMIC_RELEASE);
     if ((size_t)fa + 1 > r->peer_hi)
         r->peer_hi = (size_t)fa + 1;
@@ -680,14 +683,13 @@ int kx_peer_gone(kx_rail *r, fi_addr_t fa)
 int kx_peer_enter(kx_rail *r, fi_addr_t fa, uint32_t gen)
 {
     kx_peer *p = kx_peer_get(r, fa);
-    if (p) {
+    if (p)
         __atomic_add_fetch(&p->busy, 1, __ATOMIC_SEQ_CST);
-        if (gen && __atomic_load_n(&p->gen, __ATOMIC_SEQ_CST) != gen) {
-            __atomic_sub_fetch(&p->busy, 1, __ATOMIC_SEQ_CST);
-            return ENOTCONN;
-        }
-    }
     int d = kx_peer_gone(r, fa);
+    /* after `dead` was read: an insert that reused the slot stored its generation before
+     * clearing `dead` (kx_peer_add), so a stale caller is refused here */
+    if (!d && p && gen && __atomic_load_n(&p->gen, __ATOMIC_SEQ_CST) != gen)
+        d = ENOTCONN;
     if (!d && p && p->local) {
         __atomic_add_fetch(&p->local->busy, 1, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&p->local->closed, __ATOMIC_SEQ_CST)) {
@@ -710,6 +712,13 @@ void kx_peer_leave(kx_rail *r, fi_addr_t fa)
     __atomic_sub_fetch(&p->busy, 1, __ATOMIC_SEQ_CST);
 }
 
+/* whether `fa`'s slot still holds the peer of generation `gen` (0: unchecked): a removed
+ * peer's late completions must not count for, or kill, the next peer in its slot */
+int kx_peer_is(kx_rail *r, fi_addr_t fa, uint32_t gen)
+{
+    return !gen || kx_peer_gen(r, fa) == gen;
+}
+
 /* the generation of `fa`'s slot (0: not a peer of this rail) */
 uint32_t kx_peer_gen(kx_rail *r, fi_addr_t fa)
 {
@@ -728,9 +737,13 @@ int kx_peer_retire(kx_rail *r, fi_addr_t fa, int64_t wait_ns)
     kx_peer_kill_locked(r, fa, ENOTCONN);
     pthread_mutex_unlock(&r->hub->lock);
     int64_t end = kx_now_ns() + wait_ns;
-    while (__atomic_load_n(&p->busy, __ATOMIC_SEQ_CST) > 0) {
+    for (int k = 0; __atomic_load_n(&p->busy, __ATOMIC_SEQ_CST) > 0; k++) {
         if (kx_now_ns() >= end)
             return -FI_EBUSY;
+        if (__atomic_load_n(&r->stop, __ATOMIC_SEQ_CST))
+            return -FI_ECANCELED;       /* the rail is closing: its quiesce waits for us */
+        if (k % 200 == 199)
+            kx_peers_unstick(r);        /* a post spinning on a dead shm peer's lock (~every 10 ms) */
         struct timespec ts = {0, 50000};
         nanosleep(&ts, NULL);
     }
@@ -798,7 +811,9 @@ int kx_peers_scan(kx_rail *r)
      * target refused without answering: shm's CMA path) fails alone; its operations are
      * written off the peer's count, so a peer that answers everything else lives on */
     for (kx_transfer *x = r->inflight; r->peer_timeout_ns > 0 && x; x = x->next) {
-        int64_t open = __atomic_load_n(&x->posted, __ATOMIC_ACQUIRE) - x->completed - x->written_off;
+        /* what the provider took (not `posted`, which counts a post in progress that may
+         * still be refused and taken back) */
+        int64_t open = __atomic_load_n(&x->accepted, __ATOMIC_ACQUIRE) - x->completed - x->written_off;
         if (!x->done && open > 0 && now - __atomic_load_n(&x->last_ns, __ATOMIC_ACQUIRE) > r->peer_timeout_ns) {
             kx_transfer_fail_locked(r, x, ETIMEDOUT);
             x->written_off += open;
@@ -806,7 +821,7 @@ int kx_peers_scan(kx_rail *r)
              * left there would keep the progress thread from sleeping on the CQ fd and
              * every later close() draining to its deadline */
             __atomic_sub_fetch(&r->outstanding, open, __ATOMIC_RELAXED);
-            for (int64_t k = 0; k < open; k++)
+            for (int64_t k = 0; k < open && kx_peer_is(r, x->peer, x->gen); k++)
                 kx_peer_uncount(r, x->peer, 0);
             killed++;
         }

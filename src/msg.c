@@ -10,6 +10,7 @@ int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t l
     s->op.kind = KX_OP_SEND;
     s->op.owner = s;
     s->peer = peer;
+    s->gen = gen;
     s->mr = NULL;
     s->len = len;
     if (len)
@@ -36,16 +37,19 @@ int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t l
     ssize_t ret;
     /* queue full: let the progress thread drain it, for 50 ms at most; the caller retries */
     int64_t until = kx_now_ns() + 50000000LL;
-    kx_peer_count(r, peer, 1);
     for (;;) {
         int gone = kx_peer_enter(r, peer, gen);     /* never to a closed, exited or stalled peer */
         if (gone) {
             ret = -gone;
             break;
         }
+        /* the peer's entry (counts, bell) only while entered: kx_av_remove waits for that */
+        kx_peer_count(r, peer, 1);
         ret = fi_send(r->ep, s->data, len, desc, peer, &s->op.fi);
         if (ret == 0)
-            kx_peer_accepted(r, peer);       /* its bell: only while entered (kx_av_remove) */
+            kx_peer_accepted(r, peer);
+        else
+            kx_peer_uncount(r, peer, ret == -FI_EAGAIN);
         kx_peer_leave(r, peer);
         if (ret != -FI_EAGAIN || r->stop || kx_now_ns() > until)
             break;
@@ -55,7 +59,6 @@ int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t l
     }
     if (ret) {
         __atomic_sub_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
-        kx_peer_uncount(r, peer, ret == -FI_EAGAIN);
         if (s->mr)
             fi_close(&s->mr->fid);
         free(s);

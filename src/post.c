@@ -179,6 +179,7 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
                 kx_peer_leave(r, x->peer);
                 pthread_mutex_lock(&r->hub->lock);
                 __atomic_add_fetch(&x->posted, 1, __ATOMIC_RELEASE);
+                __atomic_add_fetch(&x->accepted, 1, __ATOMIC_RELEASE);
                 __atomic_add_fetch(&x->completed, 1, __ATOMIC_RELAXED);
                 pthread_mutex_unlock(&r->hub->lock);
                 x->have_msg = 0;
@@ -223,9 +224,10 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         ssize_t ret = fi_writemsg(r->ep, &msg, flags);
         /* the peer's entry (its bell, its counts) only while entered: kx_av_remove waits
          * for that before it retires the entry */
-        if (ret == 0)
+        if (ret == 0) {
+            __atomic_add_fetch(&x->accepted, 1, __ATOMIC_RELEASE);
             kx_peer_accepted(r, x->peer);
-        else
+        } else
             kx_peer_uncount(r, x->peer, ret == -FI_EAGAIN);
         kx_peer_leave(r, x->peer);
         if (ret == 0) {

@@ -150,26 +150,30 @@ static void kx_complete_locked(kx_rail *r, void *context, uint64_t flags, uint64
     switch (op->kind) {
     case KX_OP_WRITE: {
         kx_transfer *x = (kx_transfer *)op->owner;
+        int current = kx_peer_is(r, x->peer, x->gen);   /* not a removed peer's leftover */
         if (x->written_off > 0) {
             x->written_off--;            /* already taken off the rail's and the peer's counts */
         } else {
             __atomic_sub_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
-            kx_peer_count(r, x->peer, -1);
+            if (current)
+                kx_peer_count(r, x->peer, -1);
         }
         __atomic_store_n(&x->last_ns, kx_now_ns(), __ATOMIC_RELEASE);
         x->completed++;
         if (err && !x->error)
             x->error = err;
-        if (err && kx_is_peer_errno(err))
+        if (err && kx_is_peer_errno(err) && current)
             kx_peer_kill_locked(r, x->peer, err);
         kx_transfer_check_done_locked(r, x);
         break;
     }
     case KX_OP_SEND: {
         kx_sendbuf *s = (kx_sendbuf *)op->owner;
+        int current = kx_peer_is(r, s->peer, s->gen);
         __atomic_sub_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
-        kx_peer_count(r, s->peer, -1);
-        if (err && kx_is_peer_errno(err))
+        if (current)
+            kx_peer_count(r, s->peer, -1);
+        if (err && kx_is_peer_errno(err) && current)
             kx_peer_kill_locked(r, s->peer, err);
         if (err)
             r->stat_rx_err++;

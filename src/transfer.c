@@ -104,12 +104,12 @@ void kx_transfer_release(kx_rail *r, kx_transfer *x)
 
 /* Queued transfers and those being posted by another thread right now are all linked in
  * the in-flight list (before their first post), so every one to `peer` is found. */
-int kx_peer_cancel(kx_rail *r, fi_addr_t peer)
+int kx_peer_cancel(kx_rail *r, fi_addr_t peer, uint32_t gen)
 {
     int n = 0;
     pthread_mutex_lock(&r->hub->lock);
     for (kx_transfer *x = r->inflight; x; x = x->next) {
-        if (x->peer == peer && !x->done) {
+        if (x->peer == peer && (!gen || x->gen == gen) && !x->done) {
             __atomic_store_n(&x->cancel, 1, __ATOMIC_RELEASE);
             n++;
         }
@@ -120,7 +120,7 @@ int kx_peer_cancel(kx_rail *r, fi_addr_t peer)
     return n;
 }
 
-int kx_peer_wait(kx_rail *r, fi_addr_t peer, int64_t slice_ns, int *posting)
+int kx_peer_wait(kx_rail *r, fi_addr_t peer, uint32_t gen, int64_t slice_ns, int *posting)
 {
     struct timespec ts;
     int n, p, expired = 0;
@@ -129,7 +129,7 @@ int kx_peer_wait(kx_rail *r, fi_addr_t peer, int64_t slice_ns, int *posting)
     for (;;) {
         n = p = 0;
         for (kx_transfer *x = r->inflight; x; x = x->next) {
-            if (x->peer == peer) {
+            if (x->peer == peer && (!gen || x->gen == gen)) {     /* not a removed peer's leftovers */
                 n++;
                 p += !x->posting_done;
             }

@@ -172,11 +172,12 @@ int kx_transfer_wait(kx_rail *r, kx_transfer *x, int64_t slice_ns);
 /* Post nothing more of x; what was posted still completes. */
 void kx_transfer_cancel(kx_rail *r, kx_transfer *x);
 void kx_transfer_release(kx_rail *r, kx_transfer *x);
-/* Cancel every unfinished transfer to `peer` on this rail; returns how many. */
-int kx_peer_cancel(kx_rail *r, fi_addr_t peer);
+/* Cancel every unfinished transfer to `peer` (of generation `gen`; 0: any) on this rail;
+ * returns how many. */
+int kx_peer_cancel(kx_rail *r, fi_addr_t peer, uint32_t gen);
 /* Blocks up to slice_ns until no transfer to `peer` is in flight on this rail; returns how
  * many still are, *posting how many of those may still post. */
-int kx_peer_wait(kx_rail *r, fi_addr_t peer, int64_t slice_ns, int *posting);
+int kx_peer_wait(kx_rail *r, fi_addr_t peer, uint32_t gen, int64_t slice_ns, int *posting);
 
 /* ---- counters (src/counters.c; the table is the hub's, shared by its rails) -------- */
 

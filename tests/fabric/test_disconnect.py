@@ -211,3 +211,50 @@ def test_the_native_poster_refuses_limits_past_the_rails(pair):
             r.write_one(peer.fi_addrs[0], peer.gens[0], src.ptr, src._handles[0], rr.base, rr.keys[0], None,
                         0, 0, 4096, 1, iov, max_write, pack_min)
     assert a.stats()["writes_posted"] == before and b.banked(1) == 0
+
+
+def test_a_removed_peers_leftovers_are_not_the_next_peers():
+    """B's 64 MiB write is still in flight (B is stopped) when B is disconnected and C takes
+    its slot: C's own bookkeeping (in-flight transfers, what its disconnect waits for) holds
+    C's transfers only, not B's leftover, which fails with ENOTCONN."""
+    import signal
+
+    from _providers import available
+
+    tcp = "tcp;ofi_rxm"
+    if not available(tcp):
+        pytest.skip(f"{tcp} is not available here")
+    big = 64 << 20
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time, numpy as np, kvxfer
+        e = kvxfer.Engine({tcp!r}, "127.0.0.1")
+        m = e.register(np.zeros({big}, np.uint8))
+        print(e.address.hex(), m.descriptor().hex(), flush=True)
+        time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True)
+    a = kvxfer.Engine(tcp, "127.0.0.1", peer_timeout=60)
+    c = kvxfer.Engine(tcp, "127.0.0.1")
+    try:
+        addr, desc = child.stdout.readline().split()
+        ms = a.register(np.full(big, 0xAB, np.uint8))
+        mc = c.register(np.zeros(4096, np.uint8))
+        pb, rb = a.connect(bytes.fromhex(addr)), a.remote(bytes.fromhex(desc))
+        a.write(ms, 0, pb, rb, 0, 4096, imm=1).wait(10)
+        os.kill(child.pid, signal.SIGSTOP)
+        t = a.write(ms, 0, pb, rb, 0, big, imm=2)        # cannot finish: B reads nothing
+        pb.close(timeout=0.3)
+        pc = a.connect(c.address)
+        a.write(ms, 0, pc, a.remote(mc.descriptor()), 0, 512, imm=5).wait(10)
+        c.expect(5, 1).wait(10)
+        r = a._rails[0]
+        # by slot alone, B's leftover counts while rxm still holds its context (most runs);
+        # by C's generation it never does
+        assert r.wait_peer_idle(pc.fi_addrs[0], 0.0, pc.gens[0]) == (0, 0)
+        assert r.peer_state(pc.fi_addrs[0]) == 0
+        with pytest.raises(errors.PeerError):
+            t.wait(1)
+    finally:
+        child.kill()
+        child.wait()
+        a.close()
+        c.close()
