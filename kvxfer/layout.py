@@ -130,6 +130,28 @@ _DTYPE_ALIASES = {
 }
 
 
+#: the number format an alias names, where two aliases name one ("fp8" stays generic: any
+#: 8-bit float format, for a caller who does not say which)
+_FORMAT_OF_ALIAS = {"bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+
+
+def dtype_format(dtype: Any) -> str:
+    """The number format ``dtype`` names (``bfloat16``, ``float8_e4m3fn``, ``float16``, a numpy
+    name, or the generic ``fp8``): what two layouts must agree on, beyond the element size,
+    for the bytes of one to mean the same numbers in the other."""
+    name = str(dtype).removeprefix("torch.")
+    if name in _DTYPE_ALIASES:
+        return _FORMAT_OF_ALIAS.get(name, name)
+    return _as_dtype(dtype).name
+
+
+def same_format(a: str, b: str) -> bool:
+    """Whether two ``dtype_format`` names are one format (the generic ``fp8`` matches any fp8)."""
+    if a == b:
+        return True
+    return "fp8" in (a, b) and all(x == "fp8" or x.startswith("float8_") for x in (a, b))
+
+
 def _as_dtype(dtype: Any) -> np.dtype:
     name = str(dtype).removeprefix("torch.")
     if name in _DTYPE_ALIASES:
@@ -336,6 +358,12 @@ class KVLayout:
     def np_dtype(self) -> np.dtype:
         """The numpy dtype standing for ``dtype`` (same itemsize)."""
         return self._dtype
+
+    @property
+    def dtype_format(self) -> str:
+        """The number format of ``dtype`` (see ``dtype_format``): fp8 e4m3 and e5m2 share a
+        size but not a meaning."""
+        return dtype_format(self.dtype)
 
     @property
     def itemsize(self) -> int:

@@ -113,7 +113,7 @@ import numpy as np
 
 from kvxfer._check import is_int
 from kvxfer.errors import LayoutError, PlanError
-from kvxfer.layout import KVLayout, RankGeometry, Sharding
+from kvxfer.layout import KVLayout, RankGeometry, Sharding, same_format
 
 __all__ = ["plan", "TransferPlan", "Writes"]
 
@@ -327,6 +327,9 @@ def _layers(layers: Iterable[int] | None, num_layers: int) -> tuple[int, ...]:
 
 
 def _check_compatible(src: KVLayout, dst: KVLayout) -> None:
+    # one size is not one format: fp8 e4m3 bytes read as e5m2, or bf16 as uint16, are other numbers
+    if not same_format(src.dtype_format, dst.dtype_format):
+        raise LayoutError(f"source and destination layouts differ in dtype: {src.dtype_format} vs {dst.dtype_format}")
     for what, a, b in (
         ("num_layers", src.num_layers, dst.num_layers),
         ("kv_heads", src.kv_heads, dst.kv_heads),

@@ -191,7 +191,7 @@ _DTYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
 
 def layout_dict(layout: KVLayout) -> dict:
     d = {f: getattr(layout, f) for f in _LAYOUT_FIELDS}
-    d["dtype"] = str(layout.dtype).removeprefix("torch.")
+    d["dtype"] = layout.dtype_format      # a plain name either side reads as the same format
     return d
 
 

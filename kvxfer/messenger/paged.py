@@ -216,14 +216,18 @@ def transfer_posted(t: Any) -> int:
 def post_plan(engine: Any, plan: Any, src_rank: int, dst_rank: int, src: LayoutRegions, peer: Any,
               dst: RemoteLayout, *, imm: Optional[int] = None, layers: Optional[Iterable[int]] = None,
               rail: Optional[int] = None) -> PlanTransfer:
-    """Post every write of ``plan`` from ``src_rank`` to ``dst_rank`` (or of ``layers`` only)
-    with ``imm``, in one ``Engine.write_groups`` call (one region pair per group; ``rail``
+    """Post every write of ``plan`` from ``src_rank`` to ``dst_rank`` (or of ``layers`` only:
+    an empty list posts nothing) with ``imm``, in one ``Engine.write_groups`` call (one region pair per group; ``rail``
     pins it to one local rail). Region ids are checked against both tables before anything
     is posted; the engine checks every offset. The target expects ``result.num_writes``
     arrivals."""
     p = plan
     if layers is not None:
         layers = list(layers)
+        if not layers:          # nothing is ready yet: post nothing (None means every layer)
+            return PlanTransfer([], imm)
+        if len(set(layers)) != len(layers):
+            raise PlanError(f"layers {layers} name a layer twice")
         if len(layers) == 1:
             p = plan.layer(layers[0])
         else:

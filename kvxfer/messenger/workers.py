@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvxfer.errors import DescriptorError, InvalidArgumentError, PeerError, TimeoutError
+from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, PeerError, TimeoutError
 
 __all__ = ["publish", "collect"]
 
@@ -98,6 +98,7 @@ def collect(path: str, ranks: Iterable[int], *, timeout: float = 60.0) -> dict[i
         pass
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     out: dict[int, list[Any]] = {}
+    refused: list[str] = []
     deadline = time.monotonic() + timeout
     try:
         srv.bind(path)
@@ -106,30 +107,30 @@ def collect(path: str, ranks: Iterable[int], *, timeout: float = 60.0) -> dict[i
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = [r for r in want if r not in out]
-                raise TimeoutError(f"ranks {missing} did not publish at {path} within {timeout} s")
+                why = f" (refused meanwhile: {'; '.join(refused[-3:])})" if refused else ""
+                raise TimeoutError(f"ranks {missing} did not publish at {path} within {timeout} s{why}")
             srv.settimeout(left)
             try:
                 conn, _ = srv.accept()
             except socket.timeout:
                 continue
+            # one bad connection (a probe, a worker killed mid-publish, a rank sent twice) is
+            # refused on its own; the ranks that publish properly are still collected
             with conn:
-                conn.settimeout(max(0.1, deadline - time.monotonic()))
-                magic, ver, _flags, rank, n = _HEAD.unpack(_recv_exact(conn, _HEAD.size))
-                if magic != _MAGIC or ver != _VERSION:
-                    raise DescriptorError("not a kvxfer worker publication")
-                handles = recv_handles(conn)
                 try:
-                    if rank not in want or rank in out:
+                    rank, bufs = _take(conn, want, out, deadline, KVBuffer, recv_handles)
+                except (KvxferError, OSError) as exc:
+                    refused.append(str(exc))
+                    try:
                         conn.sendall(b"\x00")
-                        raise InvalidArgumentError(f"rank {rank} is not expected here or published twice")
-                    if len(handles) != n:
-                        conn.sendall(b"\x00")
-                        raise DescriptorError(f"rank {rank} announced {n} buffers and sent {len(handles)}")
-                    out[rank] = [KVBuffer.import_(h) for h in handles]
-                finally:
-                    for h in handles:
-                        h.close()
-                conn.sendall(b"\x01")
+                    except OSError:
+                        pass
+                    continue
+                out[rank] = bufs
+                try:
+                    conn.sendall(b"\x01")
+                except OSError:       # it hung up after sending: its buffers are here all the same
+                    pass
     except BaseException:
         for bufs in out.values():
             for b in bufs:
@@ -142,3 +143,29 @@ def collect(path: str, ranks: Iterable[int], *, timeout: float = 60.0) -> dict[i
         except FileNotFoundError:
             pass
     return out
+
+
+def _take(conn: socket.socket, want: list, out: dict, deadline: float, KVBuffer: Any, recv_handles: Any):
+    """One publication: (rank, imported buffers), or a kvxfer error (nothing kept)."""
+    conn.settimeout(max(0.1, deadline - time.monotonic()))
+    magic, ver, _flags, rank, n = _HEAD.unpack(_recv_exact(conn, _HEAD.size))
+    if magic != _MAGIC or ver != _VERSION:
+        raise DescriptorError("not a kvxfer worker publication")
+    handles = recv_handles(conn)
+    try:
+        if rank not in want or rank in out:
+            raise InvalidArgumentError(f"rank {rank} is not expected here or published twice")
+        if len(handles) != n:
+            raise DescriptorError(f"rank {rank} announced {n} buffers and sent {len(handles)}")
+        bufs: list = []
+        try:
+            for h in handles:
+                bufs.append(KVBuffer.import_(h))
+        except BaseException:
+            for b in bufs:
+                b.close()
+            raise
+        return rank, bufs
+    finally:
+        for h in handles:
+            h.close()

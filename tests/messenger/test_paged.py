@@ -54,3 +54,28 @@ def test_post_plan_pair(provider, layers):
         for tb in tables:
             tb.close()
         target.close()
+
+
+def test_post_plan_of_no_layers_posts_nothing(provider):
+    """``layers=[]`` (nothing ready yet) used to post the whole plan, every layer before it
+    was computed; a layer named twice is refused rather than quietly posted once."""
+    from kvxfer.errors import PlanError
+
+    lay = KVLayout.vllm(4, 2, 8, 4, 8, "float16")
+    src, dst = RankMemory(lay, Sharding(1), 0, rng=np.random.default_rng(2)), RankMemory(lay, Sharding(1), 0, fill=0)
+    with kvxfer.Engine(provider, "127.0.0.1") as ea, kvxfer.Engine(provider, "127.0.0.1") as eb:
+        table = register_layout(ea, lay, Sharding(1), src.regions, remote=False)
+        target = register_layout(eb, lay, Sharding(1), dst.regions)
+        remote = remote_layout(ea, target.descriptor())
+        peer = ea.connect(eb.address)
+        p = plan(lay, Sharding(1), lay, Sharding(1), [0, 1], [2, 3])
+        before = ea.stats()["writes_posted"]
+        t = post_plan(ea, p, 0, 0, table, peer, remote, imm=7, layers=[])
+        t.wait(1)
+        assert t.num_writes == 0 and t.posted == 0 and t.done
+        with pytest.raises(PlanError):
+            post_plan(ea, p, 0, 0, table, peer, remote, imm=7, layers=[2, 2])
+        assert ea.stats()["writes_posted"] == before and eb.banked(7) == 0
+        assert not any(r.any() for r in dst.regions)
+        table.close()
+        target.close()

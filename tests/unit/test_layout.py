@@ -163,6 +163,30 @@ def test_dtype_aliases_keep_size_and_identity():
     assert bf16 != KVLayout.vllm(1, 1, 1, 1, 1, dtype="float16").np_dtype
 
 
+@pytest.mark.parametrize("a, b, same", [
+    ("float8_e4m3fn", "float8_e5m2", False),          # one byte each, other numbers
+    ("torch.float8_e4m3fn", "torch.float8_e5m2fnuz", False),
+    ("bfloat16", np.uint16, False),
+    ("bfloat16", "float16", False),
+    ("bf16", "torch.bfloat16", True),
+    ("fp16", np.float16, True),
+    ("half", "float16", True),
+    ("fp8", "float8_e4m3fn", True),                    # generic fp8: the caller did not say which
+    (np.float32, "float32", True),
+])
+def test_plans_join_layouts_of_one_number_format_only(a, b, same):
+    """The element size decides offsets, but the format decides what the bytes mean: a plan
+    between layouts of one size and two formats would land valid bytes read as wrong numbers."""
+    from kvxfer import plan
+
+    la, lb = KVLayout.vllm(2, 2, 4, 4, 4, dtype=a), KVLayout.vllm(2, 2, 4, 4, 4, dtype=b)
+    if same:
+        assert plan(la, Sharding(1), lb, Sharding(1), [0], [1]).num_writes > 0
+    else:
+        with pytest.raises(LayoutError, match="dtype"):
+            plan(la, Sharding(1), lb, Sharding(1), [0], [1])
+
+
 def test_resolve_needs_a_sharding():
     with pytest.raises(LayoutError):
         KVLayout.vllm(1, 1, 1, 1, 1).resolve(4)
