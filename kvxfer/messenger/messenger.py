@@ -128,6 +128,8 @@ class PeerGroup:
         self.send_seq = 0
         self.recv_seq = 0
         self.send_lock = threading.Lock()
+        self._resend: deque = deque()    # one-shot messages the engine refused: (type, fields, since)
+        self._torn_down = False          # _peer_gone disconnected it: nothing of it lands any more
         self.acked = threading.Event()
         self.heartbeat = min(m.peer_timeout, hs.peer_timeout) / 4
         self._template: Optional[list] = None       # one page's writes (Messenger._batches)
@@ -287,8 +289,7 @@ class Receive:
                 send = not self._abort_sent
                 self._abort_sent = True
         if send and self.peer.alive:
-            if not m._try_send(self.peer, C.ABORT, imm=self.imm):
-                pass                       # unreachable: the peer timeout settles it
+            m._try_send(self.peer, C.ABORT, imm=self.imm, retry=True)   # resent until it goes
         if not self._event.wait(timeout):
             return False
         return self._state == "done" or self._fence_ok
@@ -521,6 +522,7 @@ class Messenger:
         self._staging_mrs: list = []
         self._peers: dict[int, PeerGroup] = {}
         self._dead: set[int] = set()
+        self._seqs: dict[int, tuple[int, int]] = {}             # uid -> seqs of a timed-out connect
         self._receives: dict[int, Receive] = {}                # imm -> Receive (not yet retired)
         self._rids: dict[Any, Receive] = {}                    # request id -> Receive in flight
         self._next_imm = 1 + int.from_bytes(os.urandom(3), "little")
@@ -635,6 +637,12 @@ class Messenger:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
+        # nothing is left pending: a Receive of a peer that died meanwhile fails too (fenced
+        # once that peer was torn down)
+        with self._lock:
+            left = [r for r in self._receives.values() if r._state not in _FINAL]
+        for r in left:
+            self._finish_receive(r, "failed", err, fenced=r.peer._torn_down)
         if self._watcher is not None:          # armed writes never post after this
             self._watcher.close(max(0.1, deadline - time.monotonic()))
             if self._counter_release is not None:
@@ -697,6 +705,9 @@ class Messenger:
             with self._lock:
                 if pg.state == "connecting":
                     self._peers.pop(pg.uid, None)
+                    # a retry's group goes on from these: its HELLO must be newer than this
+                    # one, which the peer may have accepted after our timeout
+                    self._seqs[pg.uid] = (pg.send_seq, pg.recv_seq)
                     self._forget_peer(pg)
             raise PeerError(f"peer {hs.uid:016x} did not answer the handshake within {timeout} s")
         if pg.state == "dead":
@@ -738,6 +749,9 @@ class Messenger:
                 if old.peer is not peer:       # the engine shares one Peer per address
                     self._disconnect(peer)
                 return old
+            seqs = self._seqs.pop(hs.uid, None)
+            if seqs is not None:
+                pg.send_seq, pg.recv_seq = seqs
             self._peers[hs.uid] = pg
         return pg
 
@@ -759,14 +773,47 @@ class Messenger:
             pg.last_sent = time.monotonic()
         self._count("sent_" + C.MSG_TYPES[t])
 
-    def _try_send(self, pg: PeerGroup, t: int, **fields: Any) -> bool:
+    def _try_send(self, pg: PeerGroup, t: int, *, retry: bool = False, **fields: Any) -> bool:
+        """Send one control message. ``retry``: a one-shot message (HELLO_ACK, ABORT,
+        ABORTED, REJECT) that nothing else would repeat: if the engine does not take it
+        (backpressure), the messenger thread resends it, in order, while the peer lives."""
+        if retry:
+            with self._lock:
+                if pg._resend:               # behind the ones waiting: one-shots keep their order
+                    if pg.alive and not self._closed:
+                        pg._resend.append((t, fields, time.monotonic()))
+                    return False
         try:
             self._send(pg, t, timeout=1.0, **fields)
             return True
         except KvxferError:
             with self._lock:
                 self._count("send_failed")
+                if retry and pg.alive and not self._closed:
+                    pg._resend.append((t, fields, time.monotonic()))
             return False
+
+    def _resend_pending(self, pg: PeerGroup, now: float) -> None:
+        """Messenger thread: resend ``pg``'s refused one-shot messages, oldest first, until one
+        is refused again. A message the engine refused for ``peer_timeout`` declares the peer
+        dead (as silence would): its requests fail rather than wait for a reply never sent."""
+        while True:
+            with self._lock:
+                if not pg._resend or not pg.alive:
+                    return
+                t, fields, since = pg._resend[0]
+            try:
+                self._send(pg, t, timeout=0.05, **fields)
+            except KvxferError as exc:
+                self._count("send_failed")
+                if now - since > self.peer_timeout:
+                    self._peer_gone(pg, PeerError(f"peer {pg.uid:016x}: could not send {C.MSG_TYPES[t]} for "
+                                                  f"{self.peer_timeout} s ({exc}): declared dead"), notify=False)
+                return
+            with self._lock:
+                if pg._resend and pg._resend[0][0] == t and pg._resend[0][1] is fields:
+                    pg._resend.popleft()
+            self._count("resent_" + C.MSG_TYPES[t])
 
     # -- decode side --------------------------------------------------------------------
     def receive(self, peer: PeerGroup, request_id: Any, dst_pages: Any, num_tokens: int, *,
@@ -805,6 +852,10 @@ class Messenger:
         pages.flags.writeable = False
         with self._lock:
             self._check_open()
+            # again under the lock: _peer_gone marks the peer dead and collects its receives
+            # under it, so a Receive is either refused here or failed by the teardown
+            if not peer.alive:
+                raise PeerError(f"peer {peer.uid:016x} is dead") from peer.error
             if request_id in self._rids:
                 raise InvalidArgumentError(f"request id {request_id!r} is already in flight")
             busy = self._busy_pages[pages]
@@ -1000,6 +1051,8 @@ class Messenger:
                 except KvxferError as exc:
                     s.error = PeerError(f"could not announce to peer {pg.uid:016x}: {exc}")
                     s._abort_req = True
+                    s._abort_flags = C.ABORTED_BY_PREFILLER
+                    s._reply = True           # the decoder fences on what was posted (resent if refused)
                     s._finished = True
                     for t in s._transfers:
                         t.cancel()
@@ -1161,6 +1214,15 @@ class Messenger:
                         self._arm_context(s)
                     except KvxferError as exc:
                         err = exc
+            if err is None and announce is not None:
+                # under s._lock, as send() does: an abort (which takes it) answers ABORTED
+                # only after this, so the decoder never gets the ANNOUNCE after the ABORTED
+                try:
+                    self._send(pg, C.ANNOUNCE, imm=req.imm, count=announce)
+                    if s._state == "pending":
+                        s._state = "transferring"
+                except KvxferError as exc:
+                    err = PeerError(f"could not announce to peer {pg.uid:016x}: {exc}")
             if err is not None:
                 s.error = err
                 s._abort_req = True
@@ -1174,15 +1236,6 @@ class Messenger:
             self._queue_reap(s)
             return
         if announce is not None:
-            try:
-                self._send(pg, C.ANNOUNCE, imm=req.imm, count=announce)
-                with s._lock:
-                    if s._state == "pending":
-                        s._state = "transferring"
-            except KvxferError as exc:
-                s.error = PeerError(f"could not announce to peer {pg.uid:016x}: {exc}")
-                self._abort_send(s, by_prefiller=True)
-                return
             self._maybe_done_posting(s)
 
     def _arm_context(self, s: Send) -> None:
@@ -1229,7 +1282,10 @@ class Messenger:
             if not s.done:
                 self._abort_send(s, by_prefiller=True)
         self._watcher.disarm_tag(p.id)
-        self._watcher.advance(p.end)
+        # skip the pass's layers on the counter, but never before it reached p.base: a pass
+        # scheduled ahead is abandoned while the one before it still runs, whose remaining
+        # layers must fire when computed (LayerCounter._skip_pass)
+        self._counter._skip_pass(p.base, p.end)
         return n
 
     def _layer_batches(self, pg: PeerGroup, request: Request, dst_pages: np.ndarray, src_pages: np.ndarray) -> list:
@@ -1537,7 +1593,7 @@ class Messenger:
                 state = "done"
             reply = s._reply and pg.alive
         if reply:
-            self._try_send(pg, C.ABORTED, imm=req.imm, count=posted, flags=s._abort_flags)
+            self._try_send(pg, C.ABORTED, imm=req.imm, count=posted, flags=s._abort_flags, retry=True)
         self._settle_send(s, state, err)
         return True
 
@@ -1606,7 +1662,14 @@ class Messenger:
     def _run(self) -> None:
         next_tick = 0.0
         while not self._stop.is_set():
-            slice_s = 0.002 if self._fencing else min(0.05, self.peer_timeout / 8)
+            lc = self._counter
+            skips = lc is not None and bool(lc._skips)
+            if skips:
+                try:
+                    lc._apply_skips()          # a kernel bumped to an abandoned pass's base
+                except KvxferError:
+                    pass
+            slice_s = 0.001 if skips else 0.002 if self._fencing else min(0.05, self.peer_timeout / 8)
             try:
                 data = self.engine.recv(slice_s)
             except TimeoutError:
@@ -1649,15 +1712,23 @@ class Messenger:
             fencing = list(self._fencing)
             peers = list(self._peers.values())
         for r in expired:
-            if not r._abort_sent and r.peer.alive:
-                r._abort_sent = True
-                if not self._try_send(r.peer, C.ABORT, imm=r.imm):
-                    pass                       # unreachable: the peer timeout settles it
+            if r.peer.alive:
+                if not r._abort_sent:
+                    r._abort_sent = True
+                    self._try_send(r.peer, C.ABORT, imm=r.imm, retry=True)   # resent until it goes
+            else:
+                # nobody can answer an ABORT: fail it now, fenced once the peer is torn down
+                # (else the teardown in progress retires it)
+                self._finish_receive(r, "failed", fenced=r.peer._torn_down)
         for r in fencing:
             self._check_fence(r)
         for pg in peers:
             if pg.state == "dead":
                 continue
+            if pg._resend:
+                self._resend_pending(pg, now)
+                if pg.state == "dead":
+                    continue
             if now - pg.last_heard > self.peer_timeout and pg.state == "up":
                 self._peer_gone(pg, PeerError(f"peer {pg.uid:016x} silent for {self.peer_timeout} s: declared dead"),
                                 notify=False)
@@ -1682,8 +1753,8 @@ class Messenger:
                 return
             pg.state = "dead"
             pg.error = err
+            pg._resend.clear()
             self._dead.add(pg.uid)
-            recvs = [r for r in self._receives.values() if r.peer is pg]
             reqs = [q for (u, _), q in self._requests.items() if u == pg.uid]
             self._count("peers_dead")
         pg.acked.set()
@@ -1704,6 +1775,11 @@ class Messenger:
             self._try_send(pg, C.BYE)
         # tear the connection down: on tcp no byte of this peer is read (so lands) after it
         self._forget_peer(pg)
+        with self._lock:
+            pg._torn_down = True
+            # collected after the teardown: every Receive of pg not yet retired, also one a
+            # timeout failed meanwhile (unfenced: retired now)
+            recvs = [r for r in self._receives.values() if r.peer is pg]
         for r in recvs:
             self._finish_receive(r, "failed", err, fenced=True)
         with self._inbox_cv:
@@ -1763,6 +1839,9 @@ class Messenger:
             self._peer_gone(pg, PeerError(f"peer {pg.uid:016x} closed"), notify=False)
 
     def _on_hello(self, m: C.Control, pg: Optional[PeerGroup]) -> None:
+        if pg is not None and pg.state == "dead":
+            self._drop("dead_peer")          # its engine Peer is disconnected: never "up" again
+            return
         if pg is None:
             if m.src in self._dead:
                 self._drop("dead_peer")
@@ -1782,7 +1861,7 @@ class Messenger:
         pg.last_heard = time.monotonic()
         pg.state = "up"
         pg.acked.set()
-        self._try_send(pg, C.HELLO_ACK)
+        self._try_send(pg, C.HELLO_ACK, retry=True)
 
     def _receive_of(self, pg: PeerGroup, imm: int) -> Optional[Receive]:
         with self._lock:
@@ -1817,7 +1896,7 @@ class Messenger:
                 self._count("requests")
         if reason is not None:
             self._drop("bad_request")
-            self._try_send(pg, C.REJECT, imm=m.imm, reason=reason)
+            self._try_send(pg, C.REJECT, imm=m.imm, reason=reason, retry=True)
             return
         if self._on_request is not None and self._inline_requests:
             try:                             # on this thread: no hand-off before the writes
@@ -1840,6 +1919,11 @@ class Messenger:
         with self._lock:
             if r._announced is not None:
                 self._drop("duplicate_announce")
+                return
+            if r._fence_target is not None or r._state in _FINAL:
+                # after the ABORTED (the fence counts what it says was posted): an expectation
+                # now would collide with the fence's and leave the pages quarantined
+                self._drop("late_announce")
                 return
             r._announced = m.count
             if r._state == "pending":
@@ -1864,21 +1948,27 @@ class Messenger:
             self._on_counter(r)
 
     def _on_abort(self, pg: PeerGroup, m: C.Control) -> None:
+        # the reply is decided under the lock that send()/stream() take to attach a Send:
+        # either the Send exists now (it answers ABORTED when final) or a later send() sees
+        # ``aborted`` and posts nothing, and this answers ABORTED(0) (never neither)
+        send: Optional[Send] = None
         with self._lock:
             req = self._requests.get((pg.uid, m.imm))
-            if req is not None and req.send is None:
-                req.aborted = True
-                self._requests.pop((pg.uid, m.imm), None)
-                try:
-                    self._inbox.remove(req)
-                except ValueError:
-                    pass
+            if req is not None:
+                send = req.send
+                if send is None:
+                    req.aborted = True
+                    self._requests.pop((pg.uid, m.imm), None)
+                    try:
+                        self._inbox.remove(req)
+                    except ValueError:
+                        pass
         if req is None:
-            self._try_send(pg, C.ABORTED, imm=m.imm, count=0, flags=C.ABORTED_UNKNOWN)
-        elif req.send is None:
-            self._try_send(pg, C.ABORTED, imm=m.imm, count=0, flags=0)
+            self._try_send(pg, C.ABORTED, imm=m.imm, count=0, flags=C.ABORTED_UNKNOWN, retry=True)
+        elif send is None:
+            self._try_send(pg, C.ABORTED, imm=m.imm, count=0, flags=0, retry=True)
         else:
-            self._abort_send(req.send, by_prefiller=False)
+            self._abort_send(send, by_prefiller=False)
 
     def _on_aborted(self, pg: PeerGroup, m: C.Control) -> None:
         r = self._receive_of(pg, m.imm)

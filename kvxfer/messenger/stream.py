@@ -11,8 +11,14 @@ returns a ``Pass``:
   the pass is computed once the counter reaches ``base + l + 1``. 64 bits never wrap.
 * **Abandon.** ``Pass.abandon()`` (the model will not finish the pass): every still-armed
   write of the pass is disarmed, the Sends in it are aborted with the fence (the decoder is
-  told exactly what was posted), and the counter is raised to the pass's ``end`` so later
-  passes keep their bases. Call it only once the model stopped bumping for that pass.
+  told exactly what was posted), and the counter skips the pass's layers so later passes
+  keep their bases: raised to ``end`` at once when the counter already reached ``base``
+  (the pass was running, or is next: call it only once the model stopped bumping for it),
+  else **deferred**: a pass scheduled ahead is skipped when the counter reaches its
+  ``base`` (the passes before it finished), by adding ``num_layers`` then. The writes of
+  the passes before it still fire at their own layers, never early; a later pass's writes
+  may fire late by the time it takes to apply the skip (at once in ``bump()``, within about
+  a millisecond on the messenger thread for a counter bumped by a kernel).
 * **The chunk rule.** A chunk ``(send, start_token, end_token)`` writes, at every layer, the
   pages whose last token lies in ``[start_token, end_token)``; the request's last, partial
   page goes in its last chunk (``end_token == num_tokens``, ``Send.last_chunk``). So every
@@ -77,6 +83,7 @@ class LayerCounter:
         self.device = device
         self._next_base = 0            # end of the last scheduled pass
         self._lock = threading.Lock()
+        self._skips: list[tuple[int, int]] = []   # (base, end) of passes abandoned ahead, by base
         self._kernel: Any = None
 
     @property
@@ -87,7 +94,10 @@ class LayerCounter:
         """Add ``n`` (a CPU model, after each layer); returns the new value."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n < 2**63:
             raise InvalidArgumentError(f"bump takes a positive int below 2**63, got {n!r}")
-        return self._w.bump(int(n))
+        v = self._w.bump(int(n))
+        if self._skips:
+            v = self._apply_skips()
+        return v
 
     @property
     def ptr(self) -> int:
@@ -118,9 +128,42 @@ class LayerCounter:
 
     def _take_pass(self) -> tuple[int, int]:
         with self._lock:
-            base = max(self._next_base, self.value)
+            base = max(self._next_base, self._apply_locked())
             self._next_base = base + self.num_layers
             return base, base + self.num_layers
+
+    @property
+    def pending_skips(self) -> list[tuple[int, int]]:
+        """``(base, end)`` of abandoned passes whose layers are skipped once the counter
+        reaches ``base`` (``Pass.abandon`` of a pass scheduled ahead)."""
+        with self._lock:
+            return list(self._skips)
+
+    def _skip_pass(self, base: int, end: int) -> int:
+        """Skip an abandoned pass's layers: at once when the counter reached ``base`` (then
+        the model computed none of the passes after it), else when it gets there; never
+        before, so the passes before it post only what the model computed."""
+        with self._lock:
+            if self._apply_locked() >= base:
+                self._w.advance(end)
+            else:
+                self._skips.append((base, end))
+                self._skips.sort()
+            return self._apply_locked()
+
+    def _apply_skips(self) -> int:
+        """Apply the skips whose base the counter reached (any thread; each exactly once)."""
+        with self._lock:
+            return self._apply_locked()
+
+    def _apply_locked(self) -> int:
+        # adding, not raising to ``end``: increments the model made for the next pass
+        # meanwhile are kept, so that pass's writes fire late by the delay, never early
+        v = self._w.value
+        while self._skips and v >= self._skips[0][0]:
+            base, end = self._skips.pop(0)
+            v = self._w.bump(end - base)
+        return v
 
     def latencies(self) -> tuple[list[int], list[int]]:
         """CPU bump -> first post (ns) since the last call: to the native post call, to its return."""
@@ -153,8 +196,10 @@ class Pass:
 
     def abandon(self) -> int:
         """The model gave this pass up: disarm its writes not yet posted, abort its Sends
-        with the fence (the decoders fail those requests with ``PeerError``), and raise the
-        counter to ``end``. Returns how many armed writes were disarmed."""
+        with the fence (the decoders fail those requests with ``PeerError``), and skip its
+        layers on the counter: raised to ``end`` now if it reached ``base``, else once it
+        gets there (a pass scheduled ahead: the running pass's layers still fire only when
+        computed). Returns how many armed writes were disarmed."""
         return self._m._abandon_pass(self)
 
     def __repr__(self) -> str:

@@ -462,3 +462,17 @@ class Node:
             pass
         finally:
             self.kill()
+
+
+def hostile_request(d, pg, imm: int = 2**31 - 5):
+    """Speak the protocol directly as a buggy or hostile decoder would, bypassing
+    ``receive()``'s own checks: a REQUEST naming page 40, outside the decoder's pool. Returns
+    the Receive that the prefiller's REJECT fails."""
+    import kvxfer
+    from kvxfer.messenger import _codec as C
+
+    r = kvxfer.messenger.Receive(d, pg, "hostile", b"", np.array([0]), 1, imm, -1, None)
+    with d._lock:
+        d._receives[imm] = r
+    d._send(pg, C.REQUEST, imm=imm, num_tokens=1, slot=-1, request_id="hostile", pages=np.array([40]))
+    return r

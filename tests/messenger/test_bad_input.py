@@ -184,13 +184,10 @@ def test_rogue_messages_are_dropped(pair, provider):
 def test_prefiller_rejects_hostile_request(pair):
     """A request naming pages outside the decoder's own pool (as a buggy or hostile decoder
     would send) is refused by the prefiller with a REJECT, and the Receive fails."""
+    from _nodes import hostile_request
+
     p, d, pg, src, dst = pair
-    # bypass receive()'s own checks: speak the protocol directly as the decoder would
-    imm = 2**31 - 5
-    r = kvxfer.messenger.Receive(d, pg, "hostile", b"", np.array([0]), 1, imm, -1, None)
-    with d._lock:
-        d._receives[imm] = r
-    d._send(pg, C.REQUEST, imm=imm, num_tokens=1, slot=-1, request_id="hostile", pages=np.array([40]))
+    r = hostile_request(d, pg)
     with pytest.raises(InvalidArgumentError, match="rejected"):
         r.wait(10)
     assert p.stats().get("drop_bad_request") == 1
