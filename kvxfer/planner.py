@@ -94,8 +94,9 @@ layers). That is why HND is preferred for disaggregation; see docs/benchmarks.md
 Validation
 ----------
 
-* `LayoutError`: layouts that differ in layer count, KV heads, head dim, page size, dtype, or
-  MLA vs K/V; a sharding that does not divide the heads; strides smaller than the data; an
+* `LayoutError`: layouts that differ in layer count, KV heads, head dim, page size, dtype (the
+  number format, `KVLayout.dtype_format`: fp8 e4m3 and e5m2 share a size, not a meaning; a
+  generic `"fp8"` matches any fp8), or MLA vs K/V; a sharding that does not divide the heads; strides smaller than the data; an
   unknown order, KV form or placement.
 * `PlanError`: page lists of different lengths, not 1-D, not integers (floats and bools
   refused), negative, beyond a layout's `num_pages`; a destination page listed twice (it would be
