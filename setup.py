@@ -63,4 +63,5 @@ def extensions():
     return cythonize([ext], language_level=3, compiler_directives={"embedsignature": True})
 
 
-setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})
+if __name__ == "__main__":      # pip's build backend runs it so too; bench/build_inplace.py imports it
+    setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

@@ -1084,6 +1084,15 @@ class Engine:
             for r in self._rails:
                 mrs.append(r.mr_reg(ptr, nbytes, iface, ordinal, dmabuf, bool(remote)))
                 mrs[-1].keep = keep      # a registration keeps its memory alive
+        except FabricError as exc:
+            for mr in mrs:
+                mr.close()
+            # a libfabric built without this device's HMEM support (Debian's 1.17 and CUDA)
+            # answers ENOSYS/EOPNOTSUPP from fi_mr_regattr: say which feature is missing
+            if iface != _fabric.HMEM_SYSTEM and exc.errno in (_errno.ENOSYS, _errno.EOPNOTSUPP):
+                raise UnsupportedError(f"this libfabric cannot register {device} memory ({exc}): it was built "
+                                       "without that device's HMEM support") from exc
+            raise
         except BaseException:
             for mr in mrs:
                 mr.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvxfer._cuda import driver
-from kvxfer.errors import UnsupportedError
+from kvxfer.errors import KvxferError, UnsupportedError
 
 _SRC = rb"""
 extern "C" __global__ void kx_layer_bump(unsigned long long *word)
@@ -62,24 +62,50 @@ class Kernel:
         d.make_current(device)
         major = d.attr(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR")
         minor = d.attr(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR")
-        err, prog = nvrtc.nvrtcCreateProgram(_SRC, b"kx_layer_bump.cu", 0, [], [])
-        self._nv_check(nvrtc, err, "nvrtcCreateProgram")
-        opts = [f"--gpu-architecture=compute_{major}{minor}".encode()]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-            log = b" " * n
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise UnsupportedError(f"nvrtc could not compile the bump kernel: {log.decode(errors='replace')}")
-        err, n = nvrtc.nvrtcGetPTXSize(prog)
-        self._nv_check(nvrtc, err, "nvrtcGetPTXSize")
-        ptx = b" " * n
-        (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
-        self._nv_check(nvrtc, err, "nvrtcGetPTX")
-        self._module = d.check(drv.cuModuleLoadData(ptx), "cuModuleLoadData")
+        # a cubin for this GPU first (the driver need not JIT PTX of a newer NVRTC than it
+        # knows), PTX for its compute capability where that cannot be built or loaded
+        errors = []
+        self._module = None
+        for arch, get_size, get in ((f"sm_{major}{minor}", "nvrtcGetCUBINSize", "nvrtcGetCUBIN"),
+                                    (f"compute_{major}{minor}", "nvrtcGetPTXSize", "nvrtcGetPTX")):
+            if not hasattr(nvrtc, get):
+                continue
+            try:
+                image = self._compile(nvrtc, arch, getattr(nvrtc, get_size), getattr(nvrtc, get))
+                self._module = d.check(drv.cuModuleLoadData(image), "cuModuleLoadData")
+                break
+            except KvxferError as exc:
+                errors.append(f"{arch}: {exc}")
+        if self._module is None:
+            raise UnsupportedError("the bump kernel could not be built and loaded: " + "; ".join(errors))
         self._fn = d.check(drv.cuModuleGetFunction(self._module, b"kx_layer_bump"), "cuModuleGetFunction")
         self._d = d
         self._drv = drv
+
+    @classmethod
+    def _compile(cls, nvrtc: Any, arch: str, get_size: Any, get: Any) -> bytes:
+        """The kernel compiled by NVRTC for ``arch`` (``sm_XY``: a cubin; ``compute_XY``: PTX)."""
+        err, prog = nvrtc.nvrtcCreateProgram(_SRC, b"kx_layer_bump.cu", 0, [], [])
+        cls._nv_check(nvrtc, err, "nvrtcCreateProgram")
+        try:
+            opts = [f"--gpu-architecture={arch}".encode()]
+            (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+            if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+                log = b" " * n
+                nvrtc.nvrtcGetProgramLog(prog, log)
+                raise UnsupportedError(f"nvrtc could not compile the bump kernel: {log.decode(errors='replace')}")
+            err, n = get_size(prog)
+            cls._nv_check(nvrtc, err, f"{arch}: size of the image")
+            image = b" " * n
+            (err,) = get(prog, image)
+            cls._nv_check(nvrtc, err, f"{arch}: the image")
+            return image
+        finally:
+            try:
+                nvrtc.nvrtcDestroyProgram(prog)
+            except Exception:        # a leaked program costs a few KiB; its image is ours
+                pass
 
     @staticmethod
     def _nv_check(nvrtc: Any, err: Any, call: str) -> None:

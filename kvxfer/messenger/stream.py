@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from kvxfer.errors import InvalidArgumentError, UnsupportedError
+from kvxfer.errors import InvalidArgumentError, KvxferError, UnsupportedError
 from kvxfer.messenger._codec import MAX_PAGES
 
 __all__ = ["LayerCounter", "Pass", "pages_completed"]
@@ -85,6 +85,17 @@ class LayerCounter:
         self._lock = threading.Lock()
         self._skips: list[tuple[int, int]] = []   # (base, end) of passes abandoned ahead, by base
         self._kernel: Any = None
+        self._kernel_error: Optional[KvxferError] = None
+        if device_ptr is not None:
+            # now, not at the first bump_on: that one is usually inside a CUDA graph capture,
+            # where the driver refuses to load a module ("operation not permitted when stream
+            # is capturing"). A counter a caller's own kernel bumps needs no NVRTC: keep why.
+            from kvxfer.messenger import _cudabump
+
+            try:
+                self._kernel = _cudabump.Kernel(int(device))
+            except KvxferError as exc:
+                self._kernel_error = exc
 
     @property
     def value(self) -> int:
@@ -118,6 +129,8 @@ class LayerCounter:
 
         handle = getattr(stream, "cuda_stream", stream)
         if self._kernel is None:
+            if self._kernel_error is not None:
+                raise self._kernel_error
             self._kernel = _cudabump.Kernel(self.device)
         self._kernel.launch(int(handle), self._dptr)
 

@@ -61,9 +61,13 @@ def test_bump_on_captured_in_a_graph_is_seen_by_the_watcher():
         stream = d.check(drv.cuStreamCreate(1), "cuStreamCreate")    # non-blocking: capturable
         d.check(drv.cuStreamBeginCapture(stream, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
                 "cuStreamBeginCapture")
-        for _ in range(L):                                            # "the model": one bump per layer
-            lc.bump_on(int(stream))
-        graph = d.check(drv.cuStreamEndCapture(stream), "cuStreamEndCapture")
+        try:
+            # "the model": one bump per layer; the first bump_on of the process is inside the
+            # capture, as in a model's captured forward (the kernel was loaded beforehand)
+            for _ in range(L):
+                lc.bump_on(int(stream))
+        finally:                                                      # never leave a capture open
+            graph = d.check(drv.cuStreamEndCapture(stream), "cuStreamEndCapture")
         exe = d.check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
         assert lc.value == 0                                          # capture does not run it
         c = b.expect(9, L * REPLAYS)
@@ -91,7 +95,10 @@ def test_bump_on_torch_stream():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
-    eng = kvxfer.Engine("shm")
+    try:
+        eng = kvxfer.Engine("shm")
+    except kvxfer.errors.KvxferError as exc:       # no engine built, or no shm here
+        pytest.skip(f"shm: {exc}")
     try:
         m = _messenger(eng)
         lc = m.layer_counter
