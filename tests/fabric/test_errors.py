@@ -164,6 +164,31 @@ def test_device_memory_without_hmem_is_refused(engine):
         engine.register(FakeDeviceArray())
 
 
+def test_device_memory_on_a_libfabric_without_that_hmem_is_unsupported():
+    """shm offers FI_HMEM, but a libfabric built without CUDA (Debian's 1.17) answers
+    fi_mr_regattr of CUDA memory with ENOSYS: that is a missing feature, said as
+    UnsupportedError (the GPU check skips on it), not a FabricError."""
+    from _providers import available
+
+    if not available("shm"):
+        pytest.skip("provider shm is not available here")
+
+    class FakeDeviceArray:
+        __cuda_array_interface__ = {"data": (0x10000, False), "shape": (1024,), "typestr": "<f4", "version": 3}
+
+    try:
+        eng = kvxfer.Engine("shm", hmem=True)
+    except errors.KvxferError as exc:
+        pytest.skip(f"shm with FI_HMEM does not open here: {exc}")
+    with eng:
+        try:
+            eng.register(FakeDeviceArray())
+        except errors.UnsupportedError as exc:
+            assert "HMEM" in str(exc)
+        else:                                   # pragma: no cover - a CUDA-enabled libfabric
+            pytest.skip("this libfabric registered the address: it has CUDA support")
+
+
 def test_dead_peer_fails_pending_transfer_in_time(provider):
     # the target dies while a large transfer is in flight: wait() must not hang
     n = 256 << 20
