@@ -116,9 +116,10 @@ def _serve_lat(eng, ch: Channel, req: dict, alive) -> None:
         peer_rr = eng.remote(bytes.fromhex(req["desc"]))
         ch.send("desc", desc=mr.descriptor().hex())
         bad = 0
+        mask = (1 << 8 * min(size, 8)) - 1     # the bytes of the word a write of `size` carries
         for i in range(total):
             wait_counter(eng.expect(base + i, 1), timeout, alive)
-            bad += int(word[0]) != i
+            bad += int(word[0]) & mask != i & mask
             # echo what landed straight back: the initiator's clock stops when it arrives
             eng.write(mr, 0, ch.peer, peer_rr, 0, size, imm=base + i)
         ch.send("done", bad=bad)
@@ -130,6 +131,11 @@ def target_main(provider: str, node: Optional[str], *, progress: str, parent_pid
     """Entry of ``kvxfer-bench _target`` (spawned) and ``--listen`` (by hand)."""
     if deadline:
         signal.alarm(max(1, int(deadline)))  # the last resort: SIGALRM ends the process
+
+    def _stop(signum, frame):   # asked to stop (the initiator failed or was interrupted): close the engine
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _stop)
     with kvxfer.Engine(provider, node=node, progress=progress, rails=rails) as eng:
         addr = eng.address.hex()
         if listen:

@@ -16,6 +16,20 @@ from kvxfer.cli._channel import ADDR_PREFIX, RemoteFailure
 __all__ = ["TargetProcess"]
 
 
+def _remove_shm_files(pid: int) -> None:
+    """shm's ``/dev/shm/<pid>:<n>:<m>`` regions and kvxfer's ``.kxbell`` of a dead child."""
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(f"{pid}:"):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+
+
 class TargetProcess:
     """A target child on this machine. Its stderr goes to a file, shown if it fails."""
 
@@ -67,15 +81,21 @@ class TargetProcess:
             return ""
 
     def stop(self, kill: bool = False, timeout: float = 10.0) -> Optional[int]:
+        """Wait for the target to exit (``kill``: ask it to, SIGTERM, so that it closes its
+        engine; SIGKILL after 3 s). A target killed outright leaves shm's region and bell in
+        /dev/shm (16 MiB of tmpfs a run): those of its pid are removed once it is gone."""
         p = self.proc
         if p.poll() is None:
             if kill:
-                p.kill()
+                p.terminate()
+                timeout = min(timeout, 3.0)
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        if p.returncode is not None and p.returncode < 0:
+            _remove_shm_files(p.pid)
         if p.stdout:
             p.stdout.close()
         return p.returncode

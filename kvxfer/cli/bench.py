@@ -19,6 +19,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from typing import Any, Optional, Sequence, TextIO
 
@@ -189,6 +190,34 @@ def _target_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What a command line can get wrong, refused before anything runs (exit status 2)."""
+    if getattr(args, "rounds", 1) < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    for name in ("iov", "rails"):
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            parser.error(f"--{name} must be a positive int, got {v}")
+    if getattr(args, "vs", None) and getattr(args, "connect", None):
+        parser.error("--vs runs both libraries on this host; it does not combine with --connect")
+    if getattr(args, "listen", None) and getattr(args, "provider", None) and len(args.provider) > 1:
+        parser.error("--listen serves one provider")
+    if getattr(args, "connect", None):
+        try:
+            _providers(args)
+        except SystemExit as exc:
+            parser.error(str(exc).removeprefix("kvxfer-bench: "))
+    path = getattr(args, "json", None)
+    if path:                # found out now, not after the whole run
+        d = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(d, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=d, prefix=".kvxfer-bench-"):
+                pass
+        except OSError as exc:
+            parser.error(f"--json {path}: cannot write there ({exc.strerror or exc})")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point; returns the exit status (0 all checks passed, 1 a check or a
     provider failed, 2 bad usage, 130 interrupted)."""
@@ -210,6 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be {'positive' if name != 'warmup' else 'non-negative'}")
     if getattr(args, "timeout", 1) <= 0:
         parser.error("--timeout must be positive")
+    _check_usage(parser, args)
     args.argv = argv
     pinned = None
     if getattr(args, "pin", False):
@@ -217,7 +247,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("--pin places the two processes of a local run; pin a remote one with taskset")
         from kvxfer.cli._machine import pin_halves
 
-        pinned = pin_halves()
+        try:
+            pinned = pin_halves()
+        except SystemExit as exc:          # too few CPUs: a usage error, said as one
+            parser.error(str(exc).removeprefix("kvxfer-bench: "))
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -336,6 +369,7 @@ class _Run:
         self.record: dict[str, Any] = {"provider": provider, "results": [], "error": None}
         self.eng = None
         self.target = None
+        self.target_death: Optional[str] = None
         self.ini = None
 
     def __enter__(self) -> "_Run":
@@ -360,9 +394,12 @@ class _Run:
             self.record["provider"] = self.provider
             self.record["info"] = self.eng.info
             if not a.connect:
-                budget = 900.0 + 120.0 * len(getattr(a, "case", None) or DEFAULT_CASES) * getattr(a, "rounds", 1)
+                budget = _target_budget(a)
+                # it watches this process (its parent) for the whole session, so the wait
+                # for the next request may last as long as any case here can (a memmove, a
+                # --vs peer's case) without it giving up
                 self.target = TargetProcess(self.provider, node, progress=a.progress,
-                                            idle_timeout=max(60.0, 2 * a.timeout), deadline=budget,
+                                            idle_timeout=budget, deadline=budget,
                                             rails=getattr(a, "rails", 1))
                 addr = self.target.address
                 alive = self.target.dead
@@ -377,12 +414,25 @@ class _Run:
         if self.ini is not None and et is None:
             self.ini.bye()
         if self.target is not None:
+            if et is not None:      # did it go by itself? (asked below, it exits 143)
+                self.target_death = self.target.dead()
             rc = self.target.stop(kill=et is not None, timeout=10)
             if et is None and rc not in (0, None):
                 self.record["error"] = f"target exited with status {rc}"
             self.target.close()
         if self.eng is not None:
             self.eng.close()
+
+
+def _target_budget(a: argparse.Namespace) -> float:
+    """Seconds a spawned target may live (its SIGALRM, the last resort when all else hung):
+    what the options ask for, generously (each case of each library and round, and lat's gaps)."""
+    n = len(getattr(a, "case", None) or DEFAULT_CASES) * getattr(a, "rounds", 1) * (1 + len(getattr(a, "vs", None) or []))
+    t = 900.0 + n * (120.0 + 2.0 * float(getattr(a, "seconds", 0) or 0))
+    gap_ms = float(getattr(a, "gap", 0) or 0)
+    if gap_ms:
+        t += 2.0 * ((getattr(a, "iters", 0) or 0) + (getattr(a, "warmup", 0) or 0)) * gap_ms / 1000.0
+    return t
 
 
 def default_node(provider: Optional[str]) -> Optional[str]:
@@ -415,9 +465,10 @@ def _listen(args: argparse.Namespace) -> int:
         raise SystemExit("kvxfer-bench: --listen serves one provider")
     prov = args.provider[0] if args.provider else None
     try:
-        return target_main(prov, args.node, progress=args.progress, parent_pid=None,
-                           idle_timeout=max(120.0, 2 * args.timeout), deadline=None, listen=args.cmd,
-                           rails=getattr(args, "rails", 1), listen_timeout=args.listen_timeout)
+        rc = target_main(prov, args.node, progress=args.progress, parent_pid=None,
+                         idle_timeout=max(120.0, 2 * args.timeout), deadline=None, listen=args.cmd,
+                         rails=getattr(args, "rails", 1), listen_timeout=args.listen_timeout)
+        return 1 if rc else 0      # 3 (no initiator came) is a failure like any other here
     except KvxferError as exc:
         print(f"kvxfer-bench: {exc}", file=sys.stderr)
         return 1
@@ -459,8 +510,9 @@ def _session(args: argparse.Namespace, body, header: str, extra=None) -> int:
     explicit = bool(args.provider) or bool(args.connect)
     print(header, flush=True)
     for prov in _providers(args):
+        run = _Run(args, prov)
         try:
-            with _Run(args, prov) as run:
+            with run:
                 try:
                     body(run, bar)
                 finally:
@@ -480,8 +532,14 @@ def _session(args: argparse.Namespace, body, header: str, extra=None) -> int:
                 print(f"{prov or 'default':<12}  skipped: provider not available here", flush=True)
                 runs.append({"provider": prov, "results": [], "error": None, "skipped": str(exc)})
                 continue
-            print(f"{prov or 'default':<12}  FAILED: {type(exc).__name__}: {exc}", flush=True)
-            runs.append({"provider": prov, "results": [], "error": f"{type(exc).__name__}: {exc}"})
+            why = f"{type(exc).__name__}: {exc}"
+            dead = run.target_death
+            if dead and dead not in why:      # why the target went by itself, from its own stderr
+                why += f"\n{dead}"
+            print(f"{prov or 'default':<12}  FAILED: {why}", flush=True)
+            # the rows measured before the failure stay in the JSON, with what failed
+            run.record["error"] = why
+            runs.append(run.record)
             status = 1
     if not any(r["results"] for r in runs):
         status = 1

@@ -149,3 +149,22 @@ def test_pin_halves_and_back(monkeypatch):
             _machine.pin_halves()
     finally:
         os.sched_setaffinity(0, cpus)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bw", "--rounds", "0"], "--rounds"),
+    (["bw", "--iov", "0"], "--iov"),
+    (["lat", "--rails", "0"], "--rails"),
+    (["bw", "--connect", "zz"], "--connect"),
+    (["bw", "--connect", "00"], "--connect"),
+    (["bw", "--vs", "nixl", "--connect", "00"], "--vs"),
+    (["bw", "--listen", "--provider", "shm", "--provider", "tcp;ofi_rxm"], "--listen"),
+    (["bw", "--json", "/proc/no/such/dir/x.json"], "--json"),
+])
+def test_usage_errors_exit_2_before_anything_runs(argv, says, capsys):
+    """Each of these used to exit 1 (or after the whole run, with a traceback for --json):
+    the docs' exit status 2 is a bad command line, refused before any engine opens."""
+    with pytest.raises(SystemExit) as ei:
+        bench.main(argv)
+    assert ei.value.code == 2
+    assert says in capsys.readouterr().err
