@@ -173,16 +173,9 @@ class Child:
 def remove_shm_files(pid: int) -> None:
     """What a killed process's shm endpoints leave in /dev/shm: shm's regions ``<pid>:<n>:<m>``
     and kvxfer's doorbells (harmless since kvxfer clears its own name, but they pile up)."""
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(f"{pid}:"):
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except OSError:
-                pass
+    from kvxfer._shm import remove_files
+
+    remove_files(pid)
 
 
 def dead_shm_files(since: set) -> None:

@@ -16,8 +16,10 @@ three spinners starve each other): the initiator progresses while it polls its r
 target while it polls notifications, yielding the CPU between empty polls as kvxfer's
 waiters do. A single write's request is made once per case and posted again each
 iteration (NIXL's fastest path for repeated writes; the notification changes per post). When the notification arrives the
-target stamps its clock (both processes share CLOCK_MONOTONIC), checks every page and the
-guard, re-poisons, and answers. ``p50`` is write call → target's stamp; ``sender p50`` is
+target stamps its clock (both processes share CLOCK_MONOTONIC) and sends the stamp
+(``landed``) at once, then checks every page and the guard, re-poisons, and sends the result
+(``ready``), as kvxfer's target does. ``p50`` is write call → target's stamp; ``acked p50``
+is write call → ``landed`` read by the initiator (the check is not in it); ``sender p50`` is
 write call → NIXL reports the request DONE at the initiator.
 
 The provider maps to UCX transports: ``shm`` → ``UCX_TLS=sm`` (shared memory and CMA),
@@ -100,10 +102,12 @@ def target_main() -> int:
                     ch.say(t="error", error=f"no notification for iteration {i}")
                     return 1
                 os.sched_yield()     # polls like kvxfer's drive loop; 2 cores are shared
-            clock = time.perf_counter()
+            # the stamp first, as kvxfer's target does: "acked" is the word that it landed, not
+            # that and the data check (which follows in "ready")
+            ch.say(t="landed", i=i, clock=time.perf_counter())
             bad, guard = chk.check(i)
             bad_iters += bool(bad or not guard)
-            ch.say(t="landed", i=i, clock=clock, bad=bad, guard=guard)
+            ch.say(t="ready", i=i, bad=bad, guard=guard)
         agent.deregister_memory(reg)
         chk.close()
         ch.say(t="done", bad_iters=bad_iters)
@@ -181,9 +185,12 @@ class NixlPeer(VsPeer):
                     raise RuntimeError(f"NIXL transfer {i} ended {st}")
                 msg = self.p.recv("landed")
                 t3 = time.perf_counter()
+                chk = self.p.recv("ready")         # the target's data check, after the stamp
+                if msg["i"] != i or chk["i"] != i:
+                    raise RuntimeError(f"NIXL target answered iteration {msg['i']}/{chk['i']}, expected {i}")
                 if h is not h_write:
                     h.release()
-                record_iteration(res, i, first, n, t0, t1, t2, t3, msg["clock"], msg, progress)
+                record_iteration(res, i, first, n, t0, t1, t2, t3, msg["clock"], chk, progress)
                 wall = time.perf_counter() - t_start
         finally:
             for hd in (local, remote, h_write):

@@ -11,23 +11,10 @@ import time
 from typing import Optional
 
 import kvxfer
+from kvxfer._shm import remove_files as remove_shm_files
 from kvxfer.cli._channel import ADDR_PREFIX, RemoteFailure
 
 __all__ = ["TargetProcess"]
-
-
-def _remove_shm_files(pid: int) -> None:
-    """shm's ``/dev/shm/<pid>:<n>:<m>`` regions and kvxfer's ``.kxbell`` of a dead child."""
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(f"{pid}:"):
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except OSError:
-                pass
 
 
 class TargetProcess:
@@ -95,7 +82,7 @@ class TargetProcess:
                 p.kill()
                 p.wait(5)
         if p.returncode is not None and p.returncode < 0:
-            _remove_shm_files(p.pid)
+            remove_shm_files(p.pid)
         if p.stdout:
             p.stdout.close()
         return p.returncode

@@ -36,6 +36,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from kvxfer.cli.msg import (nonnegative_float, nonnegative_int, positive_float, positive_int, writable_file,
+                            write_json)
+
 __all__ = ["add_parser", "run_kv", "PRESETS"]
 
 LOOPBACK = "127.0.0.1"
@@ -50,6 +53,25 @@ PRESETS = {
 }
 
 
+def token_list(text: str) -> list[int]:
+    """``--tokens``: comma-separated positive prompt lengths."""
+    out = []
+    for x in str(text).split(","):
+        if not x.strip():
+            continue
+        try:
+            v = int(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"prompt lengths are positive integers, comma-separated; "
+                                             f"got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"prompt lengths must be positive, got {v} in {text!r}")
+        out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError(f"no prompt length in {text!r}")
+    return out
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "kv", help="disaggregation: layer-by-layer streaming tail, per-layer transfer, TTFT overhead, bump->post",
@@ -59,26 +81,28 @@ def add_parser(sub: Any) -> None:
                     "post p50/p99, bytes and writes per layer; a table, --json and --plot PNG.")
     p.add_argument("--preset", action="append", choices=sorted(PRESETS), metavar="NAME",
                    help=f"model preset, repeatable (default: all): {', '.join(sorted(PRESETS))}")
-    p.add_argument("--tokens", default="1024", help="prompt lengths, comma-separated (default 1024)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--layer-ms", type=float, default=None,
+    p.add_argument("--tokens", type=token_list, default="1024", help="prompt lengths, comma-separated (default 1024)")
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--layer-ms", type=positive_float, default=None,
                    help="simulated compute per layer (default: prompt / the preset's tokens/s / layers, raised to "
                         "--min-ratio x this machine's measured per-layer transfer when the link is slower)")
-    p.add_argument("--min-ratio", type=float, default=1.5,
+    p.add_argument("--min-ratio", type=nonnegative_float, default=1.5,
                    help="without --layer-ms: compute per layer at least this x one layer's measured transfer "
                         "(a link slower than the model leaves a tail of L x the difference whatever streams; "
                         "0 keeps the preset's rate; default 1.5)")
-    p.add_argument("--rt", type=int, default=0, metavar="PRIO",
+    p.add_argument("--rt", type=nonnegative_int, default=0, metavar="PRIO",
                    help="run the prefill node's watcher thread SCHED_FIFO at this priority (default 0: normal)")
-    p.add_argument("--tokens-per-s", type=float, default=None, help="derive --layer-ms from this prefill rate")
-    p.add_argument("--repeat", type=int, default=5, help="requests per mode (default 5)")
-    p.add_argument("--max-mib", type=int, default=192, help="cap one side's KV for a prompt at this (default 192)")
+    p.add_argument("--tokens-per-s", type=positive_float, default=None, help="derive --layer-ms from this prefill rate")
+    p.add_argument("--repeat", type=positive_int, default=5, help="requests per mode (default 5)")
+    p.add_argument("--max-mib", type=positive_int, default=192,
+                   help="cap one side's KV for a prompt at this (default 192)")
     p.add_argument("--provider", default="shm")
-    p.add_argument("--poll-us", type=float, default=10.0, help="the watcher's poll interval while armed")
+    p.add_argument("--poll-us", type=positive_float, default=10.0, help="the watcher's poll interval while armed")
     p.add_argument("--hot", action="store_true",
                    help="receive with hot=True: the decoder's progress threads poll while the request is in flight")
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="PNG", help="timeline of the median-tail stream run of each case")
+    p.add_argument("--json", metavar="FILE", type=writable_file)
+    p.add_argument("--plot", metavar="PNG", type=writable_file,
+                   help="timeline of the median-tail stream run of each case")
     p.set_defaults(func=run_kv)
 
 
@@ -325,16 +349,27 @@ def run_case(m: Any, pg: Any, pre: _Prefill, preset: str, tokens: int, layer_ms:
 
 
 def run_kv(args: argparse.Namespace) -> int:
+    """Exit status: 0, or 1 when the provider could not be opened or the run failed (one
+    line on stderr; the cases run before the failure are still written)."""
     import kvxfer
+    from kvxfer.errors import KvxferError
 
     presets = args.preset or sorted(PRESETS)
-    lengths = [int(x) for x in str(args.tokens).split(",") if x]
-    pre = _Prefill(args)
+    lengths = args.tokens if isinstance(args.tokens, list) else token_list(args.tokens)
     node = None if args.provider.startswith("shm") else LOOPBACK
-    eng = kvxfer.Engine(args.provider, node)
+    try:  # here first: a provider that cannot open is one line, before a process is spawned
+        eng = kvxfer.Engine(args.provider, node)
+    except (KvxferError, ImportError) as exc:  # ImportError: kvxfer built without its engine
+        print(f"kvxfer-bench kv: provider {args.provider!r} cannot be opened here: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 1
+    pre = None
     results = []
     done = set()
+    status = 0
+    error = None
     try:
+        pre = _Prefill(args)
         for preset in presets:
             for want in lengths:
                 tokens = fit_tokens(preset, want, args.page_size, args.max_mib)
@@ -359,16 +394,28 @@ def run_kv(args: argparse.Namespace) -> int:
                 res["watcher_rt"] = info["rt"]
                 results.append(res)
                 _print_row(res, first=len(results) == 1)
+    except (KvxferError, RuntimeError, OSError, ValueError) as exc:  # the run failed: one line
+        error = f"{type(exc).__name__}: {exc}"
+        print(f"kvxfer-bench kv: {args.provider}: failed: {error}", file=sys.stderr)
+        status = 1
     finally:
-        pre.close()
+        if pre is not None:
+            pre.close()
         eng.close()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv, "results": results}, f, indent=1)
+        doc = {"argv": sys.argv, "results": results}
+        if error:
+            doc["error"] = error
+        if not write_json(args.json, doc, "kvxfer-bench kv"):
+            status = 1
     if args.plot and results:
-        plot_timeline(results, args.plot)
-        print(f"timeline: {args.plot}")
-    return 0
+        try:
+            plot_timeline(results, args.plot)
+            print(f"timeline: {args.plot}")
+        except OSError as exc:
+            print(f"kvxfer-bench kv: cannot write {args.plot!r}: {exc.strerror or exc}", file=sys.stderr)
+            status = 1
+    return status
 
 
 def _print_row(r: dict, first: bool) -> None:

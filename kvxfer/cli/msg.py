@@ -22,15 +22,72 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
-__all__ = ["add_parser", "run_msg"]
+__all__ = ["add_parser", "run_msg", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float",
+           "writable_file"]
 
 LOOPBACK = "127.0.0.1"
+
+
+# -- command-line values: refused by the parser (exit status 2, one line), not mid-run ----------
+
+def _number(kind: type, text: str, ok, what: str):
+    try:
+        v = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} expected, got {text!r}") from None
+    if not ok(v) or v != v:  # v != v: nan
+        raise argparse.ArgumentTypeError(f"{what} expected, got {text!r}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    return _number(int, text, lambda v: v >= 1, "a positive integer")
+
+
+def nonnegative_int(text: str) -> int:
+    return _number(int, text, lambda v: v >= 0, "a non-negative integer")
+
+
+def positive_float(text: str) -> float:
+    return _number(float, text, lambda v: 0 < v < float("inf"), "a positive number")
+
+
+def nonnegative_float(text: str) -> float:
+    return _number(float, text, lambda v: 0 <= v < float("inf"), "a non-negative number")
+
+
+def writable_file(path: str) -> str:
+    """``--json FILE``: found unwritable now, not after the whole run."""
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is a directory")
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(d, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".kvxfer-bench-"):
+            pass
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {path!r} ({exc.strerror or exc})") from None
+    return path
+
+
+def write_json(path: str, doc: dict, prog: str) -> bool:
+    """Write the results; a failure (disk full, the path gone meanwhile) is one line on stderr."""
+    try:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+    except OSError as exc:
+        print(f"{prog}: cannot write {path!r}: {exc.strerror or exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _layouts(args: Any) -> dict:
@@ -55,21 +112,24 @@ def add_parser(sub: Any) -> None:
                     "messenger CPU per request on each side; minimal request (1 page, 1 layer) latency "
                     "p50/p99 beside the engine's write round trip in the same run.")
     p.add_argument("--provider", action="append", metavar="P", help="libfabric provider (default: shm, then tcp;ofi_rxm)")
-    p.add_argument("--requests", type=int, default=20000, metavar="N", help="small requests per layout (default 20000)")
-    p.add_argument("--window", type=int, default=256, metavar="N", help="requests in flight (default 256)")
-    p.add_argument("--latency-iters", type=int, default=2000, metavar="N", help="minimal requests and round trips (default 2000)")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=1)
-    p.add_argument("--head-dim", type=int, default=16)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--pages", type=int, default=1024, help="pages per pool (default 1024)")
+    p.add_argument("--requests", type=positive_int, default=20000, metavar="N",
+                   help="small requests per layout (default 20000)")
+    p.add_argument("--window", type=positive_int, default=256, metavar="N", help="requests in flight (default 256)")
+    p.add_argument("--latency-iters", type=positive_int, default=2000, metavar="N",
+                   help="minimal requests and round trips (default 2000)")
+    p.add_argument("--layers", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=1)
+    p.add_argument("--head-dim", type=positive_int, default=16)
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--pages", type=positive_int, default=1024, help="pages per pool (default 1024)")
     p.add_argument("--placement", choices=("both", "per_layer", "layer_major"), default="both")
-    p.add_argument("--context", type=int, default=0, metavar="BYTES", help="context bytes per request (default 0)")
+    p.add_argument("--context", type=nonnegative_int, default=0, metavar="BYTES",
+                   help="context bytes per request (default 0)")
     p.add_argument("--progress", choices=("block", "spin"), default="block")
     p.add_argument("--serve", choices=("inline", "requests"), default="inline",
                    help="prefill side: answer on the messenger thread (on_request, inline_requests=True; "
                         "default) or from a server thread that takes requests()")
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--json", metavar="FILE", type=writable_file, help="write the results as JSON")
     p.set_defaults(func=run_msg)
 
 
@@ -245,7 +305,7 @@ def _latency(m: Any, pg: Any, iters: int) -> list[float]:
     out = []
     for i in range(200 + iters):
         t0 = time.perf_counter()
-        r = m.receive(pg, f"l{i}", [i % 64], 1)
+        r = m.receive(pg, f"l{i}", [i % min(64, m.layout.num_pages)], 1)
         r.wait(30)
         t1 = time.perf_counter()
         r.release()
@@ -279,26 +339,38 @@ def _write_rtt(eng: Any, pre: _Prefill, iters: int) -> list[float]:
 
 
 def run_msg(args: argparse.Namespace) -> int:
+    """Exit status: 0, or 1 when a provider could not be opened or its run failed (one line
+    each on stderr; the other providers still run)."""
     import kvxfer
     from kvxfer import Sharding
+    from kvxfer.errors import KvxferError
 
     providers = args.provider or ["shm", "tcp;ofi_rxm"]
     layouts = _layouts(args)
     sh = Sharding(1)
     results = []
+    status = 0
     print(f"kvxfer-bench msg: {args.requests} requests of 1 page x {args.layers} layers (TP 1->1), "
           f"window {args.window}; latency: {args.latency_iters} requests of 1 page x 1 layer")
     hdr = (f"{'provider':<12} {'layout':<12} {'req/s':>9}  CPU us/request: {'decode':>7} {'(progress)':>10} "
            f"{'prefill':>8} {'(progress)':>10}")
     for prov in providers:
-        pre = _Prefill(args, prov)
+        pre = None
         engines, ms = [], {}
         node = None if prov.startswith("shm") else LOOPBACK
         try:
+            try:  # here first: a provider that cannot open is one line, before a process is spawned
+                for _ in layouts:
+                    engines.append(kvxfer.Engine(prov, node, progress=args.progress))
+            except (KvxferError, ImportError) as exc:  # ImportError: kvxfer built without its engine
+                why = f"{type(exc).__name__}: {exc}"
+                print(f"kvxfer-bench msg: provider {prov!r} cannot be opened here: {why}", file=sys.stderr)
+                results.append({"provider": prov, "error": why})
+                status = 1
+                continue
+            pre = _Prefill(args, prov)
             res: dict = {"provider": prov, "layouts": {}}
-            for name, lay in layouts.items():
-                e = kvxfer.Engine(prov, node, progress=args.progress)
-                engines.append(e)
+            for e, (name, lay) in zip(engines, layouts.items()):
                 kv = [np.zeros(s, np.uint8) for s in lay.region_sizes(sh)]
                 slots = args.window + 8 if args.context else 0
                 m = kvxfer.Messenger(e, lay, sh, {0: kv}, context_slots=slots, context_bytes=args.context,
@@ -323,16 +395,21 @@ def run_msg(args: argparse.Namespace) -> int:
                   f"write round trip p50 {res['write_rtt_p50_us']:.0f} us, p99 {res['write_rtt_p99_us']:.0f} us "
                   f"(ratio {res['minimal_p50_us'] / res['write_rtt_p50_us']:.2f})")
             results.append(res)
+        except (KvxferError, RuntimeError, OSError, ValueError) as exc:  # this provider's run failed
+            why = f"{type(exc).__name__}: {exc}"
+            print(f"kvxfer-bench msg: provider {prov!r} failed: {why}", file=sys.stderr)
+            results.append({"provider": prov, "error": why})
+            status = 1
         finally:
             for m in ms.values():
                 m.close()
-            pre.close()
+            if pre is not None:
+                pre.close()
             for e in engines:
                 e.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv, "results": results}, f, indent=1)
-    return 0
+    if args.json and not write_json(args.json, {"argv": sys.argv, "results": results}, "kvxfer-bench msg"):
+        status = 1
+    return status
 
 
 if __name__ == "__main__":

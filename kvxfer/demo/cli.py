@@ -3,7 +3,10 @@
 Starts a prefill node (TP worker processes) and a decode node, runs a batch of prompts
 through them with a live progress line, prints per-request figures and whether the tokens are
 identical to a colocated run; ``--json`` prints the figures as JSON. Exit status 1 on any
-mismatch.
+mismatch (tokens, accepted drafts, context, or the KV pages a request received), on a failed
+request (with ``--kill-prefiller-after``, only requests of the killed node that failed after
+the kill are expected; a drill whose kill never fired fails), or when the run itself fails
+(a TP worker died, a node could not start); 2 on a bad command line; 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvxfer.demo.flow import DemoConfig, Report, run
+from kvxfer.demo.flow import DemoConfig, Report, check_config, run
 
 __all__ = ["main"]
 
@@ -63,12 +66,12 @@ def _table(r: Report) -> str:
     for s in r.requests:
         node = "-" if s.node < 0 else str(s.node)
         if s.error:
-            lines.append(f"{s.rid:>4} {node:>4} {s.prompt_len:>6}  failed {s.failed_after:.2f} s after the kill: "
-                         f"{s.error[:70]}")
+            when = f" {s.failed_after:.2f} s after the kill" if s.after_kill else ""
+            lines.append(f"{s.rid:>4} {node:>4} {s.prompt_len:>6}  failed{when}: {s.error[:70]}")
             continue
         lines.append(f"{s.rid:>4} {node:>4} {s.prompt_len:>6} {s.pages:>5} {s.bytes:>9} {_ms(s.queued)} "
                      f"{_ms(s.prefill)} {_ms(s.tail)} {_ms(s.wait)} {_ms(s.first_step)} {_ms(s.ttft)} "
-                     f"{s.accepted:>3} {'yes' if s.identical else 'NO'}")
+                     f"{s.accepted:>3} {'yes' if s.identical else 'NO' if s.kv_identical else 'NO (KV)'}")
     c = r.config
     moved = sum(s.bytes for s in r.requests)
     ok = [s for s in r.requests if not s.error]
@@ -87,6 +90,8 @@ def _table(r: Report) -> str:
         f"{sum(len(s.tokens) for s in r.requests)}",
         f"tokens identical to colocated: {'yes' if r.identical else 'NO (requests ' + str(r.mismatches) + ')'}"
         + (f" ({len(r.failed)} request(s) failed: {r.failed})" if r.failed else ""),
+        f"received KV pages identical to colocated: "
+        f"{'yes' if not r.kv_mismatches else 'NO (requests ' + str(r.kv_mismatches) + ')'}",
     ]
     return "\n".join(lines)
 
@@ -118,21 +123,50 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write("\r\x1b[2K" + line if sys.stderr.isatty() else line + "\n")
             sys.stderr.flush()
     try:
+        check_config(dc)
+    except Exception as e:  # a clear line, not a traceback, for a bad command line
+        print(f"kvxfer-demo: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    try:
         report = run(dc, progress=show)
     except KeyboardInterrupt:  # the nodes were stopped on the way out
         print("\nkvxfer-demo: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # a clear line, not a traceback, for bad input
+    except Exception as e:  # the run failed (a worker died, a node did not start): one clear line
+        if show is not None and sys.stderr.isatty():
+            sys.stderr.write("\n")
         print(f"kvxfer-demo: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return 1
     if show is not None and sys.stderr.isatty():
         sys.stderr.write("\n")
     if a.json:
         print(json.dumps(report.to_json(), indent=1))
     else:
         print(_table(report))
-    failed_ok = not report.failed or dc.kill_prefiller_after > 0
-    return 0 if report.identical and failed_ok else 1
+    why = verdict(report)
+    for line in why:
+        print(f"kvxfer-demo: {line}", file=sys.stderr)
+    return 1 if why else 0
+
+
+def verdict(r: Report) -> list[str]:
+    """Why the run fails ([] when it passes): a mismatch, a request that failed and is not
+    excused by the kill drill (only node 0's, failed after its kill), or a drill whose kill
+    never fired."""
+    out = []
+    if not r.identical:
+        out.append(f"requests {r.mismatches} differ from the colocated run"
+                   + (f" (received KV pages differ for {r.kv_mismatches})" if r.kv_mismatches else ""))
+    k = int(r.config.get("kill_prefiller_after", 0))
+    if k > 0 and not r.killed:
+        out.append(f"--kill-prefiller-after {k}: the kill never fired (prefill node 0 never held another "
+                   f"request after prefilling {k}; too few prompts for the drill?)")
+    excused = {s.rid for s in r.requests if s.error and k > 0 and r.killed and s.node == 0 and s.after_kill}
+    bad = [s for s in r.requests if s.error and s.rid not in excused]
+    if bad:
+        out.append(f"requests {[s.rid for s in bad]} failed"
+                   + (" (not on the killed node after its kill)" if k > 0 else "") + f": {bad[0].error}")
+    return out
 
 
 if __name__ == "__main__":

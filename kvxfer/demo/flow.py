@@ -45,11 +45,12 @@ import numpy as np
 
 from kvxfer.demo.model import F32, ModelConfig
 from kvxfer.demo.runtime import (Decoding, Generation, LocalGroup, PagePool, check_prompt, colocated,
-                                 decode_pages, prompt_pages)
+                                 decode_pages, kv_crc, prompt_pages)
 from kvxfer.demo.transport import copy_plan
 from kvxfer.errors import InvalidArgumentError, KvxferError, LayoutError
 
-__all__ = ["DemoConfig", "RequestStats", "Report", "Handoff", "make_prompts", "DecodeNode", "NumpyTransport", "run"]
+__all__ = ["DemoConfig", "RequestStats", "Report", "Handoff", "make_prompts", "DecodeNode", "NumpyTransport", "run",
+           "check_config"]
 
 
 @dataclass(frozen=True)
@@ -102,13 +103,19 @@ class RequestStats:
     node: int = -1  #: the prefill node that served it (-1: none, a one-token prompt)
     error: str = ""  #: why it failed ("" if it did not)
     failed_after: float = 0.0  #: a failed request: seconds from the prefill node's kill to the failure
+    after_kill: bool = False  #: a failed request: it failed after the drill's kill had fired
     context_crc: int = 0  #: CRC-32 of the context the decoder received (compared with colocated's)
+    kv_crc: int = 0  #: CRC-32 of the prompt KV in the decoder's pages once received (``runtime.kv_crc``)
+    kv_identical: bool | None = None  #: that KV equals colocated's (None when the request failed)
 
 
 @dataclass
 class Report:
     """A run's figures. ``identical``: every request that completed generated exactly the
-    colocated tokens and accepted drafts; ``failed``: requests that failed (a killed node)."""
+    colocated tokens and accepted drafts from the same context, and the KV pages it received
+    held exactly colocated's prompt KV; ``mismatches``: the requests that did not
+    (``kv_mismatches``: those whose received KV differed); ``failed``: requests that failed
+    (a killed node); ``killed``: the kill drill's SIGKILL fired (``kill_prefiller_after``)."""
 
     config: dict[str, Any]
     requests: list[RequestStats]
@@ -118,10 +125,13 @@ class Report:
     mismatches: list[int]
     failed: list[int] = field(default_factory=list)
     messenger: dict[str, Any] = field(default_factory=dict)  #: the decoder messenger's counters
+    kv_mismatches: list[int] = field(default_factory=list)
+    killed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"config": self.config, "wall_s": self.wall, "tokens_per_s": self.tokens_per_s,
-                "identical": self.identical, "mismatches": self.mismatches, "failed": self.failed,
+                "identical": self.identical, "mismatches": self.mismatches, "kv_mismatches": self.kv_mismatches,
+                "failed": self.failed, "killed": self.killed,
                 "messenger": self.messenger, "requests": [asdict(r) for r in self.requests]}
 
 
@@ -305,15 +315,17 @@ def _transport(cfg: ModelConfig, dc: DemoConfig, decoder: DecodeNode, prefill_pa
     raise InvalidArgumentError(f"transport must be numpy, shm or tcp;ofi_rxm, got {dc.transport!r}")
 
 
-def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
-        prompts: list[list[int]] | None = None, reference: list[Generation] | None = None) -> Report:
-    """Run the workload (``prompts``, else ``dc.prompts`` random ones) disaggregated, then
-    (unless given) the colocated reference, and compare tokens, accepted drafts and the
-    context bytes (CRC-32) each request started from."""
+def _prepare(dc: DemoConfig, prompts: list[list[int]] | None) -> tuple[ModelConfig, list[list[int]], int, int]:
+    """Check the configuration and the prompts (``InvalidArgumentError`` before anything
+    starts); return the model, the prompts, and the decoder's and prefill node's pool pages."""
     if dc.max_new < 1 or dc.max_batch < 1 or dc.chunk < 1 or dc.prefill_nodes < 1:
         raise InvalidArgumentError("max_new, max_batch, chunk and prefill_nodes must be >= 1")
     if dc.kill_prefiller_after and dc.prefill_nodes < 2:
         raise InvalidArgumentError("killing a prefill node needs a second one to keep serving (prefill_nodes=2)")
+    if dc.transport not in ("numpy", "shm", "tcp;ofi_rxm"):
+        raise InvalidArgumentError(f"transport must be numpy, shm or tcp;ofi_rxm, got {dc.transport!r}")
+    if dc.transport == "numpy" and (dc.prefill_nodes != 1 or dc.kill_prefiller_after):
+        raise InvalidArgumentError("the numpy transport runs one prefill node and cannot kill it")
     cfg = dc.model()
     cfg.check_tp(dc.prefill_tp)
     cfg.check_tp(dc.decode_tp)
@@ -332,6 +344,22 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
         if decode_pages(cfg, len(p), dc.max_new) > dec_pages:
             raise InvalidArgumentError(f"a {len(p)}-token prompt needs more pages than the decoder's "
                                        f"{dec_pages}: refused before anything is sent")
+    return cfg, prompts, dec_pages, pre_pages
+
+
+def check_config(dc: DemoConfig, prompts: list[list[int]] | None = None) -> None:
+    """Raise ``InvalidArgumentError`` for what ``run`` would refuse before starting anything
+    (a bad command line, for the CLI)."""
+    _prepare(dc, prompts)
+
+
+def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
+        prompts: list[list[int]] | None = None, reference: list[Generation] | None = None) -> Report:
+    """Run the workload (``prompts``, else ``dc.prompts`` random ones) disaggregated, then
+    (unless given) the colocated reference, and compare tokens, accepted drafts, the
+    context bytes (CRC-32) each request started from and the prompt KV its pages held when
+    its receive completed (CRC-32 of positions ``[0, len - 1)``, ``runtime.kv_crc``)."""
+    cfg, prompts, dec_pages, pre_pages = _prepare(dc, prompts)
     rng = np.random.default_rng(dc.seed + 1)
     arrivals = np.cumsum(rng.exponential(dc.arrival_ms / 1000.0, len(prompts)))
     arrivals -= arrivals[0]
@@ -375,6 +403,7 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
                         h = transport.submit(i, prompt, pages)
                     except KvxferError as e:  # no live prefill node, a dead peer: this request fails
                         h = _Local(cfg.hidden)
+                        h.node = -1  # no node took it: not the killed node's failure
                         h.error, h.t_done = e, time.monotonic()
                         h.event.set()  # type: ignore[attr-defined]
                 handoffs[i] = h
@@ -384,9 +413,10 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
                 stats[i].node = h.node
                 if h.error is not None:
                     stats[i].error = f"{type(h.error).__name__}: {h.error}"
-                    killed = getattr(transport, "t_killed", None)
-                    if killed is not None and h.t_done is not None:
+                    killed = getattr(transport, "t_killed", None)  # inf: the kill is due, not yet done
+                    if killed is not None and killed != float("inf") and h.t_done is not None:
                         stats[i].failed_after = h.t_done - killed
+                        stats[i].after_kill = h.t_done >= killed
                     quarantined.append((h, pages))
                     finished += 1
                     continue
@@ -394,6 +424,9 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
                 d = Decoding(len(prompts[i]), int(prompts[i][-1]), pages, dc.max_new)
                 ctx = h.context()
                 stats[i].context_crc = zlib.crc32(ctx.tobytes())
+                # what landed in the pages, before any decode step writes them: the prompt's
+                # positions [0, len - 1), compared with colocated's below
+                stats[i].kv_crc = kv_crc(cfg, decoder.group.caches, pages, len(prompts[i]) - 1)
                 d.start(decoder.group, ctx)
                 h.release()
                 ready.append((i, d))
@@ -433,6 +466,8 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
         wall = time.monotonic() - t_start
         transport.collect_figures(timeout=5.0)
         counters = transport.stats() if hasattr(transport, "stats") else {}
+        t_killed = getattr(transport, "t_killed", None)
+        killed = t_killed is not None and t_killed != float("inf")
         for i, h in handoffs.items():
             f, st = h.figures, stats[i]
             st.pages, st.bytes, st.writes = f.get("pages", 0), f.get("bytes", 0), f.get("writes", 0)
@@ -450,15 +485,19 @@ def run(dc: DemoConfig, *, progress: Callable[[str], None] | None = None,
     if progress is not None:
         progress(f"done {len(prompts)}/{len(prompts)} in {wall:.1f} s; running the colocated reference")
     ref = reference if reference is not None else colocated(cfg, prompts, max_new=dc.max_new, chunk=dc.chunk)
-    mismatches, failed = [], []
+    mismatches, kv_mismatches, failed = [], [], []
     for st, g in zip(stats, ref):
         if st.error:
             failed.append(st.rid)
             continue
+        st.kv_identical = g.kv_crc is not None and st.kv_crc == g.kv_crc
         st.identical = (tuple(st.tokens) == g.tokens and st.accepted == g.accepted
-                        and st.context_crc == zlib.crc32(g.context))
+                        and st.context_crc == zlib.crc32(g.context) and st.kv_identical)
+        if not st.kv_identical:
+            kv_mismatches.append(st.rid)
         if not st.identical:
             mismatches.append(st.rid)
     total = sum(len(s.tokens) for s in stats)
     return Report(config=asdict(dc), requests=stats, wall=wall, tokens_per_s=total / wall,
-                  identical=not mismatches, mismatches=mismatches, failed=failed, messenger=counters)
+                  identical=not mismatches, mismatches=mismatches, failed=failed, messenger=counters,
+                  kv_mismatches=kv_mismatches, killed=killed)

@@ -6,6 +6,7 @@ Numpy only (plus ``kvxfer.layout``); no libfabric.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from kvxfer.demo.model import F32, DraftHead, Forward, ModelConfig, RankCache, R
 from kvxfer.errors import InvalidArgumentError
 
 __all__ = ["PagePool", "LocalGroup", "prefill_chunks", "Decoding", "Generation", "colocated",
-           "context_of", "prompt_pages", "decode_pages", "check_prompt"]
+           "context_of", "prompt_pages", "decode_pages", "check_prompt", "kv_crc"]
 
 
 def check_prompt(cfg: ModelConfig, prompt: Sequence[int] | np.ndarray, max_new: int) -> np.ndarray:
@@ -122,6 +123,34 @@ def context_of(cfg: ModelConfig, run, prompt: np.ndarray, page_table: np.ndarray
     return ctx
 
 
+def kv_crc(cfg: ModelConfig, caches: Sequence[RankCache], pages: np.ndarray, n: int) -> int:
+    """CRC-32 of the KV of a request's positions ``[0, n)`` (its pages ``pages``), over the
+    ranks ``caches`` of one TP group, in a form that does not depend on the TP size: per
+    layer and plane, GQA's KV heads in order (rank by rank: a rank holds consecutive heads),
+    MLA's latent once. Two groups of any TP sizes holding the same KV give the same CRC.
+    -1 (never a CRC) when MLA's replicated latent differs between the ranks."""
+    if n <= 0:
+        return 0
+    ps = cfg.page_size
+    need = cfg.pages_for(n)
+    pt = np.asarray(pages, np.int64)[:need]
+    crc = 0
+    for layer in range(cfg.layers):
+        per_rank = []
+        for c in caches:
+            a = c.layers[layer][pt]  # [pages, planes, local heads, page_size, dim]
+            a = a.transpose(1, 2, 0, 3, 4).reshape(a.shape[1], a.shape[2], need * ps, a.shape[4])[:, :, :n]
+            per_rank.append(np.ascontiguousarray(a))
+        if cfg.attention == "mla":
+            first = per_rank[0].tobytes()
+            if any(x.tobytes() != first for x in per_rank[1:]):
+                return -1
+            crc = zlib.crc32(first, crc)
+        else:
+            crc = zlib.crc32(np.concatenate(per_rank, axis=1).tobytes(), crc)
+    return crc
+
+
 @dataclass
 class Decoding:
     """A request on a decoder: the last prompt token first, then greedy steps; the draft head
@@ -158,11 +187,14 @@ class Decoding:
 
 @dataclass(frozen=True)
 class Generation:
-    """What a request produced: tokens, accepted drafts, and the context the decoder used."""
+    """What a request produced: tokens, accepted drafts, the context the decoder used, and
+    the CRC-32 of the prefilled KV (``kv_crc`` of positions ``[0, len(prompt) - 1)``; None:
+    not known, which no disaggregated run matches)."""
 
     tokens: tuple[int, ...]
     accepted: int
     context: bytes = b""
+    kv_crc: int | None = None
 
 
 def colocated(cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new: int = 32, chunk: int = 64,
@@ -180,10 +212,11 @@ def colocated(cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new: in
         pages = pool.alloc(decode_pages(cfg, len(prompt), max_new))
         assert pages is not None
         ctx = context_of(cfg, group.run, prompt, pages, chunk)
+        kv = kv_crc(cfg, group.caches, pages, len(prompt) - 1)
         d = Decoding(len(prompt), int(prompt[-1]), pages, max_new)
         d.start(group, ctx)
         while not d.finished:
             d.step(group)
         pool.release(pages)
-        out.append(Generation(tuple(d.tokens), d.accepted, ctx.tobytes()))
+        out.append(Generation(tuple(d.tokens), d.accepted, ctx.tobytes(), kv))
     return out

@@ -28,6 +28,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -157,10 +158,7 @@ class WorkerGroup:
                 child.close()
                 self._procs.append(p)
                 self._conns.append(parent)
-            try:
-                shards = collect(path, range(tp), timeout=start_timeout)
-            except Exception as e:
-                self._fail_start(f"a TP worker did not hand over its KV buffers: {e!r}")
+            shards = self._collect(collect, path, start_timeout)
             self._buffers = [b for r in range(tp) for b in shards[r]]
             self.caches = [RankCache(self.layout, self.sharding, [b.numpy() for b in shards[r]]) for r in range(tp)]
             self._gather("ready", start_timeout)
@@ -174,12 +172,61 @@ class WorkerGroup:
                 else:
                     os.environ[k] = v
 
+    def _collect(self, collect: Callable[..., dict], path: str, timeout: float) -> dict:
+        """The ranks' KV buffers (``collect``), watching the workers meanwhile: a worker that
+        exits before it handed its buffers over fails the start at once (``PeerError`` naming
+        the rank, its exit code and its error), not after ``timeout``."""
+        from multiprocessing.connection import wait
+
+        box: dict[str, Any] = {}
+        lock = threading.Lock()
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                got = collect(path, range(self.tp), timeout=timeout)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                got, box["error"] = None, e
+            with lock:
+                if box.get("abandoned") and got is not None:  # the start failed meanwhile
+                    for bufs in got.values():
+                        for b in bufs:
+                            b.close()
+                    got = None
+                box["shards"] = got
+            done.set()
+
+        t = threading.Thread(target=run, name="kvxfer-demo-collect", daemon=True)
+        t.start()
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        try:
+            while not done.is_set():
+                for s in wait(list(sentinels), 0.05):
+                    r = sentinels[s]
+                    self._procs[r].join(1.0)  # the sentinel fires at exit, the code comes with the reaping
+                    code = self._procs[r].exitcode
+                    self._fail_start(f"TP rank {r} exited (code {code}) before handing over its KV buffers")
+        except BaseException:
+            with lock:
+                box["abandoned"] = True
+                got = box.pop("shards", None)
+            for bufs in (got or {}).values():
+                for b in bufs:
+                    b.close()
+            raise
+        if box.get("shards") is None:
+            self._fail_start(f"a TP worker did not hand over its KV buffers: {box.get('error')!r}")
+        return box["shards"]
+
     def _fail_start(self, why: str) -> None:
         for c in self._conns:
-            if c.poll(0.5):
-                msg = c.recv()
-                if msg[0] == "error":
-                    why += f"\n--- rank {msg[1]} ---\n{msg[2]}"
+            try:
+                if c.poll(0.5):
+                    msg = c.recv()
+                    if msg[0] == "error":
+                        why += f"\n--- rank {msg[1]} ---\n{msg[2]}"
+            except (EOFError, OSError):  # a worker that died without a word: nothing to add
+                pass
         raise PeerError(why)
 
     def _gather(self, kind: str, timeout: float) -> list[tuple]:
@@ -204,9 +251,11 @@ class WorkerGroup:
                 if conn.poll():
                     try:
                         msg = conn.recv()
-                    except EOFError:
-                        msg = ("error", r, "the worker closed its pipe")
+                    except (EOFError, OSError):
+                        self._procs[r].join(0.5)
+                        msg = ("error", r, f"the worker closed its pipe (exit code {self._procs[r].exitcode})")
                 else:  # the sentinel fired: the process is gone
+                    self._procs[r].join(1.0)  # (the code comes with the reaping)
                     code = self._procs[r].exitcode
                     msg = ("error", r, f"the worker process exited (code {code})")
                 if msg[0] == "error":

@@ -67,6 +67,29 @@ def test_kill_the_prefiller(provider):
     assert sorted(r.failed) == [s.rid for s in failed]
 
 
+def test_cli_kill_drill_exit_status(capsys):
+    """The CLI's drill: a kill that fired with only node 0's requests failing after it exits
+    0; a drill that never fires (10 prefills asked of node 0, 4 prompts) exits 1 and says so."""
+    if not available("shm"):
+        pytest.skip("shm is not available here")
+    before = set(os.listdir("/dev/shm"))
+    try:
+        rc = cli.main(["--prompts", "10", "--min-len", "20", "--max-len", "160", "--max-new", "4", "--chunk", "64",
+                       "--max-batch", "4", "--arrival-ms", "3", "--transport", "shm", "--prefill-nodes", "2",
+                       "--kill-prefiller-after", "1", "--peer-timeout", "1.5", "--seed", "11", "--json"])
+    finally:
+        dead_shm_files(before)
+    cap = capsys.readouterr()
+    js = __import__("json").loads(cap.out)
+    assert js["killed"] is True and js["failed"], cap.err
+    assert all(q["node"] == 0 and q["after_kill"] for q in js["requests"] if q["error"])
+    assert rc == 0, cap.err
+    rc = cli.main(["--prompts", "4", "--max-len", "40", "--max-new", "2", "--transport", "shm", "--prefill-nodes", "2",
+                   "--kill-prefiller-after", "10", "-q"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "--kill-prefiller-after 10: the kill never fired" in err
+
+
 def test_cli_default_transport_is_a_messenger(capsys):
     if not available("shm"):
         pytest.skip("shm is not available here")
