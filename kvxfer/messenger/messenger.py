@@ -1592,9 +1592,11 @@ class Messenger:
             else:
                 state = "done"
             reply = s._reply and pg.alive
+        # settled first: a decoder told "aborted" (and so done with its fence) never finds
+        # this side's Send still transferring
+        self._settle_send(s, state, err)
         if reply:
             self._try_send(pg, C.ABORTED, imm=req.imm, count=posted, flags=s._abort_flags, retry=True)
-        self._settle_send(s, state, err)
         return True
 
     def _settle_send(self, s: Send, state: str, err: Optional[BaseException]) -> None:
