@@ -402,6 +402,7 @@ def test_stream_announce_precedes_aborted(pair):
         p.schedule([(s, 4, 8)])                      # the last chunk: ANNOUNCE
         aborter.join(30)
         assert s.wait(20) == "aborted"
+        _until(aborted_sent.is_set, "the ABORTED went (right after the Send settled)")
     finally:
         p._send = orig
     assert order.index("ANNOUNCE") < order.index("ABORTED"), order
