@@ -328,6 +328,7 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len);
 void kx_peer_forget(kx_rail *r, fi_addr_t fa);
 void kx_peer_kill_locked(kx_rail *r, fi_addr_t fa, int err);
 int kx_peer_gone(kx_rail *r, fi_addr_t fa);
+int kx_limits_ok(const kx_rail *r, size_t iov, uint64_t max_write, uint64_t pack_min);   /* post.c */
 int kx_peer_enter(kx_rail *r, fi_addr_t fa, uint32_t gen);
 uint32_t kx_peer_gen(kx_rail *r, fi_addr_t fa);
 int kx_peer_is(kx_rail *r, fi_addr_t fa, uint32_t gen);

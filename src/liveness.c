@@ -821,8 +821,9 @@ int kx_peers_scan(kx_rail *r)
              * left there would keep the progress thread from sleeping on the CQ fd and
              * every later close() draining to its deadline */
             __atomic_sub_fetch(&r->outstanding, open, __ATOMIC_RELAXED);
-            for (int64_t k = 0; k < open && kx_peer_is(r, x->peer, x->gen); k++)
-                kx_peer_uncount(r, x->peer, 0);
+            if (kx_peer_is(r, x->peer, x->gen))     /* not a removed peer's leftover */
+                for (int64_t k = 0; k < open; k++)
+                    kx_peer_uncount(r, x->peer, 0);
             killed++;
         }
     }

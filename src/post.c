@@ -351,15 +351,24 @@ static kx_transfer *kx_transfer_new(const uint64_t *src_off, const uint64_t *dst
     return x;
 }
 
+/* Whether messages of at most `iov` pieces and `max_write` bytes, with pieces shorter than
+ * `pack_min` alone, are legal on `r` (NULL: no rail yet, KX_MAX_IOV only). libfabric 1.17's
+ * release builds check these only by assert: a message past them corrupts memory. The engine
+ * computes them from rail 0 (every rail is the same provider); each rail refuses what its
+ * own provider would not take, at kx_write and, for the watcher, when an entry is armed. */
+int kx_limits_ok(const kx_rail *r, size_t iov, uint64_t max_write, uint64_t pack_min)
+{
+    size_t iov_max = r ? r->iov_limit : KX_MAX_IOV;
+    return iov >= 1 && iov <= iov_max && max_write >= 1 && (!r || max_write <= r->max_msg_size) &&
+           pack_min <= max_write;
+}
+
 int kx_write(kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *desc, uint64_t dst_base, uint64_t key,
              kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
              int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min,
              kx_transfer **out)
 {
-    /* libfabric 1.17's release builds check these only by assert: a message past them
-     * corrupts memory. The engine computes them from rail 0 (every rail is the same
-     * provider); each rail refuses what its own provider would not take. */
-    if (iov < 1 || iov > r->iov_limit || max_write < 1 || max_write > r->max_msg_size || pack_min > max_write)
+    if (!kx_limits_ok(r, iov, max_write, pack_min))
         return -FI_EINVAL;
     kx_transfer *x = kx_transfer_new(src_off, dst_off, length, n, iov, max_write, pack_min, r->need_ctx);
     if (!x)

@@ -269,8 +269,7 @@ int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi
                  uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out)
 {
     /* what kx_write would refuse when the entry fires: refused now, so the entry's count is real */
-    if (iov < 1 || iov > KX_MAX_IOV || max_write == 0 || pack_min > max_write ||
-        (r && (iov > r->iov_limit || max_write > r->max_msg_size)))
+    if (!kx_limits_ok(r, iov, max_write, pack_min))
         return -FI_EINVAL;
     kx_watch *e = calloc(1, sizeof(*e));
     if (!e)
