@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import os
 import sys
-import tempfile
 import time
 from typing import Any, Optional, Sequence, TextIO
 
+from kvxfer.cli._args import positive_int, writable_file, write_json
 from kvxfer.cli._cases import DEFAULT_CASES, TARGET_MEMORY, Case, fmt_size, parse_case, parse_size
 from kvxfer.cli._compare import compare, median_round
 from kvxfer.errors import KvxferError
@@ -70,14 +69,14 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "deployment pins its engines; local runs only, at least 2 CPUs (default: the "
                         "scheduler places them)")
     o = p.add_argument_group("output")
-    o.add_argument("--json", metavar="FILE", help="write every result, the command line, provider and machine facts")
+    o.add_argument("--json", metavar="FILE", type=writable_file, help="write every result, the command line, provider and machine facts")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     e = p.add_argument_group("engine")
     e.add_argument("--progress", choices=("block", "spin"), default="block",
                    help="engine progress mode, both processes (default: block)")
-    e.add_argument("--rails", type=int, default=1, metavar="N",
+    e.add_argument("--rails", type=positive_int, default=1, metavar="N",
                    help="endpoints per engine on the provider's domain, pages striped over them (default: 1)")
-    e.add_argument("--iov", type=int, metavar="N",
+    e.add_argument("--iov", type=positive_int, metavar="N",
                    help="pieces per RMA message on the initiator (default: the provider's limit)")
     e.add_argument("--max-write", type=_size_arg, metavar="SIZE",
                    help="bytes per RMA message on the initiator; larger writes are split (default: 1G)")
@@ -130,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "Mooncake's transfer engine over TCP, `pip install mooncake-transfer-engine-non-cuda`, "
                          "tcp rows only) in the same run, same checks, and print kvxfer/PEER ratios (local runs "
                          "only; repeat --vs for both)")
-    bw.add_argument("--rounds", type=int, default=1, metavar="N",
+    bw.add_argument("--rounds", type=positive_int, default=1, metavar="N",
                     help="run each case N times, kvxfer and every --vs peer back to back in each round: each "
                          "library's row is its median-GB/s round, and the comparison takes each figure's "
                          "median over the rounds with the range of the per-round ratios; on a machine whose "
@@ -191,13 +190,8 @@ def _target_parser() -> argparse.ArgumentParser:
 
 
 def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """What a command line can get wrong, refused before anything runs (exit status 2)."""
-    if getattr(args, "rounds", 1) < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    for name in ("iov", "rails"):
-        v = getattr(args, name, None)
-        if v is not None and v < 1:
-            parser.error(f"--{name} must be a positive int, got {v}")
+    """What a command line can get wrong across options, refused before anything runs (exit
+    status 2; single values are refused by their argparse types, kvxfer.cli._args)."""
     if getattr(args, "vs", None) and getattr(args, "connect", None):
         parser.error("--vs runs both libraries on this host; it does not combine with --connect")
     if getattr(args, "listen", None) and getattr(args, "provider", None) and len(args.provider) > 1:
@@ -205,17 +199,8 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if getattr(args, "connect", None):
         try:
             _providers(args)
-        except SystemExit as exc:
-            parser.error(str(exc).removeprefix("kvxfer-bench: "))
-    path = getattr(args, "json", None)
-    if path:                # found out now, not after the whole run
-        d = os.path.dirname(os.path.abspath(path))
-        try:
-            os.makedirs(d, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=d, prefix=".kvxfer-bench-"):
-                pass
-        except OSError as exc:
-            parser.error(f"--json {path}: cannot write there ({exc.strerror or exc})")
+        except ValueError as exc:
+            parser.error(str(exc))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -444,6 +429,8 @@ def default_node(provider: Optional[str]) -> Optional[str]:
 
 
 def _providers(args: argparse.Namespace) -> list[Optional[str]]:
+    """The providers to run, in order; with ``--connect`` the target's (ValueError: an
+    address that does not decode, or names another provider than ``--provider``)."""
     if args.connect:
         from kvxfer.errors import DescriptorError
         from kvxfer.wire import Address
@@ -451,9 +438,9 @@ def _providers(args: argparse.Namespace) -> list[Optional[str]]:
         try:
             prov = Address.decode(bytes.fromhex(args.connect.strip())).provider
         except (ValueError, DescriptorError) as exc:
-            raise SystemExit(f"kvxfer-bench: --connect: not a kvxfer address: {exc}")
+            raise ValueError(f"--connect: not a kvxfer address: {exc}") from None
         if args.provider and args.provider != [prov]:
-            raise SystemExit(f"kvxfer-bench: the target at --connect runs {prov!r}, not {args.provider}")
+            raise ValueError(f"the target at --connect runs {prov!r}, not {args.provider}")
         return [prov]
     return list(args.provider) if args.provider else list(DEFAULT_PROVIDERS)
 
@@ -461,9 +448,7 @@ def _providers(args: argparse.Namespace) -> list[Optional[str]]:
 def _listen(args: argparse.Namespace) -> int:
     from kvxfer.cli._target import target_main
 
-    if args.provider and len(args.provider) > 1:
-        raise SystemExit("kvxfer-bench: --listen serves one provider")
-    prov = args.provider[0] if args.provider else None
+    prov = args.provider[0] if args.provider else None     # one at most (_check_usage)
     try:
         rc = target_main(prov, args.node, progress=args.progress, parent_pid=None,
                          idle_timeout=max(120.0, 2 * args.timeout), deadline=None, listen=args.cmd,
@@ -488,16 +473,6 @@ def _document(args: argparse.Namespace, runs: list) -> dict:
         "machine": machine_info(),
         "runs": runs,
     }
-
-
-def _write_json(path: str, doc: dict) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _session(args: argparse.Namespace, body, header: str, extra=None) -> int:
@@ -547,8 +522,10 @@ def _session(args: argparse.Namespace, body, header: str, extra=None) -> int:
         doc = _document(args, runs)
         if extra is not None:
             extra(doc)
-        _write_json(args.json, doc)
-        print(f"results written to {args.json}", file=sys.stderr)
+        if write_json(args.json, doc, "kvxfer-bench"):
+            print(f"results written to {args.json}", file=sys.stderr)
+        else:
+            status = 1
     return status
 
 
@@ -558,11 +535,7 @@ def run_bw(args: argparse.Namespace) -> int:
     # the baseline first, so every row can be held against it
     order = sorted(range(len(cases)), key=lambda i: cases[i].kind != "memmove")
     warmup = args.warmup if args.iters is not None else max(1, args.warmup)
-    peers = list(dict.fromkeys(args.vs or ()))
-    if peers and args.connect:
-        raise SystemExit("kvxfer-bench: --vs runs both libraries on this host; it does not combine with --connect")
-    if args.rounds < 1:
-        raise SystemExit(f"kvxfer-bench: --rounds must be at least 1, got {args.rounds}")
+    peers = list(dict.fromkeys(args.vs or ()))     # --vs without --connect, --rounds >= 1: _check_usage
     comparison: list[dict] = []
 
     def one(rounds: list[dict]) -> dict:

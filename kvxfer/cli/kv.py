@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from kvxfer.cli.msg import (nonnegative_float, nonnegative_int, positive_float, positive_int, writable_file,
+from kvxfer.cli._args import (nonnegative_float, nonnegative_int, positive_float, positive_int, writable_file,
                             write_json)
 
 __all__ = ["add_parser", "run_kv", "PRESETS"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvxfer.cli import bench
+from kvxfer.cli._args import writable_file
 from kvxfer.cli import kv as kv_cli
 from kvxfer.cli import msg as msg_cli
 
@@ -53,7 +54,7 @@ def test_unwritable_json_is_refused_up_front(capsys, tmp_path, sub, monkeypatch)
         assert "argument --json: " in err and why in err and "Traceback" not in err
     assert not ran                      # refused before the run, not after it
     # a writable path passes, and nothing is left behind by the check
-    msg_cli.writable_file(str(tmp_path / "ok.json"))
+    writable_file(str(tmp_path / "ok.json"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
