@@ -28,7 +28,6 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -158,7 +157,12 @@ class WorkerGroup:
                 child.close()
                 self._procs.append(p)
                 self._conns.append(parent)
-            shards = self._collect(collect, path, start_timeout)
+            try:
+                shards = collect(path, range(tp), timeout=start_timeout, check=self._check_workers)
+            except PeerError:                # _check_workers: a worker is gone, said already
+                raise
+            except Exception as e:
+                self._fail_start(f"a TP worker did not hand over its KV buffers: {e!r}")
             self._buffers = [b for r in range(tp) for b in shards[r]]
             self.caches = [RankCache(self.layout, self.sharding, [b.numpy() for b in shards[r]]) for r in range(tp)]
             self._gather("ready", start_timeout)
@@ -172,51 +176,13 @@ class WorkerGroup:
                 else:
                     os.environ[k] = v
 
-    def _collect(self, collect: Callable[..., dict], path: str, timeout: float) -> dict:
-        """The ranks' KV buffers (``collect``), watching the workers meanwhile: a worker that
-        exits before it handed its buffers over fails the start at once (``PeerError`` naming
-        the rank, its exit code and its error), not after ``timeout``."""
-        from multiprocessing.connection import wait
-
-        box: dict[str, Any] = {}
-        lock = threading.Lock()
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                got = collect(path, range(self.tp), timeout=timeout)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                got, box["error"] = None, e
-            with lock:
-                if box.get("abandoned") and got is not None:  # the start failed meanwhile
-                    for bufs in got.values():
-                        for b in bufs:
-                            b.close()
-                    got = None
-                box["shards"] = got
-            done.set()
-
-        t = threading.Thread(target=run, name="kvxfer-demo-collect", daemon=True)
-        t.start()
-        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-        try:
-            while not done.is_set():
-                for s in wait(list(sentinels), 0.05):
-                    r = sentinels[s]
-                    self._procs[r].join(1.0)  # the sentinel fires at exit, the code comes with the reaping
-                    code = self._procs[r].exitcode
-                    self._fail_start(f"TP rank {r} exited (code {code}) before handing over its KV buffers")
-        except BaseException:
-            with lock:
-                box["abandoned"] = True
-                got = box.pop("shards", None)
-            for bufs in (got or {}).values():
-                for b in bufs:
-                    b.close()
-            raise
-        if box.get("shards") is None:
-            self._fail_start(f"a TP worker did not hand over its KV buffers: {box.get('error')!r}")
-        return box["shards"]
+    def _check_workers(self) -> None:
+        """While the buffers are collected: a worker that exited before it handed its buffers
+        over fails the start at once (``PeerError`` naming the rank, its exit code and its
+        error), not after the collection's timeout."""
+        for r, p in enumerate(self._procs):
+            if not p.is_alive():             # (is_alive reaps it: the exit code is known)
+                self._fail_start(f"TP rank {r} exited (code {p.exitcode}) before handing over its KV buffers")
 
     def _fail_start(self, why: str) -> None:
         for c in self._conns:

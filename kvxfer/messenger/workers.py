@@ -19,8 +19,8 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional
 
 from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, PeerError, TimeoutError
 
@@ -82,10 +82,13 @@ def publish(path: str, rank: int, buffers: Sequence[Any], *, timeout: float = 60
         sock.close()
 
 
-def collect(path: str, ranks: Iterable[int], *, timeout: float = 60.0) -> dict[int, list[Any]]:
+def collect(path: str, ranks: Iterable[int], *, timeout: float = 60.0,
+            check: Optional[Callable[[], None]] = None) -> dict[int, list[Any]]:
     """In the messenger process: accept one ``publish`` per rank in ``ranks`` at ``path``
     and return ``{rank: [KVBuffer, ...]}`` (imported; the caller closes them after the
-    messenger). Raises ``TimeoutError`` if a rank does not publish within ``timeout`` s."""
+    messenger). Raises ``TimeoutError`` if a rank does not publish within ``timeout`` s.
+    ``check``: called about every 50 ms while waiting (e.g. "is every worker still alive?");
+    whatever it raises ends the collection at once, the buffers imported so far closed."""
     from kvxfer.buffers import KVBuffer
     from kvxfer.share import recv_handles
 
@@ -109,10 +112,12 @@ def collect(path: str, ranks: Iterable[int], *, timeout: float = 60.0) -> dict[i
                 missing = [r for r in want if r not in out]
                 why = f" (refused meanwhile: {'; '.join(refused[-3:])})" if refused else ""
                 raise TimeoutError(f"ranks {missing} did not publish at {path} within {timeout} s{why}")
-            srv.settimeout(left)
+            srv.settimeout(min(left, 0.05) if check is not None else left)
             try:
                 conn, _ = srv.accept()
             except socket.timeout:
+                if check is not None:
+                    check()
                 continue
             # one bad connection (a probe, a worker killed mid-publish, a rank sent twice) is
             # refused on its own; the ranks that publish properly are still collected

@@ -77,3 +77,43 @@ def test_a_missing_rank_times_out_and_names_what_was_refused(tmp_path):
     t.join(10)
     err = res.get("err")
     assert isinstance(err, TimeoutError) and "[3]" in str(err) and "refused meanwhile" in str(err)
+
+
+def test_check_ends_the_collection_at_once(tmp_path):
+    """``check`` runs while collect waits: what it raises (a TP launcher's "rank 1 exited")
+    ends the collection long before its timeout, with what was imported closed."""
+    path = str(tmp_path / "collect.sock")
+    gone = threading.Event()
+    calls = []
+
+    def check():
+        calls.append(time.monotonic())
+        if gone.is_set():
+            raise PeerError("TP rank 1 exited (code 7) before handing over its KV buffers")
+
+    res: dict = {}
+
+    def run():
+        try:
+            res["out"] = collect(path, [0, 1], timeout=60, check=check)
+        except Exception as exc:
+            res["err"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    buf = KVBuffer.allocate(4096)
+    try:
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                publish(path, 0, [buf], timeout=5)
+                break
+            except TimeoutError:
+                assert time.monotonic() < deadline
+        gone.set()
+        t.join(30)                          # its timeout is 60 s: ended by check, not by it
+        assert not t.is_alive()
+        assert isinstance(res.get("err"), PeerError) and "rank 1 exited" in str(res["err"])
+        assert calls
+    finally:
+        buf.close()
