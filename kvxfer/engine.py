@@ -412,8 +412,17 @@ class MemoryRegion:
     def __enter__(self) -> "MemoryRegion":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, et, ev, tb) -> None:
+        if et is None:
+            self.close()
+            return
+        # an error (or Ctrl-C) is unwinding, maybe out of a wait for a transfer from this
+        # region: a refused close must not replace it; Engine.close() deregisters the region
+        # after its drain
+        try:
+            self.close()
+        except InvalidArgumentError:
+            pass
 
     def __repr__(self) -> str:
         return f"<MemoryRegion {self.nbytes} bytes on {self.device}{' closed' if self.closed else ''}>"

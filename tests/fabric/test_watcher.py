@@ -90,6 +90,26 @@ def test_a_region_with_an_armed_entry_cannot_be_closed(pair):
     w.close()
 
 
+def test_an_error_unwinding_a_busy_region_is_not_replaced(pair):
+    """``with eng.register(buf) as mr:`` left by an exception (kvxfer-bench's initiator on
+    Ctrl-C) while mr cannot close yet: the exception goes on, not the close's refusal (which
+    turned an interrupted benchmark into a failed one); the engine deregisters it at close."""
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher()
+    with pytest.raises(KeyboardInterrupt):
+        with a.register(np.zeros(1 << 16, np.uint8)) as mr:
+            e = w.arm(1, mr, peer, rd, *_layer(0), imm=14)
+            raise KeyboardInterrupt
+    assert not mr.closed and e.state == "armed"
+    with pytest.raises(InvalidArgumentError):        # without an error unwinding: refused, as before
+        with a.register(np.zeros(1 << 16, np.uint8)) as mr2:
+            e2 = w.arm(1, mr2, peer, rd, *_layer(1), imm=15)
+    e.disarm()
+    e2.disarm()
+    w.close()
+
+
 def test_a_dropped_armed_entry_no_longer_holds_its_region(pair):
     """Entries are remembered weakly: dropping an armed one disarms it (as before), and the
     region can then be closed."""
