@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
+from kvxfer.cli._args import positive_int
 from kvxfer.errors import KvxferError
 from kvxfer.topology import NIC_KINDS, Placement, Topology
 
@@ -34,7 +35,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--xml", metavar="FILE", help="an hwloc XML export (lstopo --of xml) instead of this machine")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--nic-kind", choices=NIC_KINDS, default=None, help="NIC kind to use (default: the most numerous)")
-    p.add_argument("--nics-per-gpu", type=int, default=None, metavar="N", help="NICs per GPU (default: by the rules)")
+    p.add_argument("--nics-per-gpu", type=positive_int, default=None, metavar="N", help="NICs per GPU (default: by the rules)")
     p.add_argument("--host", action="store_true", help="also print host-memory placements, one per NUMA node")
 
 

@@ -25,10 +25,11 @@ Discovery model
 `Topology.discover()` loads this machine, `Topology.from_xml(path)` an hwloc 2.x/3.x XML
 export (`lstopo --of xml`). Both load with `set_io_types_filter(KEEP_ALL)`, so every bridge
 and PCI function appears (filtering would change the fan-out counts that define a switch),
-and both turn the pyhwloc objects into plain frozen dataclasses before returning. Nothing
-outside `topology.py` sees a pyhwloc object; pyhwloc is imported only inside these two
-methods, so `import kvxfer.topology` works without it (`UnsupportedError` if it is missing
-when needed).
+and both turn the pyhwloc objects into plain frozen dataclasses before returning (and free the
+hwloc topology, also when its load failed). Nothing outside `hwloc.py` sees a pyhwloc object;
+pyhwloc is imported only when these two methods run, so `import kvxfer.topology` works
+without it (`UnsupportedError` if it is missing when needed). A hand-built `Topology` (plain
+dataclasses, `pci=()`) places too: its hops are `None` and the switch ids decide.
 
 | dataclass | what | found by |
 |---|---|---|
@@ -72,15 +73,16 @@ progress thread to `p.cpus` (`Engine(nics=[...], cpus=[...])` says the same by h
 Errors
 ------
 
-Errors
-------
-
 `from_xml` raises `TopologyError` for a missing or unreadable file, an empty, non-well-formed
 or non-`<topology>` document, hwloc 1.x XML (no `version`), or a document hwloc rejects.
 Well-formedness is checked with Python's parser first: hwloc's minimal XML parser, the one
 pyhwloc 3.0.1 bundles, crashes the process (SIGSEGV) on some truncated files, and it refuses
-XML comments, which are stripped (the EC2 exports carry an SPDX comment header). Unknown GPU,
-NIC kind, NUMA node or a non-positive `nics_per_gpu` raise `InvalidArgumentError`.
+XML comments, which are stripped (the EC2 exports carry an SPDX comment header), and a UTF-8
+byte order mark, which is dropped when the file is read. Unknown GPU,
+NIC kind, NUMA node or a non-positive `nics_per_gpu` raise `InvalidArgumentError`; a value
+of the wrong type (one GPU key where `assign` takes a list of them, a bool or float NUMA
+node, an int given to `pcie_hops`) raises `ArgumentTypeError`, which is both that and a
+`TypeError`. A NIC kind the node lacks is a `TopologyError`.
 
 Not done (yet)
 --------------

@@ -37,7 +37,7 @@ from kvxfer.errors import TopologyError, UnsupportedError
 from kvxfer.topology.model import GPU, NIC, Core, NumaNode, PciNode
 from kvxfer.topology.model import busid as make_busid
 
-__all__ = ["import_pyhwloc", "check_xml", "convert", "convert_checked", "Parts"]
+__all__ = ["import_pyhwloc", "check_xml", "convert", "convert_checked", "release", "Parts"]
 
 #: what the reader returns: gpus, nics, numa_nodes, pci (the fields of a Topology)
 Parts = tuple[tuple[GPU, ...], tuple[NIC, ...], tuple[NumaNode, ...], tuple[PciNode, ...]]
@@ -57,6 +57,30 @@ def import_pyhwloc() -> tuple[Any, Any]:
     except ImportError as e:  # pragma: no cover - pyhwloc is a dependency, but may be absent
         raise UnsupportedError("topology discovery needs pyhwloc (pip install pyhwloc)") from e
     return pyhwloc, TypeFilter
+
+
+def release(hw: Any) -> None:
+    """Destroy a pyhwloc topology, loaded or not (``None`` is ignored).
+
+    pyhwloc 3.0.1's ``destroy()`` refuses a topology whose ``load()`` failed ("Topology is not
+    loaded"): the hwloc handle leaked and ``__del__`` logged that refusal through the root
+    logger, which configures it. Such a handle is freed here with hwloc's own destroy call.
+    """
+    if hw is None:
+        return
+    try:
+        if hw.is_loaded:
+            hw.destroy()
+            return
+        hdl = hw.__dict__.get("_hdl")
+        if hdl is None:
+            return
+        from pyhwloc.hwloc import core
+
+        core.topology_destroy(hdl)
+        del hw._hdl
+    except Exception:  # pragma: no cover - a pyhwloc without these internals: leave it to its __del__
+        return
 
 
 def check_xml(text: str, source: str) -> str:

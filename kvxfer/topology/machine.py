@@ -16,9 +16,9 @@ from typing import Any
 
 from kvxfer import _cuda
 from kvxfer._check import is_int
-from kvxfer.errors import InvalidArgumentError, TopologyError
+from kvxfer.errors import ArgumentTypeError, InvalidArgumentError, TopologyError
 from kvxfer.topology import rules
-from kvxfer.topology.hwloc import Parts, check_xml, convert_checked, import_pyhwloc
+from kvxfer.topology.hwloc import Parts, check_xml, convert_checked, import_pyhwloc, release
 from kvxfer.topology.model import GPU, NIC, NIC_KINDS, NicKind, NumaNode, PciNode, Placement, maybe_busid, norm_busid
 
 __all__ = ["Topology", "cuda_ordinals"]
@@ -50,16 +50,18 @@ class Topology:
         """This machine's topology. A machine without GPU or RDMA NIC gives empty ``gpus`` /
         ``nics``, not an error. CUDA ordinals come from cuda-python when its driver answers."""
         hwloc, type_filter = import_pyhwloc()
+        hw = None
         try:
             hw = hwloc.Topology.from_this_system()
             hw.set_io_types_filter(type_filter.KEEP_ALL)
             hw.load()
         except Exception as e:  # pyhwloc raises ValueError / HwLocError
+            release(hw)
             raise TopologyError(f"hwloc could not load this machine's topology: {e}") from e
         try:
             topo = cls._from_parts(convert_checked(hw, "this machine"), "this machine")
         finally:
-            hw.destroy()
+            release(hw)
         ordinals = cuda_ordinals()
         if ordinals:
             topo = topo._with_cuda_ordinals(ordinals)
@@ -75,7 +77,7 @@ class Topology:
         """
         path = os.fspath(path)
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:  # -sig: a byte order mark, which hwloc refuses
                 text = f.read()
         except FileNotFoundError as e:
             raise TopologyError(f"topology XML {path!r}: no such file") from e
@@ -92,16 +94,18 @@ class Topology:
     def _from_xml_text(cls, text: str, source: str) -> Topology:
         text = check_xml(text, source)
         hwloc, type_filter = import_pyhwloc()
+        hw = None
         try:
             hw = hwloc.Topology.from_xml_buffer(text)
             hw.set_io_types_filter(type_filter.KEEP_ALL)
             hw.load()
         except Exception as e:
+            release(hw)
             raise TopologyError(f"topology XML {source!r}: hwloc rejected it: {e}") from e
         try:
             return cls._from_parts(convert_checked(hw, source), source)
         finally:
-            hw.destroy()
+            release(hw)
 
     # ---- lookups
 
@@ -139,7 +143,9 @@ class Topology:
         raise InvalidArgumentError(f"no RDMA NIC named {name!r} in {self.source}")
 
     def numa(self, os_index: int) -> NumaNode:
-        """A NUMA node by os index."""
+        """A NUMA node by os index (an int or numpy integer, never a bool)."""
+        if not is_int(os_index):
+            raise ArgumentTypeError(f"a NUMA node is named by its os index, an int, not {os_index!r}")
         for node in self.numa_nodes:
             if node.os_index == os_index:
                 return node
@@ -159,6 +165,9 @@ class Topology:
     def pcie_hops(self, a: str | GPU | NIC, b: str | GPU | NIC) -> int | None:
         """Edges in the I/O tree between two devices (or tree node ids) through their lowest
         common ancestor; None when they share no ancestor in the recorded tree."""
+        for x in (a, b):
+            if not isinstance(x, (str, GPU, NIC)):
+                raise ArgumentTypeError(f"pcie_hops takes GPUs, NICs or PCIe tree node ids, not {x!r}")
         ida = a.busid if isinstance(a, (GPU, NIC)) else maybe_busid(a)
         idb = b.busid if isinstance(b, (GPU, NIC)) else maybe_busid(b)
         up_a = self._path_up(ida)

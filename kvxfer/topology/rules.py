@@ -17,8 +17,10 @@
    "cross-NUMA" in the reason. The XE8640's H100 at `cb:00.0` (NUMA 7, no NIC) gets `mlx5_3`
    on NUMA 5, same socket.
 5. `nics_per_gpu=n` keeps the first n of that share, or tops it up with the next nearest NICs
-   ranked by (same switch, same NUMA node, other NUMA node), then hops, then bus id. Asking for
-   more NICs than the node has gives them all and says so.
+   ranked by (same switch, same NUMA node, other NUMA node), then hops, then the fewest GPUs
+   already using the NIC (shares, and the extras of lower-index GPUs), then bus id: on a p5
+   with `nics_per_gpu=5` the four H100s of a NUMA node add four different EFA, not all the
+   same one. Asking for more NICs than the node has gives them all and says so.
 6. **CPUs**: the GPU's NUMA-local physical cores, dealt out like NICs among *all* GPUs of that
    node: disjoint contiguous blocks; `cpus` lists every hyperthread of the chosen cores (PU os
    indexes). CPUs follow the GPU, not the NIC, also when the NIC is remote: the process that
@@ -41,7 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvxfer._check import is_int
-from kvxfer.errors import InvalidArgumentError, TopologyError
+from kvxfer.errors import ArgumentTypeError, InvalidArgumentError, TopologyError
 from kvxfer.topology.model import GPU, KIND_LABEL, NIC, NIC_KINDS, NicKind, Placement
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -94,12 +96,23 @@ def assign(
     if nics_per_gpu is not None and (not is_int(nics_per_gpu) or nics_per_gpu < 1):
         raise InvalidArgumentError(f"nics_per_gpu must be a positive int or None, not {nics_per_gpu!r}")
     kind, pool = nic_pool(topo, nic_kind)
+    if isinstance(gpus, (str, bytes, GPU)) or is_int(gpus) or not (gpus is None or isinstance(gpus, Iterable)):
+        raise ArgumentTypeError(f"gpus is a list of GPU indexes, bus ids or GPUs (for one GPU: gpus=[{gpus!r}])")
     chosen = list(topo.gpus) if gpus is None else [topo.gpu(k) for k in gpus]
     if not chosen:
         return {}
     firsts = {g.busid: first_band(topo, g, pool) for g in topo.gpus}
-    # every GPU's pick, so that "shared" and "also used by" see the whole machine
-    picks = {g.busid: pick_nics(topo, g, kind, pool, firsts, nics_per_gpu) for g in topo.gpus}
+    # every GPU's pick, so that "shared" and "also used by" see the whole machine; the
+    # top-up of nics_per_gpu sees the load of the GPUs before it (in index order)
+    load: dict[str, int] = {}
+    for g in topo.gpus:
+        band, group = firsts[g.busid]
+        holders = [b for b, f in firsts.items() if f == (band, group)]
+        for n in _deal(group, holders, g.busid)[:nics_per_gpu]:  # what it keeps of its share
+            load[n.name] = load.get(n.name, 0) + 1
+    picks: dict[str, tuple[tuple[NIC, ...], tuple[int | None, ...], str]] = {}
+    for g in topo.gpus:
+        picks[g.busid] = pick_nics(topo, g, kind, pool, firsts, nics_per_gpu, load)
     users: dict[str, list[int]] = {}
     for g in topo.gpus:
         for n in picks[g.busid][0]:
@@ -135,7 +148,7 @@ def first_band(topo: Topology, g: GPU, pool: list[NIC]) -> tuple[str, tuple[NIC,
             return ("switch", under)
     same = [n for n in pool if g.numa is not None and n.numa == g.numa]
     cands = same or pool
-    hops = {n.name: topo.pcie_hops(g, n) for n in cands}
+    hops = {n.name: _hops(topo, g, n) for n in cands}
     best = min((h for h in hops.values() if h is not None), default=None)
     group = tuple(n for n in cands if hops[n.name] == best)
     return ("near" if same else "remote", group)
@@ -148,7 +161,11 @@ def pick_nics(
     pool: list[NIC],
     firsts: Mapping[str, tuple[str, tuple[NIC, ...]]],
     nics_per_gpu: int | None,
+    load: dict[str, int] | None = None,
 ) -> tuple[tuple[NIC, ...], tuple[int | None, ...], str]:
+    """``g``'s NICs, their hops and the reason. ``load`` (NIC name -> GPUs using it so far) breaks
+    ties among equally near top-up NICs towards the least used, and is updated with the
+    extras taken."""
     if not pool:
         return (), (), "no RDMA NIC in the topology"
     label = KIND_LABEL[kind or "other"]
@@ -164,7 +181,7 @@ def pick_nics(
         split = ""
         if len(holders) > 1:
             split = f", {len(group)} {label} split among the {len(holders)} GPUs that fall back to them"
-        hops = topo.pcie_hops(g, share[0])
+        hops = _hops(topo, g, share[0])
         if band == "near":
             part = (
                 f"{len(share)} nearest {label} on NUMA node {g.numa}, {hops} PCIe hops"
@@ -183,27 +200,32 @@ def pick_nics(
             picked = picked[:nics_per_gpu]
             parts[0] += f", first {nics_per_gpu} kept"
         elif nics_per_gpu > len(picked):
-            rest = sorted(
-                (n for n in pool if n not in picked),
-                key=lambda n: (
-                    0 if (g.switch is not None and n.switch == g.switch) else 1 if n.numa == g.numa else 2,
-                    _h(topo.pcie_hops(g, n)),
-                    n.busid,
-                    n.name,
-                ),
-            )
-            extra = rest[: nics_per_gpu - len(picked)]
+            load = {} if load is None else load
+
+            def rank(n: NIC) -> tuple[int, int]:
+                tier = 0 if (g.switch is not None and n.switch == g.switch) else 1 if n.numa == g.numa else 2
+                return (tier, _h(_hops(topo, g, n)))
+
+            # nearest first; among equally near NICs, the one fewest GPUs use yet, then bus id
+            # (ranking by bus id alone piled every GPU's extras onto the same NIC)
+            extra: list[NIC] = []
+            rest = [n for n in pool if n not in picked]
+            while rest and len(picked) + len(extra) < nics_per_gpu:
+                n = min(rest, key=lambda n: (*rank(n), load.get(n.name, 0), n.busid, n.name))
+                rest.remove(n)
+                extra.append(n)
+                load[n.name] = load.get(n.name, 0) + 1
             if extra:
                 picked += extra
                 far = [n for n in extra if n.numa != g.numa]
-                hs = sorted({_h(topo.pcie_hops(g, n)) for n in extra})
+                hs = sorted({_h(_hops(topo, g, n)) for n in extra})
                 span = f"{hs[0]}" if len(hs) == 1 else f"{hs[0]}-{hs[-1]}"
                 cross = f", {len(far)} cross-NUMA" if far else ""
                 parts.append(f"+{len(extra)} next nearest {label} ({span} PCIe hops{cross})")
             if len(picked) < nics_per_gpu:
                 parts.append(f"asked for {nics_per_gpu}, the node has {len(pool)} {label}")
     nics = tuple(picked)
-    return nics, tuple(topo.pcie_hops(g, n) for n in nics), "; ".join(parts)
+    return nics, tuple(_hops(topo, g, n) for n in nics), "; ".join(parts)
 
 
 def pick_cpus(topo: Topology, g: GPU) -> tuple[tuple[int, ...], str]:
@@ -299,6 +321,15 @@ def _deal(items: Sequence[Any], holders: Sequence[str], who: str) -> tuple[Any, 
     if k >= m:
         return tuple(items[i * k // m : (i + 1) * k // m])
     return (items[i * k // m],)
+
+
+def _hops(topo: Topology, a: GPU | NIC, b: GPU | NIC) -> int | None:
+    """PCIe hops between two devices, None where either is not in the recorded tree (a
+    hand-built topology with ``pci=()``)."""
+    nodes = topo._nodes
+    if a.busid not in nodes or b.busid not in nodes:
+        return None
+    return topo.pcie_hops(a, b)
 
 
 def _h(h: int | None) -> int:
