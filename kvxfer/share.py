@@ -44,6 +44,7 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
+from kvxfer._check import as_int
 from kvxfer._libc import libc
 from kvxfer.buffers.handles import SharedHandle
 from kvxfer.errors import ClosedError, DescriptorError, InvalidArgumentError, PeerError, UnsupportedError
@@ -89,22 +90,32 @@ def send_handles(sock: socket.socket, handles: Iterable[SharedHandle]) -> None:
     The sender keeps ownership of its handles: the kernel gives the receiver new fds, so close
     yours once this returns. Any number of handles; they go in batches of MAX_FDS_PER_MESSAGE.
     """
-    if sock.family != socket.AF_UNIX:
-        raise InvalidArgumentError("handles travel over AF_UNIX sockets only (SCM_RIGHTS)")
+    _check_unix(sock)
     handles = list(handles)
     batches = [handles[i : i + MAX_FDS_PER_MESSAGE] for i in range(0, len(handles), MAX_FDS_PER_MESSAGE)] or [[]]
+    # every batch is checked and built before the first goes out: a bad handle in a later
+    # batch must not leave the receiver holding a part, waiting for the rest
+    messages = []
     for i, batch in enumerate(batches):
         body, fds = _body(batch)
         if len(body) > _MAX_BODY:
             raise InvalidArgumentError(f"handle batch header is {len(body)} bytes, over {_MAX_BODY}")
         flags = _MORE if i + 1 < len(batches) else 0
-        msg = _PREFIX.pack(MAGIC, VERSION, flags, len(fds), len(body)) + body
+        messages.append((_PREFIX.pack(MAGIC, VERSION, flags, len(fds), len(body)) + body, fds))
+    for msg, fds in messages:
         if fds:
             sent = socket.send_fds(sock, [msg], fds)
         else:
             sent = sock.send(msg)
         if sent < len(msg):
             sock.sendall(msg[sent:])
+
+
+def _check_unix(sock: Any) -> None:
+    if not isinstance(sock, socket.socket):
+        raise InvalidArgumentError(f"handles travel over a Unix socket, got {type(sock).__name__}")
+    if sock.family != socket.AF_UNIX:
+        raise InvalidArgumentError("handles travel over AF_UNIX sockets only (SCM_RIGHTS)")
 
 
 def _close_all(fds: Iterable[int]) -> None:
@@ -195,7 +206,8 @@ def _rebuild(body: bytes, fds: list[int]) -> list[SharedHandle]:
         _close_all(fd for j, fd in enumerate(fds) if j not in used)
         if isinstance(e, DescriptorError):
             raise
-        if isinstance(e, (ValueError, KeyError, TypeError, AttributeError)):
+        # RecursionError: JSON nested past the parser's depth; OverflowError: int(Infinity)
+        if isinstance(e, (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError)):
             raise DescriptorError(f"malformed handle message: {type(e).__name__}: {e}") from e
         raise
 
@@ -206,8 +218,7 @@ def recv_handles(sock: socket.socket) -> list[SharedHandle]:
     Blocks per the socket's own timeout (``sock.settimeout``: the built-in TimeoutError).
     A malformed message raises ``DescriptorError`` and leaks no fd.
     """
-    if sock.family != socket.AF_UNIX:
-        raise InvalidArgumentError("handles travel over AF_UNIX sockets only (SCM_RIGHTS)")
+    _check_unix(sock)
     out: list[SharedHandle] = []
     try:
         while True:
@@ -225,6 +236,7 @@ def recv_handles(sock: socket.socket) -> list[SharedHandle]:
 # The pidfd_getfd road: handles as plain bytes, fds fetched from the exporter by pid.
 
 _SYS_pidfd_getfd = 438  # the same number on every Linux architecture (added in 5.6)
+_MAX_C_INT = 2**31
 
 
 def pidfd_getfd(pid: int, fd: int) -> int:
@@ -234,6 +246,11 @@ def pidfd_getfd(pid: int, fd: int) -> int:
     CAP_SYS_PTRACE) and a seccomp profile that allows pidfd_open/pidfd_getfd; raises
     ``UnsupportedError`` naming what is missing.
     """
+    # ctypes hands syscall() a Python int as a C int, masked: fd 2**32 + 3 would fetch fd 3
+    pid = as_int(pid, "pid", minimum=1)
+    fd = as_int(fd, "fd", minimum=0)
+    if pid >= _MAX_C_INT or fd >= _MAX_C_INT:
+        raise InvalidArgumentError(f"pid {pid} / fd {fd}: each must be below 2**31")
     try:
         pidfd = os.pidfd_open(pid)
     except OSError as e:
@@ -281,15 +298,23 @@ def unpack_handles(data: bytes) -> list[SharedHandle]:
         pid = doc["pid"]
         items = list(doc["handles"])
         fds = [d.get("fd_number", -1) for d in items]
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise DescriptorError(f"malformed packed handles: {e}") from e
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as e:
+        raise DescriptorError(f"malformed packed handles: {type(e).__name__}: {e}") from e
     if magic != _PACK_MAGIC or version != VERSION:
         raise DescriptorError(f"not packed kvxfer handles (magic {magic!r}, version {version})")
-    # JSON gives any type: only plain ints name a process and its fds
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+    # JSON gives any type: only plain ints (C ints: syscall() masks larger ones) name a
+    # process and its fds
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < _MAX_C_INT:
         raise DescriptorError(f"malformed packed handles: pid {pid!r}")
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < -1 for n in fds):
+    if any(isinstance(n, bool) or not isinstance(n, int) or not -1 <= n < _MAX_C_INT for n in fds):
         raise DescriptorError(f"malformed packed handles: fd numbers {fds!r}")
+    # every description is checked before any fd is fetched: built around the bare number,
+    # which the probe never owns (detach, not close)
+    for d, n in zip(items, fds):
+        try:
+            SharedHandle.from_description(d, n).detach()
+        except InvalidArgumentError as e:
+            raise DescriptorError(f"malformed packed handles: {e}") from e
     out: list[SharedHandle] = []
     try:
         for d, n in zip(items, fds):

@@ -10,7 +10,7 @@ import warnings
 from typing import Any, Literal
 
 from kvxfer._check import is_int
-from kvxfer.errors import ClosedError, InvalidArgumentError
+from kvxfer.errors import ClosedError, DescriptorError, InvalidArgumentError
 
 __all__ = ["SharedHandle", "Kind", "PAGE_SIZE", "parse_device"]
 
@@ -60,6 +60,18 @@ class SharedHandle:
     def __post_init__(self) -> None:
         if self.kind not in ("host", "cuda"):
             raise InvalidArgumentError(f"SharedHandle kind must be 'host' or 'cuda', got {self.kind!r}")
+        for field in ("nbytes", "alloc_nbytes", "fd", "granularity"):
+            if not is_int(getattr(self, field)):
+                raise InvalidArgumentError(f"SharedHandle {field} must be an int, got {getattr(self, field)!r}")
+        # the mapping alignment reaches cuMemAddressReserve on a CUDA import: a page-sized
+        # power of two or more, as every kind makes it
+        g = self.granularity
+        if g < PAGE_SIZE or g & (g - 1):
+            raise InvalidArgumentError(f"SharedHandle granularity must be a power of two >= {PAGE_SIZE}, got {g}")
+        if self.alloc_nbytes % g:
+            raise InvalidArgumentError(
+                f"SharedHandle alloc_nbytes={self.alloc_nbytes} is not a multiple of its granularity {g}"
+            )
         if self.nbytes <= 0 or self.alloc_nbytes < self.nbytes:
             raise InvalidArgumentError(
                 f"SharedHandle sizes are inconsistent: nbytes={self.nbytes}, alloc_nbytes={self.alloc_nbytes}"
@@ -112,20 +124,26 @@ class SharedHandle:
 
     @classmethod
     def from_description(cls, d: dict[str, Any], fd: int = -1) -> SharedHandle:
-        """Rebuild a handle from ``describe()`` plus an fd it now owns."""
-        fabric = d.get("fabric")
-        return cls(
-            kind=d["kind"],
-            nbytes=int(d["nbytes"]),
-            alloc_nbytes=int(d["alloc_nbytes"]),
-            device=str(d["device"]),
-            fd=fd,
-            fabric=bytes.fromhex(fabric) if fabric else None,
-            granularity=int(d.get("granularity", PAGE_SIZE)),
-            huge_pages=bool(d.get("huge_pages", False)),
-            device_uuid=d.get("device_uuid"),
-            name=str(d.get("name", "kvxfer")),
-        )
+        """Rebuild a handle from ``describe()`` plus an fd it now owns (on success only).
+
+        A description that is not one (a missing field, a wrong type) raises
+        ``DescriptorError``; inconsistent values ``InvalidArgumentError``."""
+        try:
+            fabric = d.get("fabric")
+            fields = dict(
+                kind=d["kind"],
+                nbytes=int(d["nbytes"]),
+                alloc_nbytes=int(d["alloc_nbytes"]),
+                device=str(d["device"]),
+                fabric=bytes.fromhex(fabric) if fabric else None,
+                granularity=int(d.get("granularity", PAGE_SIZE)),
+                huge_pages=bool(d.get("huge_pages", False)),
+                device_uuid=d.get("device_uuid"),
+                name=str(d.get("name", "kvxfer")),
+            )
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise DescriptorError(f"malformed handle description: {type(e).__name__}: {e}") from e
+        return cls(fd=fd, **fields)
 
     def __enter__(self) -> SharedHandle:
         return self

@@ -100,9 +100,11 @@ def import_(buf: KVBuffer, h: SharedHandle) -> None:
         raise InvalidArgumentError("a host SharedHandle must carry an fd")
     if h.alloc_nbytes % PAGE_SIZE:
         raise InvalidArgumentError(f"alloc_nbytes {h.alloc_nbytes} is not a multiple of the page size")
-    fd = os.dup(h.fd)
     try:
-        os.set_inheritable(fd, False)
+        fd = os.dup(h.fd)
+    except OSError as e:         # closed behind the handle's back, or never an fd
+        raise BufferError(f"handle fd {h.fd} cannot be duplicated: {e}") from e
+    try:
         # unsealed, its owner (or anyone holding the fd) could shrink it under our mapping,
         # and the next touch, ours or a peer's write, would SIGBUS
         try:

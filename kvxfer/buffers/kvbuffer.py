@@ -164,6 +164,9 @@ class KVBuffer:
         asked. Host memory starts zeroed; CUDA memory is not initialised.
         """
         nbytes = as_int(nbytes, "nbytes", minimum=1)
+        if nbytes > _MAX_NBYTES:     # rounded up, it must still be a file size (off_t)
+            raise InvalidArgumentError(f"nbytes must be at most {_MAX_NBYTES}, got {nbytes}")
+        _check_name(name)
         kind, ordinal = parse_device(device)
         self = cls(_token=_PRIVATE)
         self.name = name
@@ -283,8 +286,12 @@ class KVBuffer:
         if self.kind == "host":
             if fabric:
                 raise InvalidArgumentError("fabric handles exist for CUDA buffers only")
-            fd = os.dup(self._fd)
-            os.set_inheritable(fd, False)
+            # under the lock: a close() in between would close the fd, and its number, reused
+            # by any other open, would be exported as this buffer
+            with self._lock:
+                if self._closed:
+                    raise ClosedError(f"KVBuffer {self.name!r} is closed")
+                fd = os.dup(self._fd)      # F_DUPFD_CLOEXEC: never inheritable
             return SharedHandle(fd=fd, **common)  # type: ignore[arg-type]
         assert isinstance(m, CudaMapping)
         drv = cuda.load()
@@ -324,6 +331,8 @@ class KVBuffer:
         offset = as_int(offset, "offset")
         if offset < 0:
             raise OutOfBoundsError(f"offset {offset} is negative")
+        if offset > self.nbytes:
+            raise OutOfBoundsError(f"offset {offset} is past the buffer's {self.nbytes} bytes")
         avail = self.nbytes - offset
         if shape is None:
             if avail < 0 or avail % dt.itemsize:
@@ -487,3 +496,19 @@ class KVBuffer:
 
 
 _PRIVATE = object()
+
+#: the largest ``nbytes`` whose rounding up (to a huge page at most) is still an off_t
+_MAX_NBYTES = 2**63 - (1 << 30)
+
+
+def _check_name(name: object) -> None:
+    """A memfd name: a str the file system encoding takes, no NUL, at most 249 bytes
+    (memfd_create's limit; its EINVAL would read like a missing hugetlb memfd)."""
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"name must be a str, got {type(name).__name__}")
+    try:
+        raw = os.fsencode(name)
+    except UnicodeError:
+        raise InvalidArgumentError(f"name {name!r} cannot be encoded as a file name") from None
+    if b"\0" in raw or len(raw) > 249:
+        raise InvalidArgumentError(f"name must be at most 249 bytes without NUL, got {len(raw)} bytes")
