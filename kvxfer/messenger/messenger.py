@@ -728,6 +728,10 @@ class Messenger:
         if self.context_slots and self.context_bytes + 8 > hs.max_write:
             raise InvalidArgumentError("this node's context does not fit one message of the peer's engine")
         peer = self.engine.connect(hs.address)
+        with self._lock:         # one engine Peer per address: its teardown would take the other down
+            other = next((g for g in self._peers.values() if g.peer is peer and g.uid != hs.uid), None)
+        if other is not None:
+            raise DescriptorError(f"the handshake names the address of peer {other.uid:016x}")
         try:
             remote = {}
             for r, descs in zip(hs.ranks, hs.regions):
@@ -1834,9 +1838,9 @@ class Messenger:
             self._on_aborted(pg, m)
         elif t == C.REJECT:
             r = self._receive_of(pg, m.imm)
-            if r is not None:
+            if r is not None:    # fenced only if nothing was announced or fenced: else writes may land
                 self._finish_receive(r, "failed", InvalidArgumentError(f"the prefiller rejected the request: {m.reason}"),
-                                     fenced=True)
+                                     fenced=r._announced is None and r._fence_target is None and not r.done)
         elif t == C.BYE:
             self._peer_gone(pg, PeerError(f"peer {pg.uid:016x} closed"), notify=False)
 
@@ -1872,6 +1876,11 @@ class Messenger:
             self._drop("unknown_request")
             return None
         return r
+
+    def _most_writes(self, r: Receive) -> int:
+        """More messages than any request of ``r``'s pages can take (each carries >= 1 byte)."""
+        g = self._geometry
+        return len(self.ranks) * len(r.dst_pages) * g.num_layers * g.planes * g.page_stride + 1
 
     def _on_request_msg(self, pg: PeerGroup, m: C.Control) -> None:
         hs = pg.handshake
@@ -1927,11 +1936,18 @@ class Messenger:
                 # now would collide with the fence's and leave the pages quarantined
                 self._drop("late_announce")
                 return
-            r._announced = m.count
+            least = 2 if self.context_slots else 1    # a page, and the context
+            bad = not least <= m.count <= self._most_writes(r)
+            if bad:
+                self._count("drop_bad_count")
+            else:
+                r._announced = m.count
             if r._state == "pending":
                 r._state = "transferring"
-        if m.count == 0:
-            self._finish_receive(r, "done", fenced=True)
+        if bad:     # writes may still land (none counted): quarantined until the peer is torn down
+            self._finish_receive(r, "failed", PeerError(
+                f"the prefiller announced {m.count} writes for request {r.request_id!r}: not "
+                f"{least} to {self._most_writes(r)}"), fenced=False)
             return
         try:
             # everything already landed (small requests: the data overtakes the ANNOUNCE): no
@@ -1980,6 +1996,20 @@ class Messenger:
             target = r._announced or 0        # the prefiller finished and forgot it
         else:
             target = m.count
+        with self._lock:
+            if r._state in _FINAL:
+                return
+            if r._fence_target is not None:      # a repeated ABORTED: the first count stands
+                self._count("drop_duplicate_aborted")
+                return
+            most = r._announced if r._announced is not None else self._most_writes(r)
+            if target > most:                    # more than it announced, or than can exist
+                self._count("drop_bad_count")
+                target = None
+        if target is None:       # no fence can be trusted: quarantined until the peer is torn down
+            self._finish_receive(r, "failed", PeerError(
+                f"the prefiller reported more writes posted for request {r.request_id!r} than {most}"), fenced=False)
+            return
         with self._lock:
             if r._state in _FINAL:
                 return

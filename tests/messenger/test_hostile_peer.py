@@ -1,0 +1,316 @@
+"""A peer whose control messages decode but make no sense (a corrupt or buggy prefiller):
+the decoder must fail the request precisely (or ignore the message), never report it done
+without its data, never hang it forever, and never free pages that writes may still reach.
+
+The prefiller's own messenger sends the crafted messages (``Messenger._send``: real encoding,
+real HMAC tag, real sequence numbers, over the real provider), so each one passes every
+identity check and reaches the decoder's handlers."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import kvxfer
+from kvxfer import KVLayout, Sharding
+from kvxfer.errors import InvalidArgumentError, PeerError
+from kvxfer.messenger import _codec as C
+
+LAYOUT = KVLayout.vllm(2, 4, 8, 4, 32, "float16")
+SH = Sharding(1)
+SECRET = b"hostile-peer-secret-0123"
+
+
+def _regions(fill):
+    return [np.full(s, fill, np.uint8) for s in LAYOUT.region_sizes(SH)]
+
+
+@pytest.fixture
+def pair(provider):
+    ea, eb = kvxfer.Engine(provider, "127.0.0.1"), kvxfer.Engine(provider, "127.0.0.1")
+    src, dst = _regions(7), _regions(0xEE)
+    p = kvxfer.Messenger(ea, LAYOUT, SH, {0: src}, peer_timeout=5, secret=SECRET)
+    d = kvxfer.Messenger(eb, LAYOUT, SH, {0: dst}, context_slots=4, context_bytes=16, peer_timeout=5, secret=SECRET)
+    pg = d.connect(p.handshake())
+    back = p._peers[d.uid]                   # the prefiller's group for the decoder
+    yield p, d, pg, back, dst
+    d.close()
+    p.close()
+    eb.close()
+    ea.close()
+
+
+def _request(p, d, pg, rid, page):
+    r = d.receive(pg, rid, [page], 1)
+    (q,) = p.requests(timeout=5)             # taken, never served: only crafted messages follow
+    assert q.imm == r.imm
+    return r
+
+
+def _settle(d, key, n=1, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while d.stats().get(key, 0) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)                         # the handler runs right after the count
+
+
+def _page_busy(d, pg, page):
+    try:
+        r = d.receive(pg, f"probe-{page}-{time.monotonic()}", [page], 1)
+    except InvalidArgumentError as exc:
+        assert "quarantined" in str(exc)
+        return True
+    r.abort(5)
+    return False
+
+
+def test_announce_of_no_writes_does_not_complete_the_request(pair):
+    """ANNOUNCE(count=0): no request is ever written in 0 messages (a page and, with context
+    slots, the context). It used to make the Receive "done" with none of its data and the
+    context of whatever request used the slot before."""
+    p, d, pg, back, dst = pair
+    r = _request(p, d, pg, "zero", 1)
+    p._send(back, C.ANNOUNCE, imm=r.imm, count=0)
+    _settle(d, "recv_ANNOUNCE")
+    with pytest.raises(PeerError, match="announced"):
+        r.wait(5)
+    assert r.state == "failed" and r.context is None
+    assert not r.fenced and _page_busy(d, pg, 1)    # what it may still write is quarantined
+    # context slots: one message (the context) is no request either
+    r2 = _request(p, d, pg, "ctx-only", 2)
+    p._send(back, C.ANNOUNCE, imm=r2.imm, count=1)
+    with pytest.raises(PeerError, match="announced"):
+        r2.wait(5)
+
+
+def test_announce_beyond_any_request_fails_at_once(pair):
+    """A count no request of these pages can reach (each message carries at least one byte
+    of them) used to be armed: the request waited for it for ever, and a timeout's ABORT
+    answered "finished" (UNKNOWN) fenced on that same count, so even a timeout never ended
+    it."""
+    p, d, pg, back, dst = pair
+    r = _request(p, d, pg, "huge", 3)
+    p._send(back, C.ANNOUNCE, imm=r.imm, count=2**40)
+    with pytest.raises(PeerError, match="announced"):
+        r.wait(5)
+    assert r.state == "failed" and not r.fenced and _page_busy(d, pg, 3)
+
+
+def test_aborted_beyond_the_announced_count_fails_instead_of_hanging(pair):
+    """ABORTED(posted) above what was announced: the prefiller cannot have posted more than
+    it announced; fencing on it waited for arrivals that never come, for ever."""
+    p, d, pg, back, dst = pair
+    r = _request(p, d, pg, "over", 4)
+    p._send(back, C.ANNOUNCE, imm=r.imm, count=3)
+    p._send(back, C.ABORTED, imm=r.imm, count=10, flags=C.ABORTED_BY_PREFILLER)
+    with pytest.raises(PeerError):
+        r.wait(5)
+    assert r.state == "failed" and not r.fenced and _page_busy(d, pg, 4)
+    assert r not in d._fencing
+
+
+def test_aborted_beyond_any_request_fails_instead_of_hanging(pair):
+    """The same without an ANNOUNCE: a posted count past what the request's pages can take."""
+    p, d, pg, back, dst = pair
+    r = _request(p, d, pg, "over2", 5)
+    p._send(back, C.ABORTED, imm=r.imm, count=2**63 + 5, flags=0)
+    with pytest.raises(PeerError):
+        r.wait(5)
+    assert r.state == "failed" and not r.fenced and _page_busy(d, pg, 5)
+    assert r not in d._fencing
+
+
+def test_a_second_aborted_does_not_lower_the_fence(pair):
+    """ABORTED(5) opens a fence of 5 arrivals; a second ABORTED(0) for the same imm used to
+    replace its target and free the pages while the 5 writes could still land in them."""
+    p, d, pg, back, dst = pair
+    r = _request(p, d, pg, "twice", 6)
+    p._send(back, C.ABORTED, imm=r.imm, count=5, flags=0)
+    _settle(d, "recv_ABORTED")
+    p._send(back, C.ABORTED, imm=r.imm, count=0, flags=0)
+    _settle(d, "recv_ABORTED", 2)
+    assert not r.done and not r.fenced and r._fence_target == 5
+    assert _page_busy(d, pg, 6)
+    assert d.stats().get("drop_duplicate_aborted") == 1
+
+
+def test_reject_after_announce_does_not_free_the_pages(pair):
+    """REJECT says nothing was posted; after an ANNOUNCE (writes posted) it cannot be true,
+    and failing the request fenced would hand its pages to the next request while those
+    writes land."""
+    p, d, pg, back, dst = pair
+    r = _request(p, d, pg, "late-reject", 7)
+    p._send(back, C.ANNOUNCE, imm=r.imm, count=3)
+    p._send(back, C.REJECT, imm=r.imm, reason="changed my mind")
+    with pytest.raises(InvalidArgumentError, match="rejected"):
+        r.wait(5)
+    assert not r.fenced and _page_busy(d, pg, 7)
+
+
+def test_reject_after_an_unfenced_failure_does_not_free_the_pages(pair):
+    """A request failed without a fence (an ANNOUNCE no expectation can take: the engine
+    refuses counts of 2**63 and more) keeps its pages quarantined; a REJECT that follows
+    used to retire it (fenced=True on a final request) and free them."""
+    p, d, pg, back, dst = pair
+    r = _request(p, d, pg, "unfenced", 11)
+    p._send(back, C.ANNOUNCE, imm=r.imm, count=2**63)
+    with pytest.raises(PeerError):
+        r.wait(5)
+    assert not r.fenced
+    p._send(back, C.REJECT, imm=r.imm, reason="and now this")
+    _settle(d, "recv_REJECT")
+    assert not r.fenced and _page_busy(d, pg, 11)
+
+
+def test_honest_traffic_still_completes_after_the_hostile_messages(pair):
+    """The checks refuse only the impossible: a real request on the same pair still lands."""
+    p, d, pg, back, dst = pair
+    r = _request(p, d, pg, "bad", 8)
+    p._send(back, C.ANNOUNCE, imm=r.imm, count=0)
+    with pytest.raises(PeerError):
+        r.wait(5)
+    r2 = d.receive(pg, "good", [9, 10], 8)
+    (q,) = p.requests(timeout=5)
+    p.send(q, [0, 1]).finish(b"ctx")
+    assert r2.wait(10) == "done" and bytes(r2.context) == b"ctx"
+    assert r2.expected >= 2
+
+
+def test_a_hello_with_another_peers_address_is_refused(provider):
+    """A HELLO whose handshake carries a live peer's engine address under another uid (here a
+    rogue process on a node without a secret; also a restarted peer that got the same
+    address). The engine shares one Peer per address, so the second group used to share the
+    first's: when the impostor fell silent and was torn down, the real peer's Peer was
+    disconnected with it, and every request with the real peer failed."""
+    import dataclasses
+
+    ea, eb, er = (kvxfer.Engine(provider, "127.0.0.1") for _ in range(3))
+    p = kvxfer.Messenger(ea, LAYOUT, SH, {0: _regions(7)}, peer_timeout=2)
+    d = kvxfer.Messenger(eb, LAYOUT, SH, {0: _regions(0xEE)}, context_slots=4, context_bytes=16, peer_timeout=2)
+    try:
+        pg = d.connect(p.handshake())
+        hs = C.Handshake.decode(d.handshake())
+        fake = dataclasses.replace(hs, uid=hs.uid ^ 0x5555)
+        to_p = er.connect(ea.address)
+        er.send(to_p, C.Control(C.HELLO, fake.uid, p.uid, 1, blob=fake.encode()).encode())
+        _settle(p, "recv_HELLO", 2)
+        assert fake.uid not in p._peers and p.stats().get("drop_bad_handshake") == 1
+        time.sleep(3)                        # past the impostor's peer_timeout
+        r = d.receive(pg, "real", [1], 1)
+        (q,) = p.requests(timeout=5)
+        p.send(q, [0]).finish(b"ok")
+        assert r.wait(10) == "done" and bytes(r.context) == b"ok"
+        er.disconnect(to_p)
+    finally:
+        d.close()
+        p.close()
+        er.close()
+        eb.close()
+        ea.close()
+
+
+# -- any sequence of authentic nonsense ----------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+BIG = KVLayout.vllm(2, 4, 8, 4, 512, "float16")
+SLOTS = 256
+#: bytes one page of BIG takes on the decoder's one rank: every count above this is impossible
+MOST = 2 * 2 * BIG.resolve(SH).page_stride + 1
+
+
+@pytest.fixture(scope="module")
+def big_pair():
+    from _providers import available
+
+    prov = "shm" if available("shm") else "tcp;ofi_rxm"
+    if not available(prov):
+        pytest.skip("no provider")
+    ea, eb = kvxfer.Engine(prov, "127.0.0.1"), kvxfer.Engine(prov, "127.0.0.1")
+    p = kvxfer.Messenger(ea, BIG, SH, {0: [np.zeros(s, np.uint8) for s in BIG.region_sizes(SH)]},
+                         peer_timeout=30, secret=SECRET)
+    d = kvxfer.Messenger(eb, BIG, SH, {0: [np.zeros(s, np.uint8) for s in BIG.region_sizes(SH)]},
+                         context_slots=SLOTS, context_bytes=16, peer_timeout=30, secret=SECRET)
+    pg = d.connect(p.handshake())
+    state = {"page": 0}
+    yield p, d, pg, p._peers[d.uid], state
+    d.close()
+    p.close()
+    eb.close()
+    ea.close()
+
+
+counts = st.one_of(st.sampled_from([0, 1, 2, 3, MOST - 1, MOST, MOST + 1, 2**63 - 1, 2**63, 2**64 - 1]),
+                   st.integers(0, 2**64 - 1))
+nonsense = st.lists(st.one_of(
+    st.tuples(st.just(C.ANNOUNCE), counts, st.just(0)),
+    st.tuples(st.just(C.ABORTED), counts, st.integers(0, 3)),
+    st.tuples(st.just(C.REJECT), st.just(0), st.just(0)),
+), min_size=1, max_size=4)
+
+
+def _model(seq):
+    """What the decoder must do with ``seq`` when none of the writes it claims ever lands:
+    (final, fenced). Fenced (pages free) only when the peer never claimed a write posted."""
+    announced = fence = None
+    for t, count, flags in seq:
+        if t == C.ANNOUNCE:
+            if announced is not None or fence is not None:
+                continue                                   # duplicate or late: dropped
+            if not 2 <= count <= MOST:
+                return True, False                         # impossible: failed, quarantined
+            announced = count
+        elif t == C.ABORTED:
+            if fence is not None:
+                continue                                   # the first ABORTED's count stands
+            target = (announced or 0) if flags & C.ABORTED_UNKNOWN else count
+            if target > (announced if announced is not None else MOST):
+                return True, False
+            if target == 0:
+                return True, True                          # nothing was posted: fenced
+            fence = target
+        else:
+            return True, announced is None and fence is None
+    return False, False
+
+
+@given(nonsense)
+@settings(max_examples=int(__import__("os").environ.get("KVXFER_HOSTILE_EXAMPLES", "40")), deadline=None,
+          suppress_health_check=list(HealthCheck))
+def test_any_sequence_of_authentic_nonsense(big_pair, seq):
+    """ANNOUNCE, ABORTED and REJECT in any order and with any counts, authentic and in
+    sequence, for a request nobody writes: the decoder never reports it done, frees its pages
+    only when the peer never claimed a write posted, and never hits an internal error."""
+    p, d, pg, back, state = big_pair
+    page = state["page"]
+    state["page"] += 1
+    r = d.receive(pg, f"seq-{page}", [page], 1)
+    (q,) = p.requests(timeout=5)
+    before = d.stats().get("recv_ABORTED", 0) + d.stats().get("recv_ANNOUNCE", 0) + d.stats().get("recv_REJECT", 0)
+    for t, count, flags in seq:
+        if t == C.ANNOUNCE:
+            p._send(back, t, imm=r.imm, count=count)
+        elif t == C.ABORTED:
+            p._send(back, t, imm=r.imm, count=count, flags=flags)
+        else:
+            p._send(back, t, imm=r.imm, reason="no")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        st_ = d.stats()
+        if st_.get("recv_ABORTED", 0) + st_.get("recv_ANNOUNCE", 0) + st_.get("recv_REJECT", 0) >= before + len(seq):
+            break
+        time.sleep(0.002)
+    final, fenced = _model(seq)
+    if final:
+        r._event.wait(5)
+    else:
+        time.sleep(0.02)
+    assert r.state != "done"
+    assert (r.done, r.fenced) == (final, fenced), (seq, r.state, r.fenced, r.error)
+    assert bool(d._busy_pages[page]) is not fenced
+    assert not d.stats().get("drop_internal_error")
+    if not final:
+        r._m._finish_receive(r, "failed", PeerError("test over"), fenced=False)   # leave it quarantined
