@@ -41,7 +41,7 @@ class FabricError(KvxferError, OSError):
         self.text = text or _errno.errorcode.get(err, "unknown error")
         OSError.__init__(self, err, f"{call}: {self.text} (errno {err})")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[FabricError], tuple[str, int, str]]:
         return (type(self), (self.call, self.fi_errno, self.text))
 
 

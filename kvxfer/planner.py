@@ -151,7 +151,8 @@ class _PairTemplate:
 
     __slots__ = ("src_region", "src_offset", "dst_region", "dst_offset", "length", "groups", "nbytes")
 
-    def __init__(self, src_region, src_offset, dst_region, dst_offset, length, groups):
+    def __init__(self, src_region: np.ndarray, src_offset: np.ndarray, dst_region: np.ndarray,
+                 dst_offset: np.ndarray, length: np.ndarray, groups: list[tuple[int, int, int, int]]) -> None:
         for a in (src_region, src_offset, dst_region, dst_offset, length):
             a.flags.writeable = False
         self.src_region, self.src_offset = src_region, src_offset
@@ -237,7 +238,7 @@ class TransferPlan:
         lay = np.asarray(self.layers, np.int64)[:, None]
         m = len(t)
 
-        def shift(a, by):
+        def shift(a: np.ndarray, by: int) -> np.ndarray:
             return (a[None, :] + lay * by).ravel()
 
         return Writes(
