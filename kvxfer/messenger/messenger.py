@@ -184,6 +184,7 @@ class Receive:
         self._abort_sent = False
         self._fence_target: Optional[int] = None
         self._fence_counter: Any = None
+        self._fence_since = 0.0          # when the ABORTED set the fence (monotonic)
         self._fence_ok = False        # fenced by the prefiller's ABORTED, not by a teardown
         self._released = False
         self._hot = False
@@ -1727,7 +1728,7 @@ class Messenger:
                 # (else the teardown in progress retires it)
                 self._finish_receive(r, "failed", fenced=r.peer._torn_down)
         for r in fencing:
-            self._check_fence(r)
+            self._check_fence(r, now)
         for pg in peers:
             if pg.state == "dead":
                 continue
@@ -1741,7 +1742,7 @@ class Messenger:
             elif now - pg.last_sent >= pg.heartbeat and pg.state == "up":
                 self._try_send(pg, C.HEARTBEAT)
 
-    def _check_fence(self, r: Receive) -> None:
+    def _check_fence(self, r: Receive, now: Optional[float] = None) -> None:
         target = r._fence_target or 0
         c = r._fence_counter or r._counter
         got = c.arrived if c is not None else 0
@@ -1751,6 +1752,19 @@ class Messenger:
             r._fence_ok = True
             state = "failed" if r.error is not None else "aborted"
             self._finish_receive(r, state, fenced=True)
+        elif now is not None and now - r._fence_since > self.peer_timeout and r.peer.alive:
+            # writes the peer says it posted have not landed in peer_timeout: they never will
+            # (or land whenever they like); only a teardown makes the pages safe to reuse
+            self._broke_protocol(r.peer, f"{target - got} of the {target} writes it reported posted for request "
+                                         f"{r.request_id!r} did not land within {self.peer_timeout} s")
+
+    def _broke_protocol(self, pg: PeerGroup, why: str) -> None:
+        """A peer whose counts cannot be believed: torn down (its requests fail with
+        ``PeerError``, fenced: after the teardown nothing of it lands), so no page stays
+        quarantined for as long as it keeps sending heartbeats."""
+        with self._lock:
+            self._count("peers_broke_protocol")
+        self._peer_gone(pg, PeerError(f"peer {pg.uid:016x} broke the protocol ({why}): torn down"), notify=True)
 
     def _peer_gone(self, pg: PeerGroup, err: KvxferError, *, notify: bool) -> None:
         """``pg`` died (silence), left (BYE) or we close: fail everything with it, both roles."""
@@ -1944,10 +1958,9 @@ class Messenger:
                 r._announced = m.count
             if r._state == "pending":
                 r._state = "transferring"
-        if bad:     # writes may still land (none counted): quarantined until the peer is torn down
-            self._finish_receive(r, "failed", PeerError(
-                f"the prefiller announced {m.count} writes for request {r.request_id!r}: not "
-                f"{least} to {self._most_writes(r)}"), fenced=False)
+        if bad:     # writes may still land, none counted: only a teardown frees the pages
+            self._broke_protocol(pg, f"it announced {m.count} writes for request {r.request_id!r}, not "
+                                     f"{least} to {self._most_writes(r)}")
             return
         try:
             # everything already landed (small requests: the data overtakes the ANNOUNCE): no
@@ -2006,9 +2019,8 @@ class Messenger:
             if target > most:                    # more than it announced, or than can exist
                 self._count("drop_bad_count")
                 target = None
-        if target is None:       # no fence can be trusted: quarantined until the peer is torn down
-            self._finish_receive(r, "failed", PeerError(
-                f"the prefiller reported more writes posted for request {r.request_id!r} than {most}"), fenced=False)
+        if target is None:       # no fence can be trusted: only a teardown frees the pages
+            self._broke_protocol(pg, f"it reported more writes posted for request {r.request_id!r} than {most}")
             return
         with self._lock:
             if r._state in _FINAL:
@@ -2016,6 +2028,7 @@ class Messenger:
             if m.flags & C.ABORTED_BY_PREFILLER and r.error is None:
                 r.error = PeerError(f"the prefiller gave up on request {r.request_id!r}")
             r._fence_target = target
+            r._fence_since = time.monotonic()
             if r._counter is None and target > 0:
                 try:
                     r._fence_counter = self.engine.expect(r.imm, target)
