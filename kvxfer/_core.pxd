@@ -114,6 +114,13 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
                        kx_direct **out)
     char *kx_direct_base(const kx_direct *d)
     void kx_direct_unref(kx_direct *d)
+    int kx_direct_fence(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, uint32_t slot, uint32_t gen)
+    uint64_t kx_rail_direct_revoked(const kx_rail *r)
+    int kx_fence_table_open(size_t slots, int *fd, uint64_t **words)
+    void kx_fence_table_close(int fd, uint64_t *words, size_t slots)
+    uint32_t kx_fence_issue(uint64_t *word)
+    uint32_t kx_fence_revoke(uint64_t *word, int64_t wait_ns)
+    int kx_fence_retire(uint64_t *word)
 
     # writes
     int64_t kx_count_messages(const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length,
@@ -122,6 +129,8 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
                  kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
                  int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min,
                  kx_transfer **out)
+    void kx_posting_begin(kx_rail *r) nogil
+    void kx_posting_end(kx_rail *r) nogil
     void kx_transfer_get_state(const kx_transfer *x, kx_transfer_state *out)
     int kx_transfer_wait(kx_rail *r, kx_transfer *x, int64_t slice_ns)
     void kx_transfer_cancel(kx_rail *r, kx_transfer *x)

@@ -17,6 +17,7 @@ a memfd's path is ``/memfd:NAME (deleted)`` (hugetlb memfds too).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import NamedTuple, Optional
 
@@ -124,7 +125,8 @@ def host_share(ptr: int, nbytes: int) -> Optional[wire.HostShare]:
 def refresh(share: wire.HostShare) -> Optional[wire.HostShare]:
     """``share`` as it stands now: its fd may have been closed (a KVBuffer closed under its
     region keeps its mapping, not its fd) or reused; then another fd on the same memfd, or
-    None. The peer checks the file again before it maps anything."""
+    None. The peer checks the file again before it maps anything. Its ``fence`` is kept:
+    the engine's fence table stays open as long as the engine."""
     fd = share.fd
     try:
         st = os.fstat(fd)
@@ -135,4 +137,4 @@ def refresh(share: wire.HostShare) -> Optional[wire.HostShare]:
         fd = _open_fd(share.dev, share.inode)
         if fd is None:
             return None
-    return wire.HostShare(os.getpid(), fd, share.dev, share.inode, share.offset)
+    return dataclasses.replace(share, pid=os.getpid(), fd=fd)      # the fence (engine's) stays

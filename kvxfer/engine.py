@@ -9,12 +9,15 @@ registration holds its buffer, until the last completion has been read.
 On shm, a region that is a shared memfd mapping (a host ``KVBuffer``, or any view of one)
 travels with a host share in its descriptor, and a peer engine maps it and writes into it
 directly: a memcpy per message, then a 0-byte write carrying the imm (src/direct.c). The
-target counts exactly what it counts over RMA. ``Engine(direct=False)`` or
+target counts exactly what it counts over RMA. The share names the region's word in this
+engine's fence table, which ``MemoryRegion.close()`` revokes before it deregisters, so no
+peer's copy lands after the close (``_FenceSlot``). ``Engine(direct=False)`` or
 ``KVXFER_SHM_DIRECT=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno as _errno
 import operator
 import os
@@ -327,11 +330,65 @@ class Peer:
         return f"<Peer {self.remote_rails} rail(s) of {self.engine.provider}{' closed' if self.closed else ''}>"
 
 
+#: words in an engine's fence table (64 KiB): regions offering a host share at once
+FENCE_SLOTS = 8192
+#: how long closing a region waits for peers' direct copies in progress (a writer killed
+#: mid-copy never leaves; the slot is then retired, never reused)
+FENCE_WAIT = 1.0
+
+
+class _FenceSlot:
+    """A region's word in its engine's fence table (src/direct.c, ``_fabric.FenceTable``):
+    peers copy into the region directly only while the word carries ``generation`` and is not
+    revoked. Revoked when the region closes (or is dropped), released after deregistration:
+    the generation is bumped and the slot serves the next region."""
+
+    def __init__(self, engine: "Engine", table: Any, slot: int, generation: int, dev: int, inode: int) -> None:
+        self._engine = engine
+        self._table = table
+        self._lock = threading.Lock()
+        self._left: Optional[int] = None     # writers still inside after the wait
+        self.slot = slot
+        self.generation = generation
+        self.dev = dev
+        self.inode = inode
+
+    def wire(self) -> wire.Fence:
+        return wire.Fence(self._table.fd, self.dev, self.inode, self.slot, self.generation)
+
+    def revoke(self, wait: bool = True) -> None:
+        """Refuse every copy from now on; with ``wait``, wait up to ``FENCE_WAIT`` s (once)
+        for the copies in progress."""
+        with self._lock:
+            table = self._table
+            if table is None or self._left is not None:
+                return
+            if wait:
+                self._left = table.revoke(self.slot, FENCE_WAIT)
+            else:
+                table.revoke(self.slot, 0.0)
+
+    def release(self) -> None:
+        """Once deregistered: bump the generation and give the slot back (idempotent)."""
+        self.revoke()
+        with self._lock:
+            table, self._table = self._table, None
+        if table is not None:
+            self._engine._fence_give(self.slot, self._left == 0 and table.retire(self.slot))
+
+    def __del__(self) -> None:
+        try:
+            self.release()     # a region dropped without close(): its registration goes too
+        except Exception:
+            pass
+
+
 class MemoryRegion:
     """Local memory registered with the engine. Keeps its buffer alive until closed."""
 
     def __init__(self, engine: "Engine", handles: list, obj: Any, ptr: int, nbytes: int, device: str,
-                 remote: bool = True, host_share: Optional[wire.HostShare] = None) -> None:
+                 remote: bool = True, host_share: Optional[wire.HostShare] = None,
+                 fence: Optional["_FenceSlot"] = None) -> None:
         self.engine = engine
         self.remote = remote
         self._handles = handles      # one RegionHandle (registration) per rail
@@ -340,6 +397,7 @@ class MemoryRegion:
         self.nbytes = nbytes
         self.device = device
         self._host_share = host_share    # a shared memfd mapping: shm peers may write directly
+        self._fence = fence              # its slot in the engine's fence table (with a share)
 
     def descriptor(self) -> bytes:
         """Compact, versioned bytes a peer passes to ``Engine.remote`` to write here."""
@@ -397,15 +455,27 @@ class MemoryRegion:
                                            "wait for them (or disarm them) before closing it")
         self._close()
 
+    def _revoke(self, wait: bool = True) -> None:
+        """Stop peers' direct copies into this region (its fence); with ``wait``, until the
+        copies in progress have ended (bounded, ``_FenceSlot.revoke``)."""
+        if self._fence is not None:
+            self._fence.revoke(wait)
+
     def _close(self) -> None:
-        """Deregister on every rail, even if one fails; then raise the first failure."""
+        """Deregister on every rail, even if one fails; then raise the first failure. Peers'
+        direct copies stop first (the fence), as their RMA writes stop at deregistration,
+        and the fence slot is released after."""
+        self._revoke()
         handles, self._handles, self._obj = self._handles, [], None
+        fence, self._fence = self._fence, None
         first: Optional[BaseException] = None
         for h in handles:
             try:
                 h.close()
             except FabricError as exc:
                 first = first or exc
+        if fence is not None:
+            fence.release()
         if first is not None:
             raise first
 
@@ -433,7 +503,9 @@ class RemoteRegion:
 
     ``direct``: writes from host memory go as direct writes, through this process's own
     mapping of the peer's memfd (a ``_fabric.DirectMap``, held here and by every native
-    transfer still posting through it; unmapped once none does). ``host_share``: the
+    transfer still posting through it; unmapped once none does), only where the share
+    carries its fence (descriptor version 3): a copy is skipped once the target closed the
+    region (src/direct.c; ``Engine.stats()["direct_revoked"]``). ``host_share``: the
     descriptor's; with one, rule 3 of the message rule does not apply to writes into the
     region (``pack_min`` 0), on every path (direct or RMA)."""
 
@@ -841,6 +913,13 @@ class Engine:
         self._parked = False         # close() left an endpoint open (kx_rail_park)
         self._lock = threading.Lock()
         self._regions: "weakref.WeakSet[MemoryRegion]" = weakref.WeakSet()
+        # the fence of direct writes into our regions (src/direct.c): made at the first
+        # registration that offers a host share; one slot per such region
+        self._fence: Any = None
+        self._fence_file = (0, 0)        # its (dev, inode)
+        self._fence_free: list[int] = []
+        self._fence_next = 0
+        self._fence_stuck = 0            # slots a writer never left (retired, never reused)
         self._callbacks: dict[int, Counter] = {}
         self._dispatcher: Optional[threading.Thread] = None
         self._raw_keys: list[tuple[Any, int]] = []
@@ -923,7 +1002,10 @@ class Engine:
             r.quiesce()
         for r in self._rails:           # endpoints go before the registrations they used
             r.close_endpoint()
-        for r in list(self._regions):       # a failure is reported, never stops the close
+        regions = list(self._regions)
+        for r in regions:                   # no peer's direct copy starts into any of them
+            r._revoke(wait=False)
+        for r in regions:                   # a failure is reported, never stops the close
             try:
                 r._close()
             except FabricError as exc:
@@ -935,6 +1017,7 @@ class Engine:
                 warnings.warn(f"unmapping a peer's raw key: {exc}", ResourceWarning, stacklevel=2)
         for r in reversed(self._rails):
             r.close()
+        self._fence = None                  # its regions' slots hold it until they are done
         d = self._dispatcher
         if d is not None and d is not threading.current_thread():
             d.join(timeout=5)
@@ -1008,6 +1091,8 @@ class Engine:
         for r in self._rails:
             for k, v in r.stats().items():
                 out[k] = out.get(k, 0) + v
+        # closed regions whose fence a peer's copy never left (a writer killed mid-copy)
+        out["direct_fence_stuck"] = self._fence_stuck
         return out
 
     @property
@@ -1111,7 +1196,10 @@ class Engine:
                 os.close(dmabuf)
         # a shared memfd mapping: shm peers may map it and write directly (src/direct.c)
         share = _maps.host_share(ptr, nbytes) if self.direct and remote and device == "cpu" else None
-        region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote), share)
+        fence = self._fence_take() if share is not None else None
+        if fence is not None:         # the share names it: peers copy only while it allows
+            share = dataclasses.replace(share, fence=fence.wire())
+        region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote), share, fence)
         with self._lock:
             if self._closed:       # close() ran while we registered: undo, not leak
                 region._close()
@@ -1141,10 +1229,15 @@ class Engine:
                 keys.append(int.from_bytes(k, "little"))
         direct = None
         share = d.host_share
-        if self.direct and share is not None and not d.device:
+        # only a fenced share (descriptor version 3) is written directly: the target revokes
+        # its fence when it closes the region, and the copies stop (src/direct.c); an older
+        # share has no such stop, so it is written over RMA (counted the same: pack_min 0)
+        if self.direct and share is not None and share.fence is not None and not d.device:
+            f = share.fence
             try:
                 direct = _fabric.DirectMap(f"/proc/{share.pid}/fd/{share.fd}", share.dev, share.inode, share.offset,
-                                           d.nbytes)
+                                           d.nbytes, (f"/proc/{share.pid}/fd/{f.fd}", f.dev, f.inode, f.slot,
+                                                      f.generation))
             except KvxferError:
                 direct = None   # another host or namespace, no permission, a stale share: RMA
         return RemoteRegion(self, d, tuple(keys), direct)
@@ -1449,6 +1542,37 @@ class Engine:
             raise ArgumentTypeError(f"region must be a MemoryRegion or RemoteRegion, not {type(region).__name__}")
         return wire.count_writes(src_offsets, dst_offsets, lengths, self.iov, self.max_write, pack_min,
                                  rails=len(self._rails))
+
+    def _fence_take(self) -> Optional[_FenceSlot]:
+        """A slot of this engine's fence table for a region that offers a host share (the
+        table is made at the first), or None: no memfd, or every slot taken (the region's
+        share then goes without a fence, and peers write into it over RMA)."""
+        with self._lock:
+            if self._closed:
+                return None
+            if self._fence is None:
+                try:
+                    table = _fabric.FenceTable(FENCE_SLOTS)
+                    st = os.fstat(table.fd)
+                except (KvxferError, OSError):
+                    return None
+                self._fence, self._fence_file = table, (st.st_dev, st.st_ino)
+            if self._fence_free:
+                slot = self._fence_free.pop()
+            elif self._fence_next < self._fence.slots:
+                slot, self._fence_next = self._fence_next, self._fence_next + 1
+            else:
+                return None
+            table = self._fence
+            gen = table.issue(slot)
+        return _FenceSlot(self, table, slot, gen, *self._fence_file)
+
+    def _fence_give(self, slot: int, reusable: bool) -> None:
+        with self._lock:
+            if reusable:
+                self._fence_free.append(slot)
+            else:
+                self._fence_stuck += 1
 
     def _pack_min(self, host_share: Optional[wire.HostShare]) -> int:
         """Rule 3's bound for writes into a region whose descriptor carries ``host_share``:

@@ -7,15 +7,17 @@ Address, version 1::
 
     b"KXA" | u8 version | u8 len + provider name | u8 rails | per rail: u16 len + fi_getname bytes
 
-Memory descriptor, versions 1 and 2 (little-endian)::
+Memory descriptor, versions 1, 2 and 3 (little-endian)::
 
     b"KXM" | u8 version | u8 flags | u8 len + provider name | u64 base | u64 nbytes
            | 8-byte owner | u8 keys | per key: u8 len + key bytes
-           [version 2, flag HOST_SHARE: u32 pid | u32 fd | u64 dev | u64 inode | u64 offset]
+           [versions 2, 3, flag HOST_SHARE: u32 pid | u32 fd | u64 dev | u64 inode | u64 offset]
+           [version 3, flag FENCE: u32 fd | u32 slot | u32 generation | u64 dev | u64 inode]
 
 flags: bit 0 VIRT_ADDR (remote addresses are base + offset, else offsets), bit 1 RAW keys
 (provider raw keys, mapped with fi_mr_map_raw; otherwise each key is a u64), bit 2 device
-memory, bit 3 HOST_SHARE (version 2 only). One key per rail, so a region registered on
+memory, bit 3 HOST_SHARE (version 2 and 3 only), bit 4 FENCE (version 3 only, where it is
+required, and only with HOST_SHARE). One key per rail, so a region registered on
 several NICs travels as one descriptor. ``owner`` is ``owner_digest(address)`` of the engine
 that registered the region: an engine refuses to use a descriptor with a peer other than its
 owner.
@@ -26,10 +28,20 @@ the file (``dev``, ``inode``). A shm peer on the same host maps that range itsel
 with memcpy (the direct write, docs/architecture.md). A descriptor without a host share is
 still encoded as version 1, byte for byte as before, so older peers keep reading it; they
 refuse a version 2 descriptor by its version.
+
+Version 3 adds the host share's **fence** (``Fence``): the word ``slot`` of the target's
+fence table, a memfd that the same process ``pid`` holds open as ``fd``, the file (``dev``,
+``inode``), and the region's ``generation``. A sender copies into the region only while that
+word carries the generation and is not revoked, which the target sets when it closes the
+region (src/direct.c). A sender given a share without a fence (version 2) does not write
+directly: it writes over RMA, which the target's deregistration stops. Whether the
+descriptor carries a host share, not a fence, decides the count. The version is the least
+that holds the fields: 1 without a share, 2 with one without a fence, 3 with a fence.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 from dataclasses import dataclass
@@ -39,18 +51,19 @@ import numpy as np
 
 from kvxfer.errors import DescriptorError, InvalidArgumentError
 
-__all__ = ["Address", "Descriptor", "HostShare", "count_writes", "stripe_bounds", "split_write", "owner_digest", "ADDRESS_VERSION", "DESCRIPTOR_VERSION"]
+__all__ = ["Address", "Descriptor", "HostShare", "Fence", "count_writes", "stripe_bounds", "split_write", "owner_digest", "ADDRESS_VERSION", "DESCRIPTOR_VERSION"]
 
 ADDRESS_MAGIC = b"KXA"
 DESCRIPTOR_MAGIC = b"KXM"
 ADDRESS_VERSION = 1
-DESCRIPTOR_VERSION = 2          # the newest this kvxfer writes; it reads 1 and 2
-DESCRIPTOR_VERSIONS = (1, 2)
+DESCRIPTOR_VERSION = 3          # the newest this kvxfer writes; it reads 1, 2 and 3
+DESCRIPTOR_VERSIONS = (1, 2, 3)
 
 FLAG_VIRT_ADDR = 1
 FLAG_RAW_KEY = 2
 FLAG_DEVICE = 4
 FLAG_HOST_SHARE = 8
+FLAG_FENCE = 16
 
 
 class _Reader:
@@ -138,18 +151,48 @@ class Address:
 
 
 @dataclass(frozen=True)
+class Fence:
+    """The fence of a host share (version 3): word ``slot`` of the memfd that the share's
+    process holds open as ``fd``, the file (``dev``, ``inode``), and the ``generation`` the
+    word carries while the region is registered (src/direct.c)."""
+
+    fd: int
+    dev: int
+    inode: int
+    slot: int
+    generation: int
+
+    _FORMAT = struct.Struct("<IIIQQ")
+
+    def encode(self) -> bytes:
+        if not (0 <= self.fd < 2**31 and 0 <= self.slot < 2**28 and 0 <= self.generation < 2**32
+                and 0 <= self.dev < 2**64 and 0 <= self.inode < 2**64):
+            raise InvalidArgumentError(f"fence out of range: {self}")
+        return self._FORMAT.pack(self.fd, self.slot, self.generation, self.dev, self.inode)
+
+    @classmethod
+    def read(cls, r: _Reader) -> "Fence":
+        fd, slot, generation, dev, inode = (r.u32(), r.u32(), r.u32(), r.u64(), r.u64())
+        if fd >= 2**31 or slot >= 2**28:
+            raise DescriptorError("descriptor's fence names no fd or slot")
+        return cls(fd, dev, inode, slot, generation)
+
+
+@dataclass(frozen=True)
 class HostShare:
     """Where a peer on the same host can map a region's memory itself: bytes ``[offset,
     offset + nbytes)`` of the memfd that process ``pid`` holds open as ``fd``, which is the
     file (``dev``, ``inode``) (a mapping's ``st_dev``/``st_ino``). The peer opens
     ``/proc/<pid>/fd/<fd>`` and maps the range only if the file it gets is that one, so a
-    reused fd number or pid never points it elsewhere."""
+    reused fd number or pid never points it elsewhere. ``fence`` (version 3): where the
+    target revokes the share when it closes the region; a sender maps no share without one."""
 
     pid: int
     fd: int
     dev: int
     inode: int
     offset: int
+    fence: Optional[Fence] = None
 
     _FORMAT = struct.Struct("<IIQQQ")
 
@@ -190,14 +233,15 @@ class Descriptor:
 
     def encode(self) -> bytes:
         share = self.host_share
+        fence = share.fence if share is not None else None
         flags = (FLAG_VIRT_ADDR if self.virt_addr else 0) | (FLAG_RAW_KEY if self.raw else 0) | (
             FLAG_DEVICE if self.device else 0
-        ) | (FLAG_HOST_SHARE if share is not None else 0)
+        ) | (FLAG_HOST_SHARE if share is not None else 0) | (FLAG_FENCE if fence is not None else 0)
         if not 0 < len(self.keys) < 256:
             raise InvalidArgumentError("a descriptor needs 1..255 keys")
         out = [
             DESCRIPTOR_MAGIC,
-            bytes([2 if share is not None else 1, flags]),     # version 1 where it suffices
+            bytes([3 if fence is not None else 2 if share is not None else 1, flags]),  # the least that holds it
             _name(self.provider),
             struct.pack("<QQ", self.base, self.nbytes),
             self._owner(),
@@ -211,6 +255,8 @@ class Descriptor:
             if share.offset + self.nbytes > 2**63:
                 raise InvalidArgumentError("host share lies beyond any file")
             out.append(share.encode())
+        if fence is not None:
+            out.append(fence.encode())
         return b"".join(out)
 
     @classmethod
@@ -220,9 +266,13 @@ class Descriptor:
         r = _Reader(data, "descriptor")
         version = _header(r, DESCRIPTOR_MAGIC, DESCRIPTOR_VERSIONS)
         flags = r.u8()
-        known = FLAG_VIRT_ADDR | FLAG_RAW_KEY | FLAG_DEVICE | (FLAG_HOST_SHARE if version >= 2 else 0)
+        known = FLAG_VIRT_ADDR | FLAG_RAW_KEY | FLAG_DEVICE | (FLAG_HOST_SHARE if version >= 2 else 0) | (
+            FLAG_FENCE if version >= 3 else 0)
         if flags & ~known:
             raise DescriptorError(f"descriptor has unknown flags {flags:#x} for version {version}")
+        # version 3 exists for the fence, and a fence belongs to a host share
+        if (version >= 3) != bool(flags & FLAG_FENCE) or (flags & FLAG_FENCE and not flags & FLAG_HOST_SHARE):
+            raise DescriptorError(f"descriptor has flags {flags:#x} that version {version} does not allow")
         prov = r.take(r.u8()).decode("utf-8", "replace")
         base, nbytes = r.u64(), r.u64()
         owner = r.take(8)
@@ -236,6 +286,8 @@ class Descriptor:
         if base + nbytes > 2**64:
             raise DescriptorError("descriptor range wraps around the address space")
         share = HostShare.read(r, nbytes) if flags & FLAG_HOST_SHARE else None
+        if flags & FLAG_FENCE:
+            share = dataclasses.replace(share, fence=Fence.read(r))
         r.end()
         return cls(prov, base, nbytes, keys, bool(flags & FLAG_VIRT_ADDR), raw, bool(flags & FLAG_DEVICE), owner,
                    share)

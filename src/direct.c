@@ -11,8 +11,22 @@
  *
  * A kx_direct is that mapping, shared by its owner (the remote region, in Python) and every
  * transfer and watch entry that may still copy through it (refs); the last reference
- * unmaps it. The peer's memory stays valid for as long as we map it, whatever the peer does
- * (the pages belong to the file), so a late copy never lands in memory that was reused.
+ * unmaps it. The peer's pages stay valid for as long as we map them (they belong to the
+ * file), so a late copy can never fault; whether it may still land is the fence's question.
+ *
+ * The fence (kvxfer/engine.py, wire.Fence): a copy into the mapping bypasses the target's
+ * registration, so nothing else would stop it once the target deregisters the region and
+ * reuses its memory (a messenger restarted on the same KV buffer). Each region that offers
+ * a host share owns one 64-bit word of its engine's fence table, a small sealed memfd the
+ * target holds open: [generation: 32 | revoked: 1 | writers: 31]. The descriptor names the
+ * table, the slot and the generation; the sender maps the table's page of that slot with the
+ * same checks as the data (kx_direct_fence). Around every copy the sender takes a writer
+ * only if the generation is its own and revoked is clear (one CAS), and drops it after (one
+ * atomic sub); a refused copy is skipped and its message's 0-byte write still goes, refused
+ * by the target like any write to a closed key. MemoryRegion.close() sets revoked, waits for
+ * the writers to leave (bounded: a writer killed mid-copy never leaves), deregisters, then
+ * bumps the generation before the slot serves another region, so no copy lands after the
+ * close returns, in this region or in the slot's next one.
  *
  * What is checked before mapping, so a stale or hostile host share maps nothing: the path
  * is stat'ed (not opened) first and must be a regular file named "/memfd:..." with the
@@ -24,22 +38,48 @@
 #include "internal.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#ifndef F_ADD_SEALS
+#define F_ADD_SEALS 1033
+#endif
 #ifndef F_GET_SEALS
 #define F_GET_SEALS 1034
+#endif
+#ifndef F_SEAL_SEAL
+#define F_SEAL_SEAL 0x0001
 #endif
 #ifndef F_SEAL_SHRINK
 #define F_SEAL_SHRINK 0x0002
 #endif
+#ifndef F_SEAL_GROW
+#define F_SEAL_GROW 0x0004
+#endif
+#ifndef MFD_CLOEXEC
+#define MFD_CLOEXEC 0x0001U
+#endif
+#ifndef MFD_ALLOW_SEALING
+#define MFD_ALLOW_SEALING 0x0002U
+#endif
+
+/* a fence word: [generation: 32 | revoked: 1 | writers: 31] */
+#define KX_FENCE_REVOKED  (1ULL << 31)
+#define KX_FENCE_WRITERS  (KX_FENCE_REVOKED - 1)
+#define KX_FENCE_GEN(w)   ((uint32_t)((w) >> 32))
 
 struct kx_direct {
     int refs;              /* atomic */
     void *map;             /* the mapping, aligned to the file's page size */
     size_t maplen;
     char *base;            /* where byte `offset` of the file (the region's first byte) lies */
+    void *fence_map;       /* the page of the target's fence table that holds our slot, or NULL */
+    size_t fence_maplen;
+    uint64_t *fence;       /* our slot's word (NULL: no fence, copies are unchecked) */
+    uint32_t fence_gen;    /* the region's generation: copies only while the word carries it */
 };
 
 static int kx_direct_same_file(const struct stat *st, uint64_t dev, uint64_t ino)
@@ -47,12 +87,16 @@ static int kx_direct_same_file(const struct stat *st, uint64_t dev, uint64_t ino
     return S_ISREG(st->st_mode) && (uint64_t)st->st_dev == dev && (uint64_t)st->st_ino == ino;
 }
 
-int kx_direct_open(const char *path, uint64_t dev, uint64_t ino, uint64_t offset, uint64_t len, kx_direct **out)
+/* Map bytes [offset, offset + len) of the memfd at `path` MAP_SHARED after the checks above:
+ * (map_out, maplen_out): the whole mapping; at: where byte `offset` lies. */
+static int kx_map_memfd(const char *path, uint64_t dev, uint64_t ino, uint64_t offset, uint64_t len,
+                        void **map_out, size_t *maplen_out, char **at)
 {
     struct stat st;
     char name[64];
-    *out = NULL;
-    if (len == 0 || offset > INT64_MAX - len)
+    /* both as off_t, and their sum too (INT64_MAX - len alone wraps for len > INT64_MAX,
+     * and offset + len wrapped past the size check below) */
+    if (len == 0 || len > (uint64_t)INT64_MAX || offset > (uint64_t)INT64_MAX - len)
         return -EINVAL;
     /* stat before open: opening a device or FIFO that a bad share names could act on it */
     if (stat(path, &st))
@@ -88,23 +132,51 @@ int kx_direct_open(const char *path, uint64_t dev, uint64_t ino, uint64_t offset
         align = page;
     uint64_t lo = offset & ~(align - 1);
     uint64_t hi = (offset + len + align - 1) & ~(align - 1);
-    kx_direct *d = calloc(1, sizeof(*d));
-    if (!d) {
-        close(fd);
-        return -FI_ENOMEM;
-    }
     void *map = mmap(NULL, (size_t)(hi - lo), PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)lo);
     ret = map == MAP_FAILED ? -errno : 0;
     close(fd);                 /* the mapping keeps the file */
+    if (ret)
+        return ret;
+    *map_out = map;
+    *maplen_out = (size_t)(hi - lo);
+    *at = (char *)map + (offset - lo);
+    return 0;
+}
+
+int kx_direct_open(const char *path, uint64_t dev, uint64_t ino, uint64_t offset, uint64_t len, kx_direct **out)
+{
+    *out = NULL;
+    kx_direct *d = calloc(1, sizeof(*d));
+    if (!d)
+        return -FI_ENOMEM;
+    int ret = kx_map_memfd(path, dev, ino, offset, len, &d->map, &d->maplen, &d->base);
     if (ret) {
         free(d);
         return ret;
     }
     d->refs = 1;
-    d->map = map;
-    d->maplen = (size_t)(hi - lo);
-    d->base = (char *)map + (offset - lo);
     *out = d;
+    return 0;
+}
+
+int kx_direct_fence(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, uint32_t slot, uint32_t gen)
+{
+    if (d->fence)
+        return -EBUSY;     /* set once, before any transfer can see d */
+    void *map;
+    size_t maplen;
+    char *at;
+    int ret = kx_map_memfd(path, dev, ino, (uint64_t)slot * sizeof(uint64_t), sizeof(uint64_t), &map, &maplen, &at);
+    if (ret)
+        return ret;
+    if ((uintptr_t)at % sizeof(uint64_t)) {      /* cannot happen: the offset is a multiple of 8 */
+        munmap(map, maplen);
+        return -EINVAL;
+    }
+    d->fence_map = map;
+    d->fence_maplen = maplen;
+    d->fence = (uint64_t *)at;
+    d->fence_gen = gen;
     return 0;
 }
 
@@ -123,16 +195,42 @@ void kx_direct_unref(kx_direct *d)
 {
     if (d && __atomic_sub_fetch(&d->refs, 1, __ATOMIC_ACQ_REL) == 0) {
         munmap(d->map, d->maplen);
+        if (d->fence_map)
+            munmap(d->fence_map, d->fence_maplen);
         free(d);
     }
 }
 
+/* Take a writer on the fence word if it still carries `gen` and is not revoked (1), else 0. */
+static int kx_fence_enter(uint64_t *w, uint32_t gen)
+{
+    uint64_t v = __atomic_load_n(w, __ATOMIC_SEQ_CST);
+    for (;;) {
+        if (KX_FENCE_GEN(v) != gen || (v & KX_FENCE_REVOKED) || (v & KX_FENCE_WRITERS) == KX_FENCE_WRITERS)
+            return 0;
+        if (__atomic_compare_exchange_n(w, &v, v + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            return 1;
+    }
+}
+
+static void kx_fence_leave(uint64_t *w)
+{
+    __atomic_sub_fetch(w, 1, __ATOMIC_SEQ_CST);
+}
+
 /* Copy up to `limit` more bytes of x's built message into the peer's memory, from where the
  * last call stopped (x->copied): a message may be larger than a caller's budget or a progress
- * round. Returns the bytes copied. */
-uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit)
+ * round. Returns the bytes copied; sets *revoked (and copies nothing) when the target's fence
+ * refuses: the region was deregistered. */
+uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit, int *revoked)
 {
     uint64_t skip = x->copied, done = 0;
+    uint64_t *fence = x->direct->fence;
+    *revoked = 0;
+    if (fence && !kx_fence_enter(fence, x->direct->fence_gen)) {
+        *revoked = 1;
+        return 0;
+    }
     for (int k = 0; k < x->npieces && done < limit; k++) {
         uint64_t len = x->piece_len[k];
         if (skip >= len) {
@@ -146,6 +244,91 @@ uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit)
         done += n;
         skip = 0;
     }
+    if (fence)
+        kx_fence_leave(fence);     /* seq_cst: the copy is ordered before the target sees 0 writers */
     x->copied += done;
     return done;
+}
+
+uint64_t kx_rail_direct_revoked(const kx_rail *r)
+{
+    return __atomic_load_n(&r->stat_direct_revoked, __ATOMIC_RELAXED);
+}
+
+/* ---- the target's side: its fence table ----------------------------------------------- */
+
+int kx_fence_table_open(size_t slots, int *fd_out, uint64_t **words_out)
+{
+    *fd_out = -1;
+    *words_out = NULL;
+    if (slots == 0 || slots > ((size_t)1 << 28))
+        return -EINVAL;
+    size_t len = slots * sizeof(uint64_t);
+    int fd = (int)syscall(SYS_memfd_create, "kvxfer-fence", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0)
+        return -errno;
+    int ret = 0;
+    if (ftruncate(fd, (off_t)len) || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL))
+        ret = -errno;
+    void *map = MAP_FAILED;
+    if (!ret) {
+        map = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (map == MAP_FAILED)
+            ret = -errno;
+    }
+    if (ret) {
+        close(fd);
+        return ret;
+    }
+    *fd_out = fd;
+    *words_out = map;     /* all zero: generation 0, not revoked, no writers */
+    return 0;
+}
+
+void kx_fence_table_close(int fd, uint64_t *words, size_t slots)
+{
+    if (words)
+        munmap(words, slots * sizeof(uint64_t));
+    if (fd >= 0)
+        close(fd);
+}
+
+uint32_t kx_fence_issue(uint64_t *w)
+{
+    /* a free slot is revoked with no writers (or fresh: 0); nobody holds its generation yet */
+    uint64_t v = __atomic_load_n(w, __ATOMIC_SEQ_CST);
+    __atomic_store_n(w, v & ~(KX_FENCE_REVOKED | KX_FENCE_WRITERS), __ATOMIC_SEQ_CST);
+    return KX_FENCE_GEN(v);
+}
+
+uint32_t kx_fence_revoke(uint64_t *w, int64_t wait_ns)
+{
+    uint64_t v = __atomic_or_fetch(w, KX_FENCE_REVOKED, __ATOMIC_SEQ_CST);
+    if (!(v & KX_FENCE_WRITERS))
+        return 0;
+    /* a writer is inside one copy (at most a progress round, 1 MiB): yield, then nap */
+    int64_t deadline = kx_now_ns() + wait_ns;
+    for (int spins = 0;; spins++) {
+        v = __atomic_load_n(w, __ATOMIC_SEQ_CST);
+        if (!(v & KX_FENCE_WRITERS) || kx_now_ns() >= deadline)
+            return (uint32_t)(v & KX_FENCE_WRITERS);
+        if (spins < 64)
+            sched_yield();
+        else {
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
+int kx_fence_retire(uint64_t *w)
+{
+    uint64_t v = __atomic_load_n(w, __ATOMIC_SEQ_CST);
+    for (;;) {
+        if (!(v & KX_FENCE_REVOKED) || (v & KX_FENCE_WRITERS))
+            return -EBUSY;    /* a writer never left (killed mid-copy): the slot is never reused */
+        uint64_t next = ((uint64_t)(KX_FENCE_GEN(v) + 1u) << 32) | KX_FENCE_REVOKED;
+        if (__atomic_compare_exchange_n(w, &v, next, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            return 0;
+    }
 }

@@ -168,7 +168,8 @@ struct kx_rail {
     int thread_started;
     volatile int stop;
     int spin;              /* busy-poll instead of blocking */
-    int posting;           /* callers inside their own posting burst (post.c, KX_CALLER_BUDGET): the progress thread yields */
+    int posting;           /* callers inside their own posting burst (post.c, KX_CALLER_BUDGET, kx_posting_begin): the progress thread waits on this word */
+    int posting_wait;      /* the progress thread waits on `posting` (a futex): the last poster out wakes it */
     int busy;              /* threads inside any native call on the endpoint: teardown waits */
     int leaked;            /* the progress thread could not be joined: never free what it uses */
     int64_t outstanding;   /* tx operations posted and not completed (atomic) */
@@ -212,6 +213,7 @@ struct kx_rail {
     uint64_t stat_rx_err;  /* error completions not tied to a transfer */
     uint64_t stat_writes;  /* messages posted */
     uint64_t stat_direct;  /* messages copied through a direct mapping (direct.c) */
+    uint64_t stat_direct_revoked;  /* direct messages whose copy the target's fence refused (direct.c) */
     uint64_t stat_bell_rings;  /* posts of ours that woke a sleeping peer through its bell */
     uint64_t stat_bell_wakes;  /* sleeps of our progress thread that a peer's ring ended */
 
@@ -285,6 +287,8 @@ int kx_pump_queue(kx_rail *r);
 
 /* ---- liveness.c: peers (see its header comment) ----------------------------------- */
 #define KX_PEER_SCAN_NS 10000000LL   /* the progress thread looks at its peers every 10 ms */
+#define KX_ALIVE_NS 500000LL         /* a poster trusts a shm peer's pidfd's "running" this long: one
+                                      * poll(2) per message was a third of a small request's syscalls */
 #define KX_PEER_CHUNK   256          /* peer entries are allocated 256 at a time ... */
 #define KX_PEER_CHUNKS  4096         /* ... under a fixed directory: 1 Mi peers per rail */
 typedef struct kx_local {
@@ -312,6 +316,7 @@ typedef struct kx_peer {
     int64_t out;          /* operations outstanding to it */
     int64_t last_ns;
     int64_t refused_ns;   /* since when every post to it was refused (-FI_EAGAIN), 0: not */
+    int64_t alive_ns;     /* when its pidfd last said "running" to a poster (kx_peer_gone; KX_ALIVE_NS) */
     pid_t pid;            /* shm, another process: its pid (0: none) */
     volatile int *lockw;  /* shm, another process: its region's spin lock (NULL: unknown layout; written only by kx_peers_unstick) */
     void *map;            /* the page lockw lies in (our own mapping of it) */
@@ -370,7 +375,8 @@ void kx_bell_sleep(kx_rail *r, uint32_t seq, int64_t ns, int (*look)(kx_rail *))
 
 /* ---- direct.c -------------------------------------------------------------------- */
 void kx_direct_ref(kx_direct *d);    /* NULL: nothing */
-uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit);   /* more of the built message into x->direct */
+/* more of the built message into x->direct; *revoked: the target's fence refused (nothing copied) */
+uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit, int *revoked);
 
 /* ---- mr.c ------------------------------------------------------------------------- */
 /* registration by a caller already inside a kx_enter bracket (or opening the rail) */

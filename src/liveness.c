@@ -574,6 +574,7 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     p->local = local;
     p->out = 0;
     p->refused_ns = 0;
+    p->alive_ns = 0;
     p->last_ns = kx_now_ns();
     __atomic_store_n(&p->dead, dead, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->used, 1, __ATOMIC_RELEASE);
@@ -634,6 +635,20 @@ static int kx_pidfd_exited(int fd)
 }
 
 
+/* whether a shm peer's process has exited, for a poster: its pidfd, polled at most every
+ * KX_ALIVE_NS (a peer that dies in between is a post into its region, as one that dies just
+ * after the poll always was: the lock wait, the peer scan and the stall deadline catch it) */
+static int kx_peer_exited(kx_peer *p)
+{
+    int64_t now = kx_now_ns();
+    if (now - __atomic_load_n(&p->alive_ns, __ATOMIC_RELAXED) < KX_ALIVE_NS)
+        return 0;
+    if (kx_pidfd_exited(p->pidfd))
+        return 1;
+    __atomic_store_n(&p->alive_ns, now, __ATOMIC_RELAXED);
+    return 0;
+}
+
 /* Declare `fa` dead with `err`: later posts fail at once, unfinished transfers to it fail
  * now (their waiters wake), queued ones are swept. Under the hub lock. */
 void kx_peer_kill_locked(kx_rail *r, fi_addr_t fa, int err)
@@ -661,7 +676,7 @@ int kx_peer_gone(kx_rail *r, fi_addr_t fa)
         return d;
     if (p->local && __atomic_load_n(&p->local->closed, __ATOMIC_SEQ_CST))
         d = EPIPE;
-    else if (p->pidfd >= 0 && kx_pidfd_exited(p->pidfd))
+    else if (p->pidfd >= 0 && kx_peer_exited(p))
         d = ECONNRESET;
     else
         d = kx_shm_lock_wait(r, p);

@@ -163,15 +163,24 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
              * and the message itself is a 0-byte write carrying the imm, so the target
              * counts exactly what it counts otherwise */
             if (x->copied < (uint64_t)bytes) {
-                budget -= (int64_t)kx_direct_copy(x, (uint64_t)budget);
-                if (x->copied < (uint64_t)bytes) {
-                    kx_peer_leave(r, x->peer);
-                    return 0;
+                int revoked;
+                budget -= (int64_t)kx_direct_copy(x, (uint64_t)budget, &revoked);
+                if (revoked) {
+                    /* the target deregistered the region (its fence, direct.c): copy no
+                     * more of it, and still post the imm, which the target refuses like
+                     * any write to a closed key, as on the RMA path */
+                    x->copied = (uint64_t)bytes;
+                    __atomic_add_fetch(&r->stat_direct_revoked, 1, __ATOMIC_RELAXED);
+                } else {
+                    if (x->copied < (uint64_t)bytes) {
+                        kx_peer_leave(r, x->peer);
+                        return 0;
+                    }
+                    /* the whole message is in place: order the copy (non-temporal stores
+                     * included) before the write that tells the peer */
+                    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+                    __atomic_add_fetch(&r->stat_direct, 1, __ATOMIC_RELAXED);
                 }
-                /* the whole message is in place: order the copy (non-temporal stores
-                 * included) before the write that tells the peer */
-                __atomic_thread_fence(__ATOMIC_SEQ_CST);
-                __atomic_add_fetch(&r->stat_direct, 1, __ATOMIC_RELAXED);
             }
             if (!(x->flags & FI_REMOTE_CQ_DATA)) {
                 /* nothing to tell the target: the message is complete once copied (posted
@@ -394,9 +403,9 @@ int kx_write(kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *des
 
     int walk_ended = 0;
     if (!queued && kx_enter(r)) {
-        __atomic_add_fetch(&r->posting, 1, __ATOMIC_SEQ_CST);
+        kx_posting_begin(r);
         walk_ended = kx_pump(r, x, KX_CALLER_BUDGET);
-        __atomic_sub_fetch(&r->posting, 1, __ATOMIC_SEQ_CST);
+        kx_posting_end(r);
         kx_leave(r);
     }
     pthread_mutex_lock(&r->hub->lock);

@@ -25,6 +25,7 @@
  * blocks. */
 #include "internal.h"
 
+#include <limits.h>
 #include <linux/futex.h>
 #include <poll.h>
 #include <sys/syscall.h>
@@ -87,6 +88,34 @@ int kx_enter(kx_rail *r)
 void kx_leave(kx_rail *r)
 {
     __atomic_sub_fetch(&r->busy, 1, __ATOMIC_SEQ_CST);
+}
+
+void kx_posting_begin(kx_rail *r)
+{
+    __atomic_add_fetch(&r->posting, 1, __ATOMIC_SEQ_CST);
+}
+
+/* the last poster out wakes a progress thread waiting in kx_posting_wait (Dekker: posting
+ * then posting_wait here, posting_wait then posting there, seq_cst on both sides) */
+void kx_posting_end(kx_rail *r)
+{
+    if (__atomic_sub_fetch(&r->posting, 1, __ATOMIC_SEQ_CST) == 0 &&
+        __atomic_load_n(&r->posting_wait, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &r->posting, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* the progress thread, while callers post: sleep until the last of them is done (1 ms at
+ * most: stop and a waiter that starts to drive are seen within that). It used to nap 20 us
+ * at a time, a dozen timer wake-ups per small request on the messenger's prefill side. */
+static void kx_posting_wait(kx_rail *r)
+{
+    __atomic_store_n(&r->posting_wait, 1, __ATOMIC_SEQ_CST);
+    int v = __atomic_load_n(&r->posting, __ATOMIC_SEQ_CST);
+    if (v > 0 && !r->stop) {
+        struct timespec ts = {0, 1000000};
+        syscall(SYS_futex, &r->posting, FUTEX_WAIT_PRIVATE, v, &ts, NULL, 0);
+    }
+    __atomic_store_n(&r->posting_wait, 0, __ATOMIC_SEQ_CST);
 }
 
 /* a post (or a cancel) happened: wake a sleeping progress thread */
@@ -384,9 +413,8 @@ void *kx_progress_main(void *arg)
         wait_fd = -1;
     while (!r->stop) {
         if (__atomic_load_n(&r->posting, __ATOMIC_ACQUIRE) > 0 && !r->spin) {
-            /* the posting thread progresses for itself; stay out of its way */
-            struct timespec ts = {0, 20000};
-            nanosleep(&ts, NULL);
+            /* the posting thread progresses for itself; stay out of its way until it is done */
+            kx_posting_wait(r);
             continue;
         }
         if (__atomic_load_n(&r->drivers, __ATOMIC_SEQ_CST) > 0) {

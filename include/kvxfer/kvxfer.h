@@ -150,6 +150,27 @@ int kx_unmap_key(kx_rail *r, uint64_t key);
 int kx_direct_open(const char *path, uint64_t dev, uint64_t ino, uint64_t offset, uint64_t len, kx_direct **out);
 char *kx_direct_base(const kx_direct *d);   /* where the region's first byte is mapped here */
 void kx_direct_unref(kx_direct *d);          /* the last reference unmaps */
+/* Attach the target's fence (once, before any transfer uses d): map the page of its fence
+ * table (the memfd at `path`, checked as above) holding word `slot`; every later copy
+ * through d takes a writer on that word only while it carries `gen` and is not revoked, and
+ * skips the copy otherwise (the message's 0-byte write still goes). Without a fence copies
+ * are unchecked: the engine never writes directly without one. */
+int kx_direct_fence(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, uint32_t slot, uint32_t gen);
+/* direct messages of this rail whose copy a fence refused (the target closed the region) */
+uint64_t kx_rail_direct_revoked(const kx_rail *r);
+
+/* The target's fence table: `slots` 64-bit words [generation: 32 | revoked: 1 | writers: 31]
+ * in a sealed memfd mapped here (*fd stays open for peers to open through /proc). */
+int kx_fence_table_open(size_t slots, int *fd, uint64_t **words);
+void kx_fence_table_close(int fd, uint64_t *words, size_t slots);
+/* a free slot for a new region: clears revoked, returns the generation its descriptor names */
+uint32_t kx_fence_issue(uint64_t *word);
+/* set revoked (no copy starts from now on), wait up to wait_ns for the copies in progress to
+ * end; returns the writers still inside (0: none) */
+uint32_t kx_fence_revoke(uint64_t *word, int64_t wait_ns);
+/* after deregistration: bump the generation (the slot may serve another region); -EBUSY
+ * where a writer never left (the slot must not be reused) */
+int kx_fence_retire(uint64_t *word);
 
 /* ---- writes (src/post.c, src/transfer.c) ------------------------------------------- */
 
@@ -166,6 +187,11 @@ int kx_write(kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *des
              kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
              int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min,
              kx_transfer **out);
+/* A caller's burst of kx_write calls (write_groups: one per region pair): the progress
+ * thread stays out of the posters' way until the last burst ends (it waits on a futex, not in
+ * 20 us naps), then reads what completed meanwhile. Nests with kx_write's own bracket. */
+void kx_posting_begin(kx_rail *r);
+void kx_posting_end(kx_rail *r);
 void kx_transfer_get_state(const kx_transfer *x, kx_transfer_state *out);
 /* Blocks up to slice_ns; 1 once the transfer is done, else 0. */
 int kx_transfer_wait(kx_rail *r, kx_transfer *x, int64_t slice_ns);

@@ -1,5 +1,7 @@
 """Wire formats and the message-count rule, without libfabric."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -35,6 +37,66 @@ def test_descriptor_round_trip(prov, base, nbytes, virt, raw, dev, owner, share,
     if share is not None:
         assert blob[:3] + bytes([1, blob[4] & ~wire.FLAG_HOST_SHARE]) + blob[5:-32] == \
             wire.Descriptor(prov, base, nbytes, keys, virt, raw, dev, owner).encode()
+
+
+fences = st.builds(wire.Fence, st.integers(0, 2**31 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+                   st.integers(0, 2**28 - 1), st.integers(0, 2**32 - 1))
+
+
+@given(providers, st.integers(0, 2**63), st.integers(0, 2**62), st.booleans(), st.booleans(), st.booleans(),
+       st.binary(min_size=8, max_size=8), host_shares, fences, st.data())
+def test_fenced_descriptor_round_trip(prov, base, nbytes, virt, raw, dev, owner, share, fence, data):
+    """Version 3: a host share with its fence (docs/architecture.md, "Direct writes")."""
+    key = st.binary(min_size=1, max_size=64) if raw else st.binary(min_size=8, max_size=8)
+    keys = tuple(data.draw(st.lists(key, min_size=1, max_size=6)))
+    fenced = dataclasses.replace(share, fence=fence)
+    d = wire.Descriptor(prov, base, nbytes, keys, virt, raw, dev, owner, fenced)
+    blob = d.encode()
+    got = wire.Descriptor.decode(blob)
+    assert got == d and got.host_share.fence == fence
+    assert blob[3] == 3 and blob[4] & wire.FLAG_FENCE and blob[4] & wire.FLAG_HOST_SHARE
+    # the same bytes as version 2 plus 28 bytes of fence: the share's layout did not move
+    assert blob[:3] + bytes([2, blob[4] & ~wire.FLAG_FENCE]) + blob[5:-28] == \
+        wire.Descriptor(prov, base, nbytes, keys, virt, raw, dev, owner, share).encode()
+
+
+def test_older_descriptors_still_decode_without_a_fence():
+    """Versions 1 and 2 decode as before: a share without a fence (its sender writes over RMA)."""
+    share = wire.HostShare(1234, 7, 1, 99, 4096)
+    v2 = wire.Descriptor("shm", 1, 2, (b"k" * 8,), host_share=share).encode()
+    v1 = wire.Descriptor("shm", 1, 2, (b"k" * 8,)).encode()
+    assert (v1[3], v2[3]) == (1, 2)
+    assert wire.Descriptor.decode(v2).host_share == share and share.fence is None
+    assert wire.Descriptor.decode(v1).host_share is None
+    assert wire.DESCRIPTOR_VERSIONS == (1, 2, 3)
+
+
+def test_fence_is_checked():
+    fence = wire.Fence(9, 1, 100, 5, 7)
+    share = wire.HostShare(1234, 7, 1, 99, 4096, fence)
+    d = bytearray(wire.Descriptor("shm", 1, 2, (b"k" * 8,), host_share=share).encode())
+    assert d[3] == 3
+    for version, flags in ((2, d[4]),                                  # the fence flag in version 2
+                           (3, d[4] & ~wire.FLAG_FENCE),               # version 3 without its fence
+                           (3, d[4] & ~wire.FLAG_HOST_SHARE)):         # a fence without a share
+        e = bytearray(d)
+        e[3], e[4] = version, flags
+        with pytest.raises(DescriptorError, match="flags"):
+            wire.Descriptor.decode(bytes(e))
+    for at, bad in ((-28, 0xFF), (-24, 0xFF)):                        # fd beyond 2**31; slot beyond 2**28
+        e = bytearray(d)
+        e[at:at + 4] = bytes([bad]) * 4
+        with pytest.raises(DescriptorError, match="fence"):
+            wire.Descriptor.decode(bytes(e))
+    for cut in range(1, 29):
+        with pytest.raises(DescriptorError):
+            wire.Descriptor.decode(bytes(d[:-cut]))
+    with pytest.raises(InvalidArgumentError):
+        wire.Descriptor("shm", 1, 2, (b"k" * 8,), host_share=wire.HostShare(1, 7, 1, 99, 0,
+                                                                         wire.Fence(2**31, 1, 1, 0, 0))).encode()
+    with pytest.raises(InvalidArgumentError):
+        wire.Descriptor("shm", 1, 2, (b"k" * 8,), host_share=wire.HostShare(1, 7, 1, 99, 0,
+                                                                         wire.Fence(3, 1, 1, 2**28, 0))).encode()
 
 
 @settings(max_examples=300)
@@ -92,7 +154,7 @@ def test_host_share_is_checked():
 
 def test_version_and_flags_are_checked():
     d = bytearray(wire.Descriptor("shm", 1, 2, (b"k" * 8,)).encode())
-    d[3] = 3
+    d[3] = 4
     with pytest.raises(DescriptorError, match="version"):
         wire.Descriptor.decode(bytes(d))
     d[3] = 1

@@ -1,0 +1,322 @@
+"""The fence of direct writes (src/direct.c, docs/architecture.md "Direct writes"): once the
+target closes a region, a sender holding its old RemoteRegion copies nothing more into the
+target's memfd, as its RMA writes land nowhere once the key is gone. Each region offering a
+host share owns a word of its engine's fence table; the descriptor (version 3) names it.
+
+Before the fence, the first two tests failed: the old RemoteRegion kept memcpying into the
+memfd after the target's close (and into the buffer's next registration)."""
+
+import gc
+import mmap
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvxfer
+from kvxfer import KVBuffer, wire
+from kvxfer.errors import PeerError, TimeoutError
+from _providers import available
+from _procs import spawn
+from _target import RemoteError, Target
+
+
+@pytest.fixture
+def shm():
+    if not available("shm"):
+        pytest.skip("provider shm is not available here")
+
+
+def _pattern(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 256, n, dtype=np.uint8)
+
+
+def _serve(conn, nbytes: int) -> None:
+    """A target whose region the test closes and registers again (same KVBuffer memory)."""
+    import traceback
+
+    try:
+        eng = kvxfer.Engine("shm")
+        kv = KVBuffer.allocate(nbytes, "cpu")
+        buf = kv.numpy()[:nbytes]
+        mr = eng.register(kv)
+        conn.send(("ready", eng.address, mr.descriptor(), os.getpid()))
+        counters = {}
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "expect":
+                counters[args[0]] = eng.expect(args[0], args[1])
+                conn.send(("ok", None))
+            elif cmd == "wait":
+                c = counters.pop(args[0])
+                c.wait(args[1])
+                conn.send(("ok", c.arrived))
+            elif cmd == "digest":
+                conn.send(("ok", buf.copy()))
+            elif cmd == "fill":
+                buf[:] = args[0]
+                conn.send(("ok", None))
+            elif cmd == "banked":
+                conn.send(("ok", eng.banked(args[0])))
+            elif cmd == "close":               # deregister; the buffer stays, mapped and live
+                mr.close()
+                conn.send(("ok", None))
+            elif cmd == "close_engine":
+                eng.close()
+                conn.send(("ok", None))
+            elif cmd == "register":            # the same memory as a new region
+                mr = eng.register(kv)
+                conn.send(("ok", mr.descriptor()))
+            elif cmd == "close_fill_watch":
+                # close under the sender's writes; once close() returns no copy may land
+                mr.close()
+                buf[:] = 0
+                time.sleep(args[0])
+                conn.send(("ok", int(np.count_nonzero(buf))))
+            elif cmd == "exit":
+                if not eng.closed:
+                    if not mr.closed:
+                        mr.close()
+                    eng.close()
+                kv.close()
+                conn.send(("ok", None))
+                return
+            else:
+                conn.send(("error", f"unknown command {cmd}"))
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:
+            pass
+
+
+class FenceTarget(Target):
+    """tests/fabric/_target.py's Target, serving the commands above."""
+
+    def __init__(self, nbytes: int, timeout: float = 30.0) -> None:
+        self.child = spawn(_serve, nbytes, name="fence-target", with_conn=True, deadline=timeout)
+        self.parent, self.proc = self.child.conn, self.child.proc
+        self.timeout = timeout
+        status, *rest = self._recv()
+        if status != "ready":
+            raise RemoteError(rest[0] if rest else status)
+        self.address, self.descriptor, self.pid = rest
+
+    def wait(self, imm: int, timeout: float = 20.0):
+        return self.call("wait", imm, timeout)
+
+
+def _write(eng, mr, peer, dst, n, imm):
+    t = eng.write(mr, 0, peer, dst, 0, n, imm=imm)
+    t.wait(20)
+    return t
+
+
+def test_direct_writes_still_land_and_count(shm):
+    """(3) A fenced share: version 3, direct, the bytes land, direct_writes counts them."""
+    n = 1 << 20
+    src = _pattern(n, 1)
+    with FenceTarget(n) as tgt, kvxfer.Engine("shm") as eng:
+        blob = tgt.descriptor
+        share = wire.Descriptor.decode(blob).host_share
+        assert blob[3] == 3 and share.fence is not None and share.fence.slot == 0
+        mr, peer, dst = eng.register(src), eng.connect(tgt.address), eng.remote(blob)
+        assert dst.direct
+        t = eng.write(mr, 0, peer, dst, 0, n, imm=7)
+        tgt.call("expect", 7, t.num_writes)
+        t.wait(20)
+        assert tgt.wait(7) == t.num_writes
+        assert np.array_equal(tgt.memory(), src)
+        st = eng.stats()
+        assert st["direct_writes"] == t.num_writes and st["direct_revoked"] == 0
+        assert st["direct_fence_stuck"] == 0
+
+
+@pytest.mark.parametrize("how", ["close", "close_engine"])
+def test_a_closed_regions_old_remote_writes_nothing(shm, how):
+    """(1) The target closes its region (or its whole engine) and keeps the buffer: a write
+    through the old RemoteRegion leaves the memfd's bytes as they were, and no arrival."""
+    n = 1 << 20
+    src = _pattern(n, 2)
+    with FenceTarget(n) as tgt, kvxfer.Engine("shm") as eng:
+        mr, peer, dst = eng.register(src), eng.connect(tgt.address), eng.remote(tgt.descriptor)
+        assert dst.direct
+        _write(eng, mr, peer, dst, 4096, 1)
+        assert np.array_equal(tgt.memory()[:4096], src[:4096])     # the share works until then
+        tgt.call(how)
+        tgt.call("fill", 0)
+        before = eng.stats()
+        # small enough that the caller copies it all inside write() (its first 256 KiB)
+        t = eng.write(mr, 0, peer, dst, 0, 65536, imm=2)
+        try:
+            t.wait(2)
+        except (PeerError, TimeoutError):
+            assert how == "close_engine"        # its endpoint is gone; shm may never answer
+        time.sleep(0.1)
+        assert not tgt.memory().any()
+        after = eng.stats()
+        assert after["direct_writes"] == before["direct_writes"]
+        if how == "close":
+            assert after["direct_revoked"] - before["direct_revoked"] == t.num_writes
+            assert tgt.call("banked", 2) == 0    # the 0-byte writes were refused: the key is gone
+
+
+def test_close_under_a_stream_of_direct_writes_stops_them(shm):
+    """(1, racing) Close while the sender copies large transfers: once close() has returned,
+    not one more byte lands (close waits for copies in progress)."""
+    n = 32 << 20
+    src = _pattern(n, 3)
+    with FenceTarget(n) as tgt, kvxfer.Engine("shm") as eng:
+        mr, peer, dst = eng.register(src), eng.connect(tgt.address), eng.remote(tgt.descriptor)
+        assert dst.direct
+        stop, errors = threading.Event(), []
+
+        def writer():
+            try:
+                while not stop.is_set():
+                    eng.write(mr, 0, peer, dst, 0, n).wait(20)   # no imm: every message a copy
+            except BaseException as exc:                        # pragma: no cover
+                errors.append(exc)
+
+        th = threading.Thread(target=writer)
+        th.start()
+        try:
+            assert _until(lambda: eng.stats()["direct_writes"] > 8)
+            left = tgt.call("close_fill_watch", 0.3)
+            assert left == 0                     # bytes landed after close() returned: none
+            assert _until(lambda: eng.stats()["direct_revoked"] > 0)
+        finally:
+            stop.set()
+            th.join(30)
+        assert not errors
+        assert not tgt.memory().any()
+
+
+def test_a_re_registered_buffer_takes_only_the_new_regions_writes(shm):
+    """(2) The target closes its region and registers the same KVBuffer memory again (a
+    messenger restarted on its KV buffer): the slot is reused with the next generation, so the
+    old RemoteRegion's writes do not land, and the new one's do."""
+    n = 1 << 20
+    old_src, new_src = _pattern(n, 4), _pattern(n, 5)
+    with FenceTarget(n) as tgt, kvxfer.Engine("shm") as eng:
+        ms_old, ms_new, peer = eng.register(old_src), eng.register(new_src), eng.connect(tgt.address)
+        old = eng.remote(tgt.descriptor)
+        assert old.direct
+        tgt.call("close")
+        blob = tgt.call("register")
+        f_old, f_new = old.host_share.fence, wire.Descriptor.decode(blob).host_share.fence
+        assert (f_new.slot, f_new.generation) == (f_old.slot, f_old.generation + 1)
+        new = eng.remote(blob)
+        assert new.direct
+        tgt.call("fill", 0)
+        t = eng.write(ms_old, 0, peer, old, 0, n, imm=3)
+        t.wait(20)
+        time.sleep(0.1)
+        assert not tgt.memory().any()
+        assert eng.stats()["direct_revoked"] == t.num_writes
+        assert tgt.call("banked", 3) == 0
+        t = eng.write(ms_new, 0, peer, new, 0, n, imm=4)
+        tgt.call("expect", 4, t.num_writes)
+        t.wait(20)
+        assert tgt.wait(4) == t.num_writes
+        assert np.array_equal(tgt.memory(), new_src)
+        assert eng.stats()["direct_writes"] == t.num_writes
+
+
+def test_an_unfenced_share_is_written_over_rma(shm):
+    """(4) A descriptor whose share has no fence (version 2, an older kvxfer) decodes, and the
+    sender writes over RMA: the same count (no rule 3 into a host share), no direct write."""
+    n = 1 << 20
+    src = _pattern(n, 6)
+    with FenceTarget(n) as tgt, kvxfer.Engine("shm") as eng:
+        d = wire.Descriptor.decode(tgt.descriptor)
+        v2 = wire.Descriptor(d.provider, d.base, d.nbytes, d.keys, d.virt_addr, d.raw, d.device, d.owner,
+                             wire.HostShare(d.host_share.pid, d.host_share.fd, d.host_share.dev,
+                                            d.host_share.inode, d.host_share.offset)).encode()
+        assert v2[3] == 2
+        fenced, plain = eng.remote(tgt.descriptor), eng.remote(v2)
+        assert fenced.direct and not plain.direct and plain.host_share is not None
+        mr, peer = eng.register(src), eng.connect(tgt.address)
+        page = 2048                       # pieces below pack_min: rule 3 would split them
+        perm = np.random.default_rng(6).permutation(n // page)[:200]
+        so, do = np.arange(200, dtype=np.uint64) * page, perm.astype(np.uint64) * page
+        ln = np.full(200, page, np.uint64)
+        assert eng.count_writes(so, do, ln, region=plain) == eng.count_writes(so, do, ln, region=fenced) == 50
+        t = eng.write_batch(mr, peer, plain, so, do, ln, imm=5)
+        assert t.num_writes == 50
+        tgt.call("expect", 5, 50)
+        t.wait(20)
+        assert tgt.wait(5) == 50
+        got = tgt.memory().reshape(-1, page)
+        assert np.array_equal(got[perm], src[: 200 * page].reshape(-1, page))
+        assert eng.stats()["direct_writes"] == 0 and eng.stats()["direct_revoked"] == 0
+
+
+# -- in one process ---------------------------------------------------------------------------
+
+def _until(cond, timeout=20.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def test_a_dropped_region_is_revoked(shm):
+    """A region dropped without close() deregisters when collected: its fence is revoked."""
+    with kvxfer.Engine("shm") as a, kvxfer.Engine("shm") as b, KVBuffer.allocate(1 << 20) as kv:
+        md = b.register(kv)
+        dst = a.remote(md.descriptor())
+        ms, peer = a.register(_pattern(1 << 20, 7)), a.connect(b.address)
+        assert dst.direct
+        del md
+        gc.collect()
+        a.write(ms, 0, peer, dst, 0, 1 << 16, imm=1).wait(10)
+        time.sleep(0.05)
+        assert not kv.numpy().any() and a.stats()["direct_revoked"] > 0
+
+
+def test_a_writer_that_never_leaves_retires_its_slot(shm):
+    """A writer killed mid-copy leaves its count in the word: close() waits its bound (1 s),
+    proceeds, counts it, and never hands that slot out again."""
+    with kvxfer.Engine("shm") as b, KVBuffer.allocate(1 << 16) as kv:
+        md = b.register(kv)
+        f = md.host_share.fence
+        with open(f"/proc/self/fd/{f.fd}", "r+b") as fh:
+            table = mmap.mmap(fh.fileno(), 8 * (f.slot + 1))
+        word = np.frombuffer(table, np.uint64)
+        word[f.slot] += np.uint64(1)                 # a copy that started and never ended
+        start = time.monotonic()
+        md.close()
+        waited = time.monotonic() - start
+        assert 0.9 < waited < 5
+        assert b.stats()["direct_fence_stuck"] == 1
+        assert int(word[f.slot]) & (1 << 31)         # still revoked: no copy ever starts again
+        md2 = b.register(kv)
+        assert md2.host_share.fence.slot != f.slot
+        del word
+        table.close()
+        md2.close()
+        start = time.monotonic()
+        md3 = b.register(kv)                         # an ordinary close does not wait
+        md3.close()
+        assert time.monotonic() - start < 0.5
+
+
+def test_a_forged_or_stale_fence_is_written_over_rma(shm):
+    """The fence is opened with the data's checks: another file, a slot beyond the table, or
+    no such fd maps nothing, and the region is written over RMA."""
+    import dataclasses
+
+    with kvxfer.Engine("shm") as a, kvxfer.Engine("shm") as b, KVBuffer.allocate(1 << 16) as kv:
+        md = b.register(kv)
+        d = wire.Descriptor.decode(md.descriptor())
+        f = d.host_share.fence
+        assert a.remote(md.descriptor()).direct
+        for bad in (dataclasses.replace(f, inode=f.inode + 1), dataclasses.replace(f, slot=b._fence.slots),
+                    dataclasses.replace(f, fd=999_999)):
+            forged = dataclasses.replace(d, host_share=dataclasses.replace(d.host_share, fence=bad))
+            assert not a.remote(forged.encode()).direct, bad
