@@ -12,6 +12,11 @@ def pattern(seed: int, n: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
+def pattern_array(n: int, seed: int, low: int = 0) -> np.ndarray:
+    """``n`` pseudo-random uint8 values in [low, 256) (low=1: a landed write is never zero)."""
+    return np.random.default_rng(seed).integers(low, 256, n, dtype=np.uint8)
+
+
 def open_fds() -> int:
     """How many fds this process has open (leak checks compare two counts)."""
     return len(os.listdir("/proc/self/fd"))

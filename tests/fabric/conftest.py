@@ -12,7 +12,14 @@ try:
 except ImportError as exc:  # pragma: no cover
     pytest.skip(f"kvxfer._fabric not built: {exc}", allow_module_level=True)
 
-from _providers import provider  # noqa: E402,F401  (the shared fixture)
+from _providers import available, provider  # noqa: E402,F401  (the shared fixture)
+
+
+@pytest.fixture
+def shm():
+    """For tests of shm-only paths (direct writes, doorbells, fences): skip where shm is missing."""
+    if not available("shm"):
+        pytest.skip("provider shm is not available here")
 
 
 @pytest.fixture

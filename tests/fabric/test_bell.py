@@ -16,14 +16,7 @@ import numpy as np
 import pytest
 
 import kvxfer
-from _providers import available
 from _target import Target
-
-
-@pytest.fixture
-def shm():
-    if not available("shm"):
-        pytest.skip("provider shm is not available here")
 
 
 def _bell_path(eng: kvxfer.Engine) -> str:

@@ -18,18 +18,9 @@ import pytest
 import kvxfer
 from kvxfer import KVBuffer, wire
 from kvxfer.errors import ArgumentTypeError, InvalidArgumentError, OutOfBoundsError, PeerError, TimeoutError
+from _data import pattern_array
 from _providers import available
 from _target import Target
-
-
-@pytest.fixture
-def shm():
-    if not available("shm"):
-        pytest.skip("provider shm is not available here")
-
-
-def _pattern(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 def _until(cond, timeout=20.0):
@@ -61,7 +52,7 @@ def _scatter(cap: int, npages: int, seed: int):
 
 def test_write_lands_directly(shm):
     n = 3 << 20
-    src = _pattern(n, 1)
+    src = pattern_array(n, 1)
     with Target("shm", n, memory="memfd") as tgt, kvxfer.Engine("shm") as eng:
         share = wire.Descriptor.decode(tgt.descriptor).host_share
         assert share is not None and share.pid == tgt.pid and share.offset == 0
@@ -82,7 +73,7 @@ def test_write_lands_directly(shm):
 
 def test_large_write_is_split_directly(shm):
     with kvxfer.Engine("shm", max_write=1 << 20) as eng, Target("shm", 5 << 20, memory="memfd") as tgt:
-        src = _pattern(5 << 20, 2)
+        src = pattern_array(5 << 20, 2)
         mr = eng.register(src)
         dst = eng.remote(tgt.descriptor)
         assert dst.direct
@@ -97,7 +88,7 @@ def test_large_write_is_split_directly(shm):
 @pytest.mark.parametrize("page_bytes,npages", [(2048, 3000), (16384, 200)])
 def test_scattered_pages_land_directly(shm, page_bytes, npages):
     cap = npages * 2
-    src = _pattern(cap * page_bytes, 3)
+    src = pattern_array(cap * page_bytes, 3)
     src_pages, dst_pages = _scatter(cap, npages, page_bytes)
     with Target("shm", cap * page_bytes, memory="memfd") as tgt, kvxfer.Engine("shm") as eng:
         mr = eng.register(src)
@@ -121,7 +112,7 @@ def test_scattered_pages_land_directly(shm, page_bytes, npages):
 
 def test_two_rails_write_directly(shm):
     page, npages = 16384, 256
-    src = _pattern(page * npages, 5)
+    src = pattern_array(page * npages, 5)
     perm = np.random.default_rng(5).permutation(npages)
     with Target("shm", page * npages, memory="memfd") as tgt, kvxfer.Engine("shm", rails=2) as eng:
         mr = eng.register(src)
@@ -141,7 +132,7 @@ def test_fence_after_cancel_directly(shm):
     """Cancel mid-transfer; once done, Transfer.posted is final: the target drains exactly
     that many arrivals and retires the imm, and the next write of that imm counts alone."""
     page = 16384
-    src = _pattern(2048 * page, 6)
+    src = pattern_array(2048 * page, 6)
     with Target("shm", 2048 * page, memory="memfd") as tgt, kvxfer.Engine("shm") as eng:
         mr = eng.register(src)
         peer, dst = eng.connect(tgt.address), eng.remote(tgt.descriptor)
@@ -175,7 +166,7 @@ def test_rma_where_no_direct(shm, monkeypatch, case):
     page, npages = 4096, 64
     memory = {"numpy target": "numpy", "unsealed memfd": "memfd-unsealed"}.get(case, "memfd")
     target_opts = {"direct": False} if case == "target direct=False" else None
-    src = _pattern(page * npages, 7)
+    src = pattern_array(page * npages, 7)
     perm = np.random.default_rng(7).permutation(npages)
     with Target("shm", page * npages, memory=memory, options=target_opts) as tgt:
         if case == "KVXFER_SHM_DIRECT=0":            # this process only: the target offers its share
@@ -220,7 +211,7 @@ def test_small_scattered_pieces_pack_on_every_path(shm, monkeypatch, mode):
     map the memfd (unsealed). The same count on every path (Transfer.num_writes, the
     sender's and the target's own count_writes, the arrivals) and the same bytes."""
     page, cap, npieces = 2048, 8192, 4000
-    src = _pattern(cap * page, 20)
+    src = pattern_array(cap * page, 20)
     so, do, ln = _small_pieces(cap, npieces, page, 20)
     want = np.zeros(cap * page, np.uint8)
     for s_, d_, n_ in zip(so.tolist(), do.tolist(), ln.tolist()):
@@ -250,7 +241,7 @@ def test_tcp_never_writes_directly():
     if not available("tcp;ofi_rxm"):
         pytest.skip("provider tcp;ofi_rxm is not available here")
     n = 1 << 20
-    src = _pattern(n, 8)
+    src = pattern_array(n, 8)
     with Target("tcp;ofi_rxm", n, memory="memfd") as tgt, \
             kvxfer.Engine("tcp;ofi_rxm", "127.0.0.1", direct=True) as eng:
         assert not eng.info["direct"]
@@ -277,7 +268,7 @@ def test_mapping_lives_as_long_as_a_transfer_uses_it(shm):
     """The sender's mapping outlives its RemoteRegion while a transfer copies through it, and
     is unmapped once nothing references it."""
     page, npages = 16384, 1024
-    src = _pattern(page * npages, 9)
+    src = pattern_array(page * npages, 9)
     perm = np.random.default_rng(9).permutation(npages)
     with Target("shm", page * npages, memory="memfd") as tgt:
         share = wire.Descriptor.decode(tgt.descriptor).host_share
@@ -386,7 +377,7 @@ def memfd_pair(shm):
     a, b = kvxfer.Engine("shm"), kvxfer.Engine("shm")
     kv = KVBuffer.allocate(1 << 22)
     try:
-        src = _pattern(1 << 22, 10)
+        src = pattern_array(1 << 22, 10)
         ms, md = a.register(src), b.register(kv)
         dst = a.remote(md.descriptor())
         assert dst.direct
@@ -400,7 +391,7 @@ def memfd_pair(shm):
 def test_write_groups_land_directly(memfd_pair):
     a, b, ms, peer, dst, src, mem, md = memfd_pair
     page = 8192
-    src2 = _pattern(64 * page, 11)
+    src2 = pattern_array(64 * page, 11)
     ms2 = a.register(src2)
     rng = np.random.default_rng(11)
     dpages = rng.permutation(mem.nbytes // page)[:96]
@@ -456,7 +447,7 @@ def test_a_view_at_an_odd_offset_is_shared(shm):
         view = kv.numpy()[4196: 4196 + 65536]
         md = b.register(view)
         assert wire.Descriptor.decode(md.descriptor()).host_share.offset == 4196
-        src = _pattern(65536, 13)
+        src = pattern_array(65536, 13)
         dst = a.remote(md.descriptor())
         assert dst.direct
         t = a.write(a.register(src), 0, a.connect(b.address), dst, 100, 65436, imm=2)
@@ -584,7 +575,7 @@ def test_a_share_stays_in_the_descriptor_once_its_fd_is_gone(shm):
         assert (d.host_share.dev, d.host_share.inode) == (share.dev, share.inode)
         dst = a.remote(md.descriptor())
         assert not dst.direct and dst.host_share is not None
-        src = _pattern(1 << 20, 24)
+        src = pattern_array(1 << 20, 24)
         so, do, ln = _small_pieces(256, 100, 2048, 24)
         t = a.write_batch(a.register(src), a.connect(b.address), dst, so, do, ln, imm=5)
         assert t.num_writes == 25 == b.count_writes(so, do, ln, region=md)

@@ -18,19 +18,9 @@ import pytest
 import kvxfer
 from kvxfer import KVBuffer, wire
 from kvxfer.errors import PeerError, TimeoutError
-from _providers import available
+from _data import pattern_array
 from _procs import spawn
 from _target import RemoteError, Target
-
-
-@pytest.fixture
-def shm():
-    if not available("shm"):
-        pytest.skip("provider shm is not available here")
-
-
-def _pattern(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(1, 256, n, dtype=np.uint8)
 
 
 def _serve(conn, nbytes: int) -> None:
@@ -117,7 +107,7 @@ def _write(eng, mr, peer, dst, n, imm):
 def test_direct_writes_still_land_and_count(shm):
     """(3) A fenced share: version 3, direct, the bytes land, direct_writes counts them."""
     n = 1 << 20
-    src = _pattern(n, 1)
+    src = pattern_array(n, 1, low=1)
     with FenceTarget(n) as tgt, kvxfer.Engine("shm") as eng:
         blob = tgt.descriptor
         share = wire.Descriptor.decode(blob).host_share
@@ -139,7 +129,7 @@ def test_a_closed_regions_old_remote_writes_nothing(shm, how):
     """(1) The target closes its region (or its whole engine) and keeps the buffer: a write
     through the old RemoteRegion leaves the memfd's bytes as they were, and no arrival."""
     n = 1 << 20
-    src = _pattern(n, 2)
+    src = pattern_array(n, 2, low=1)
     with FenceTarget(n) as tgt, kvxfer.Engine("shm") as eng:
         mr, peer, dst = eng.register(src), eng.connect(tgt.address), eng.remote(tgt.descriptor)
         assert dst.direct
@@ -167,7 +157,7 @@ def test_close_under_a_stream_of_direct_writes_stops_them(shm):
     """(1, racing) Close while the sender copies large transfers: once close() has returned,
     not one more byte lands (close waits for copies in progress)."""
     n = 32 << 20
-    src = _pattern(n, 3)
+    src = pattern_array(n, 3, low=1)
     with FenceTarget(n) as tgt, kvxfer.Engine("shm") as eng:
         mr, peer, dst = eng.register(src), eng.connect(tgt.address), eng.remote(tgt.descriptor)
         assert dst.direct
@@ -199,7 +189,7 @@ def test_a_re_registered_buffer_takes_only_the_new_regions_writes(shm):
     messenger restarted on its KV buffer): the slot is reused with the next generation, so the
     old RemoteRegion's writes do not land, and the new one's do."""
     n = 1 << 20
-    old_src, new_src = _pattern(n, 4), _pattern(n, 5)
+    old_src, new_src = pattern_array(n, 4, low=1), pattern_array(n, 5, low=1)
     with FenceTarget(n) as tgt, kvxfer.Engine("shm") as eng:
         ms_old, ms_new, peer = eng.register(old_src), eng.register(new_src), eng.connect(tgt.address)
         old = eng.remote(tgt.descriptor)
@@ -229,7 +219,7 @@ def test_an_unfenced_share_is_written_over_rma(shm):
     """(4) A descriptor whose share has no fence (version 2, an older kvxfer) decodes, and the
     sender writes over RMA: the same count (no rule 3 into a host share), no direct write."""
     n = 1 << 20
-    src = _pattern(n, 6)
+    src = pattern_array(n, 6, low=1)
     with FenceTarget(n) as tgt, kvxfer.Engine("shm") as eng:
         d = wire.Descriptor.decode(tgt.descriptor)
         v2 = wire.Descriptor(d.provider, d.base, d.nbytes, d.keys, d.virt_addr, d.raw, d.device, d.owner,
@@ -270,7 +260,7 @@ def test_a_dropped_region_is_revoked(shm):
     with kvxfer.Engine("shm") as a, kvxfer.Engine("shm") as b, KVBuffer.allocate(1 << 20) as kv:
         md = b.register(kv)
         dst = a.remote(md.descriptor())
-        ms, peer = a.register(_pattern(1 << 20, 7)), a.connect(b.address)
+        ms, peer = a.register(pattern_array(1 << 20, 7, low=1)), a.connect(b.address)
         assert dst.direct
         del md
         gc.collect()

@@ -7,16 +7,13 @@ import pytest
 
 import kvxfer
 from kvxfer import wire
+from _data import pattern_array
 from _target import Target
-
-
-def _pattern(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 def test_single_write_lands(engine, provider):
     n = 3 << 20
-    src = _pattern(n, 1)
+    src = pattern_array(n, 1)
     with Target(provider, n) as tgt:
         mr = engine.register(src)
         peer = engine.connect(tgt.address)
@@ -33,7 +30,7 @@ def test_single_write_lands(engine, provider):
 
 def test_large_write_is_split(provider):
     with kvxfer.Engine(provider, "127.0.0.1", max_write=1 << 20) as eng, Target(provider, 5 << 20) as tgt:
-        src = _pattern(5 << 20, 2)
+        src = pattern_array(5 << 20, 2)
         mr = eng.register(src)
         t = eng.write(mr, 0, eng.connect(tgt.address), eng.remote(tgt.descriptor), 0, len(src), imm=3)
         assert t.num_writes == 5
@@ -47,7 +44,7 @@ def test_large_write_is_split(provider):
 def test_scattered_pages_land(engine, provider, page_bytes, npages):
     rng = np.random.default_rng(page_bytes)
     cap = npages * 2
-    src = _pattern(cap * page_bytes, 3)
+    src = pattern_array(cap * page_bytes, 3)
     # scattered pages, with one run of 10 contiguous on both sides (coalesced into one write)
     run_s, run_d = np.arange(100, 110), np.arange(cap - 10, cap)
     rest_s = rng.permutation(np.setdiff1d(np.arange(cap), run_s))[: npages - 10]
@@ -78,7 +75,7 @@ def test_scattered_pages_land(engine, provider, page_bytes, npages):
 
 def test_strided_pages_with_offsets(engine, provider):
     # pages of 1000 bytes inside 4096-byte slots, both regions starting at an offset
-    src = _pattern(64 * 4096 + 64, 4)
+    src = pattern_array(64 * 4096 + 64, 4)
     with Target(provider, 64 * 3000 + 128) as tgt:
         mr = engine.register(src)
         sp = np.array([3, 4, 5, 60, 0])
@@ -98,7 +95,7 @@ def test_strided_pages_with_offsets(engine, provider):
 def test_batch_writes_land(engine, provider):
     rng = np.random.default_rng(5)
     n = 1 << 20
-    src = _pattern(n, 5)
+    src = pattern_array(n, 5)
     k = 500
     lengths = rng.integers(1, 1500, k)
     dst_offsets = np.cumsum(np.r_[0, lengths[:-1] + rng.integers(0, 50, k - 1)])
@@ -117,7 +114,7 @@ def test_batch_writes_land(engine, provider):
 
 
 def test_writes_without_imm_and_empty_batches(engine, provider):
-    src = _pattern(8192, 6)
+    src = pattern_array(8192, 6)
     with Target(provider, 8192) as tgt:
         mr = engine.register(src)
         peer, dst = engine.connect(tgt.address), engine.remote(tgt.descriptor)
@@ -137,7 +134,7 @@ def test_writes_without_imm_and_empty_batches(engine, provider):
 def test_threads_submit_concurrently(engine, provider):
     nthreads, per, page = 4, 50, 4096
     cap = nthreads * per
-    src = _pattern(cap * page, 7)
+    src = pattern_array(cap * page, 7)
     with Target(provider, cap * page) as tgt:
         mr = engine.register(src)
         peer, dst = engine.connect(tgt.address), engine.remote(tgt.descriptor)

@@ -20,29 +20,16 @@ from kvxfer.errors import (
     PlanError,
 )
 from kvxfer.messenger import _codec as C
+from _pair import LAYOUT, SECRET, SH, open_pair, regions
 
-LAYOUT = KVLayout.vllm(2, 4, 8, 4, 32, "float16")
-SH = Sharding(1)
-SECRET = b"test-secret-0123456789"
-
-
-def _regions(fill):
-    return [np.full(s, fill, np.uint8) for s in LAYOUT.region_sizes(SH)]
 
 
 @pytest.fixture
 def pair(provider):
     """A prefill and a decode messenger, each on its own engine, with a shared secret."""
-    ea, eb = kvxfer.Engine(provider, "127.0.0.1"), kvxfer.Engine(provider, "127.0.0.1")
-    src, dst = _regions(7), _regions(0xEE)
-    p = kvxfer.Messenger(ea, LAYOUT, SH, {0: src}, peer_timeout=5, secret=SECRET)
-    d = kvxfer.Messenger(eb, LAYOUT, SH, {0: dst}, context_slots=4, context_bytes=16, peer_timeout=5, secret=SECRET)
-    pg = d.connect(p.handshake())
-    yield p, d, pg, src, dst
-    d.close()
-    p.close()
-    eb.close()
-    ea.close()
+    t = open_pair(provider)
+    yield t.p, t.d, t.pg, t.src, t.dst
+    t.close()
 
 
 def _untouched(dst):
@@ -137,7 +124,7 @@ def test_connect_refusals(pair, provider):
                 d.connect(bad.handshake())
         finally:
             bad.close()
-        nosecret = kvxfer.Messenger(ec, LAYOUT, SH, {0: _regions(0)})
+        nosecret = kvxfer.Messenger(ec, LAYOUT, SH, {0: regions(0)})
         try:
             with pytest.raises(DescriptorError, match="authentication"):
                 d.connect(nosecret.handshake())          # an untagged handshake is refused
@@ -196,7 +183,7 @@ def test_prefiller_rejects_hostile_request(pair):
 
 def test_closed_messenger_refuses(provider):
     with kvxfer.Engine(provider, "127.0.0.1") as e:
-        m = kvxfer.Messenger(e, LAYOUT, SH, {0: _regions(0)})
+        m = kvxfer.Messenger(e, LAYOUT, SH, {0: regions(0)})
         m.close()
         m.close()
         with pytest.raises(ClosedError):
@@ -210,23 +197,23 @@ def test_constructor_refusals(provider):
         with pytest.raises(InvalidArgumentError, match="needs"):
             kvxfer.Messenger(e, LAYOUT, SH, {0: [np.zeros(10, np.uint8), np.zeros(10, np.uint8)]})
         with pytest.raises(InvalidArgumentError, match="not a rank of TP2"):
-            kvxfer.Messenger(e, LAYOUT, Sharding(2), {0: _regions(0), 5: _regions(0)})
+            kvxfer.Messenger(e, LAYOUT, Sharding(2), {0: regions(0), 5: regions(0)})
         with pytest.raises(LayoutError):
-            kvxfer.Messenger(e, KVLayout.vllm(2, 3, 8, 4, 32), Sharding(2), {0: _regions(0)})
+            kvxfer.Messenger(e, KVLayout.vllm(2, 3, 8, 4, 32), Sharding(2), {0: regions(0)})
         with pytest.raises(InvalidArgumentError, match="secret"):
-            kvxfer.Messenger(e, LAYOUT, SH, {0: _regions(0)}, secret=b"short")
+            kvxfer.Messenger(e, LAYOUT, SH, {0: regions(0)}, secret=b"short")
         with pytest.raises(InvalidArgumentError):
-            kvxfer.Messenger(e, LAYOUT, SH, {0: _regions(0)}, peer_timeout=0)
+            kvxfer.Messenger(e, LAYOUT, SH, {0: regions(0)}, peer_timeout=0)
 
 
 def test_dead_peer_refused_and_new_address_is_new_peer(provider):
     """A peer that closed (BYE) is dead: its old handshake is refused; a restarted peer
     (new engine, new handshake) connects as a new group."""
     with kvxfer.Engine(provider, "127.0.0.1") as eb:
-        d = kvxfer.Messenger(eb, LAYOUT, SH, {0: _regions(0xEE)}, peer_timeout=5)
+        d = kvxfer.Messenger(eb, LAYOUT, SH, {0: regions(0xEE)}, peer_timeout=5)
         try:
             ea = kvxfer.Engine(provider, "127.0.0.1")
-            p = kvxfer.Messenger(ea, LAYOUT, SH, {0: _regions(7)}, peer_timeout=5)
+            p = kvxfer.Messenger(ea, LAYOUT, SH, {0: regions(7)}, peer_timeout=5)
             pg = d.connect(p.handshake())
             r = d.receive(pg, "x", [0], 1)
             old = p.handshake()
@@ -238,7 +225,7 @@ def test_dead_peer_refused_and_new_address_is_new_peer(provider):
                 d.connect(old)
             ea.close()
             with kvxfer.Engine(provider, "127.0.0.1") as ea2:
-                p2 = kvxfer.Messenger(ea2, LAYOUT, SH, {0: _regions(9)}, peer_timeout=5)
+                p2 = kvxfer.Messenger(ea2, LAYOUT, SH, {0: regions(9)}, peer_timeout=5)
                 pg2 = d.connect(p2.handshake())
                 assert pg2 is not pg and pg2.alive
                 r2 = d.receive(pg2, "x", [0], 1)           # the id and page are free again

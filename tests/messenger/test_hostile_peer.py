@@ -14,32 +14,18 @@ import numpy as np
 import pytest
 
 import kvxfer
-from kvxfer import KVLayout, Sharding
+from kvxfer import KVLayout
 from kvxfer.errors import InvalidArgumentError, PeerError
 from kvxfer.messenger import _codec as C
+from _pair import LAYOUT, SECRET, SH, open_pair, regions
 
-LAYOUT = KVLayout.vllm(2, 4, 8, 4, 32, "float16")
-SH = Sharding(1)
-SECRET = b"hostile-peer-secret-0123"
-
-
-def _regions(fill):
-    return [np.full(s, fill, np.uint8) for s in LAYOUT.region_sizes(SH)]
 
 
 @pytest.fixture
 def pair(provider):
-    ea, eb = kvxfer.Engine(provider, "127.0.0.1"), kvxfer.Engine(provider, "127.0.0.1")
-    src, dst = _regions(7), _regions(0xEE)
-    p = kvxfer.Messenger(ea, LAYOUT, SH, {0: src}, peer_timeout=5, secret=SECRET)
-    d = kvxfer.Messenger(eb, LAYOUT, SH, {0: dst}, context_slots=4, context_bytes=16, peer_timeout=5, secret=SECRET)
-    pg = d.connect(p.handshake())
-    back = p._peers[d.uid]                   # the prefiller's group for the decoder
-    yield p, d, pg, back, dst
-    d.close()
-    p.close()
-    eb.close()
-    ea.close()
+    t = open_pair(provider)
+    yield t.p, t.d, t.pg, t.back, t.dst
+    t.close()
 
 
 def _request(p, d, pg, rid, page):
@@ -140,8 +126,8 @@ def test_a_fence_that_never_fills_tears_the_peer_down(provider):
     them as long as the peer kept sending heartbeats, with the pages quarantined; after
     peer_timeout the peer is torn down and the pages are free."""
     ea, eb = kvxfer.Engine(provider, "127.0.0.1"), kvxfer.Engine(provider, "127.0.0.1")
-    p = kvxfer.Messenger(ea, LAYOUT, SH, {0: _regions(7)}, peer_timeout=1, secret=SECRET)
-    d = kvxfer.Messenger(eb, LAYOUT, SH, {0: _regions(0xEE)}, peer_timeout=1, secret=SECRET)
+    p = kvxfer.Messenger(ea, LAYOUT, SH, {0: regions(7)}, peer_timeout=1, secret=SECRET)
+    d = kvxfer.Messenger(eb, LAYOUT, SH, {0: regions(0xEE)}, peer_timeout=1, secret=SECRET)
     try:
         pg = d.connect(p.handshake())
         r = _request(p, d, pg, "lost", 2)
@@ -198,7 +184,7 @@ def test_other_peers_are_untouched_by_one_peers_teardown(pair):
     with pytest.raises(PeerError):
         r.wait(5)
     ec = kvxfer.Engine(p.engine.provider, "127.0.0.1")
-    p2 = kvxfer.Messenger(ec, LAYOUT, SH, {0: _regions(9)}, peer_timeout=5, secret=SECRET)
+    p2 = kvxfer.Messenger(ec, LAYOUT, SH, {0: regions(9)}, peer_timeout=5, secret=SECRET)
     try:
         pg2 = d.connect(p2.handshake())
         r2 = d.receive(pg2, "good", [9, 10], 8)
@@ -220,8 +206,8 @@ def test_a_hello_with_another_peers_address_is_refused(provider):
     import dataclasses
 
     ea, eb, er = (kvxfer.Engine(provider, "127.0.0.1") for _ in range(3))
-    p = kvxfer.Messenger(ea, LAYOUT, SH, {0: _regions(7)}, peer_timeout=2)
-    d = kvxfer.Messenger(eb, LAYOUT, SH, {0: _regions(0xEE)}, context_slots=4, context_bytes=16, peer_timeout=2)
+    p = kvxfer.Messenger(ea, LAYOUT, SH, {0: regions(7)}, peer_timeout=2)
+    d = kvxfer.Messenger(eb, LAYOUT, SH, {0: regions(0xEE)}, context_slots=4, context_bytes=16, peer_timeout=2)
     try:
         pg = d.connect(p.handshake())
         hs = C.Handshake.decode(d.handshake())
