@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from typing import Callable
 
 import numpy as np
 
@@ -20,3 +22,13 @@ def pattern_array(n: int, seed: int, low: int = 0) -> np.ndarray:
 def open_fds() -> int:
     """How many fds this process has open (leak checks compare two counts)."""
     return len(os.listdir("/proc/self/fd"))
+
+
+def until(cond: Callable[[], object], timeout: float = 20.0) -> bool:
+    """Poll ``cond`` every 2 ms until it holds (True) or ``timeout`` seconds pass (False)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.002)
+    return True

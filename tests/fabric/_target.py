@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import time
 import traceback
 
 import numpy as np
@@ -81,9 +82,26 @@ def _serve(conn, provider: str, nbytes: int, memory: str = "numpy", options: dic
                 conn.send(("ok", eng.stats()))
             elif cmd == "recv":
                 conn.send(("ok", eng.recv(args[0])))
-            elif cmd == "exit":
+            elif cmd == "close":               # deregister; the memory stays, mapped and live
                 mr.close()
+                conn.send(("ok", None))
+            elif cmd == "close_engine":
                 eng.close()
+                conn.send(("ok", None))
+            elif cmd == "register":            # the same memory as a new region
+                mr = eng.register(obj)
+                conn.send(("ok", mr.descriptor()))
+            elif cmd == "close_fill_watch":
+                # deregister under the initiator's writes; once close() returns none may land
+                mr.close()
+                buf[:] = 0
+                time.sleep(args[0])
+                conn.send(("ok", int(np.count_nonzero(buf))))
+            elif cmd == "exit":
+                if not eng.closed:
+                    if not mr.closed:
+                        mr.close()
+                    eng.close()
                 conn.send(("ok", None))
                 return
             else:

@@ -18,18 +18,9 @@ import pytest
 import kvxfer
 from kvxfer import KVBuffer, wire
 from kvxfer.errors import ArgumentTypeError, InvalidArgumentError, OutOfBoundsError, PeerError, TimeoutError
-from _data import pattern_array
+from _data import pattern_array, until as _until
 from _providers import available
 from _target import Target
-
-
-def _until(cond, timeout=20.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.002)
-    return True
 
 
 def _mapped(share: wire.HostShare) -> int:

@@ -8,7 +8,6 @@ memfd after the target's close (and into the buffer's next registration)."""
 
 import gc
 import mmap
-import os
 import threading
 import time
 
@@ -18,84 +17,14 @@ import pytest
 import kvxfer
 from kvxfer import KVBuffer, wire
 from kvxfer.errors import PeerError, TimeoutError
-from _data import pattern_array
-from _procs import spawn
-from _target import RemoteError, Target
+from _data import pattern_array, until as _until
+from _target import Target
 
 
-def _serve(conn, nbytes: int) -> None:
-    """A target whose region the test closes and registers again (same KVBuffer memory)."""
-    import traceback
-
-    try:
-        eng = kvxfer.Engine("shm")
-        kv = KVBuffer.allocate(nbytes, "cpu")
-        buf = kv.numpy()[:nbytes]
-        mr = eng.register(kv)
-        conn.send(("ready", eng.address, mr.descriptor(), os.getpid()))
-        counters = {}
-        while True:
-            cmd, *args = conn.recv()
-            if cmd == "expect":
-                counters[args[0]] = eng.expect(args[0], args[1])
-                conn.send(("ok", None))
-            elif cmd == "wait":
-                c = counters.pop(args[0])
-                c.wait(args[1])
-                conn.send(("ok", c.arrived))
-            elif cmd == "digest":
-                conn.send(("ok", buf.copy()))
-            elif cmd == "fill":
-                buf[:] = args[0]
-                conn.send(("ok", None))
-            elif cmd == "banked":
-                conn.send(("ok", eng.banked(args[0])))
-            elif cmd == "close":               # deregister; the buffer stays, mapped and live
-                mr.close()
-                conn.send(("ok", None))
-            elif cmd == "close_engine":
-                eng.close()
-                conn.send(("ok", None))
-            elif cmd == "register":            # the same memory as a new region
-                mr = eng.register(kv)
-                conn.send(("ok", mr.descriptor()))
-            elif cmd == "close_fill_watch":
-                # close under the sender's writes; once close() returns no copy may land
-                mr.close()
-                buf[:] = 0
-                time.sleep(args[0])
-                conn.send(("ok", int(np.count_nonzero(buf))))
-            elif cmd == "exit":
-                if not eng.closed:
-                    if not mr.closed:
-                        mr.close()
-                    eng.close()
-                kv.close()
-                conn.send(("ok", None))
-                return
-            else:
-                conn.send(("error", f"unknown command {cmd}"))
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except Exception:
-            pass
-
-
-class FenceTarget(Target):
-    """tests/fabric/_target.py's Target, serving the commands above."""
-
-    def __init__(self, nbytes: int, timeout: float = 30.0) -> None:
-        self.child = spawn(_serve, nbytes, name="fence-target", with_conn=True, deadline=timeout)
-        self.parent, self.proc = self.child.conn, self.child.proc
-        self.timeout = timeout
-        status, *rest = self._recv()
-        if status != "ready":
-            raise RemoteError(rest[0] if rest else status)
-        self.address, self.descriptor, self.pid = rest
-
-    def wait(self, imm: int, timeout: float = 20.0):
-        return self.call("wait", imm, timeout)
+def FenceTarget(nbytes: int) -> Target:
+    """A shm target whose destination is a host KVBuffer (a fenced share), which the tests
+    deregister, register again and close under writes (tests/fabric/_target.py)."""
+    return Target("shm", nbytes, memory="memfd")
 
 
 def _write(eng, mr, peer, dst, n, imm):
@@ -117,7 +46,7 @@ def test_direct_writes_still_land_and_count(shm):
         t = eng.write(mr, 0, peer, dst, 0, n, imm=7)
         tgt.call("expect", 7, t.num_writes)
         t.wait(20)
-        assert tgt.wait(7) == t.num_writes
+        assert tgt.wait(7) == ("ok", t.num_writes)
         assert np.array_equal(tgt.memory(), src)
         st = eng.stats()
         assert st["direct_writes"] == t.num_writes and st["direct_revoked"] == 0
@@ -210,7 +139,7 @@ def test_a_re_registered_buffer_takes_only_the_new_regions_writes(shm):
         t = eng.write(ms_new, 0, peer, new, 0, n, imm=4)
         tgt.call("expect", 4, t.num_writes)
         t.wait(20)
-        assert tgt.wait(4) == t.num_writes
+        assert tgt.wait(4) == ("ok", t.num_writes)
         assert np.array_equal(tgt.memory(), new_src)
         assert eng.stats()["direct_writes"] == t.num_writes
 
@@ -238,22 +167,13 @@ def test_an_unfenced_share_is_written_over_rma(shm):
         assert t.num_writes == 50
         tgt.call("expect", 5, 50)
         t.wait(20)
-        assert tgt.wait(5) == 50
+        assert tgt.wait(5) == ("ok", 50)
         got = tgt.memory().reshape(-1, page)
         assert np.array_equal(got[perm], src[: 200 * page].reshape(-1, page))
         assert eng.stats()["direct_writes"] == 0 and eng.stats()["direct_revoked"] == 0
 
 
 # -- in one process ---------------------------------------------------------------------------
-
-def _until(cond, timeout=20.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.002)
-    return True
-
 
 def test_a_dropped_region_is_revoked(shm):
     """A region dropped without close() deregisters when collected: its fence is revoked."""
