@@ -17,6 +17,7 @@ peer's copy lands after the close (``_FenceSlot``). ``Engine(direct=False)`` or
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno as _errno
 import operator
@@ -917,9 +918,9 @@ class Engine:
         # registration that offers a host share; one slot per such region
         self._fence: Any = None
         self._fence_file = (0, 0)        # its (dev, inode)
-        self._fence_free: list[int] = []
+        self._fence_free: "collections.deque[int]" = collections.deque()    # given back without the lock
         self._fence_next = 0
-        self._fence_stuck = 0            # slots a writer never left (retired, never reused)
+        self._fence_stuck: "collections.deque[int]" = collections.deque()   # slots a writer never left (never reused)
         self._callbacks: dict[int, Counter] = {}
         self._dispatcher: Optional[threading.Thread] = None
         self._raw_keys: list[tuple[Any, int]] = []
@@ -1092,7 +1093,7 @@ class Engine:
             for k, v in r.stats().items():
                 out[k] = out.get(k, 0) + v
         # closed regions whose fence a peer's copy never left (a writer killed mid-copy)
-        out["direct_fence_stuck"] = self._fence_stuck
+        out["direct_fence_stuck"] = len(self._fence_stuck)
         return out
 
     @property
@@ -1557,22 +1558,25 @@ class Engine:
                 except (KvxferError, OSError):
                     return None
                 self._fence, self._fence_file = table, (st.st_dev, st.st_ino)
-            if self._fence_free:
+            try:
                 slot = self._fence_free.pop()
-            elif self._fence_next < self._fence.slots:
+            except IndexError:
+                if self._fence_next >= self._fence.slots:
+                    return None
                 slot, self._fence_next = self._fence_next, self._fence_next + 1
-            else:
-                return None
             table = self._fence
             gen = table.issue(slot)
         return _FenceSlot(self, table, slot, gen, *self._fence_file)
 
     def _fence_give(self, slot: int, reusable: bool) -> None:
-        with self._lock:
-            if reusable:
-                self._fence_free.append(slot)
-            else:
-                self._fence_stuck += 1
+        # without self._lock: a region's release runs under it (register's undo after a
+        # racing close()) and from finalizers, which a collection may start in any thread
+        # while it holds the lock (connect, register and disconnect allocate under it); a
+        # deque's append and pop are atomic
+        if reusable:
+            self._fence_free.append(slot)
+        else:
+            self._fence_stuck.append(slot)
 
     def _pack_min(self, host_share: Optional[wire.HostShare]) -> int:
         """Rule 3's bound for writes into a region whose descriptor carries ``host_share``:

@@ -76,7 +76,7 @@ def test_a_collected_region_releases_its_slot_under_the_engine_lock(shm):
     assert run_in_child(_collect_under_the_engine_lock, timeout=20) == (0, 0)
 
 
-# -- the cached pidfd check: a killed peer still fails fast -----------------------------------
+# -- generations, slot reuse, fds and mappings (sound) ----------------------------------------
 
 def test_generations_and_slot_reuse_across_many_regions(shm):
     """Slots go back and are reused LIFO with the next generation; an old RemoteRegion of a
@@ -104,3 +104,62 @@ def test_generations_and_slot_reuse_across_many_regions(shm):
         assert np.array_equal(kv.numpy(), src)
         md.close()
         assert b.stats()["direct_fence_stuck"] == 0
+
+
+def _fds_and_maps():
+    import os
+
+    with open("/proc/self/maps") as f:
+        fences = sum("kvxfer-fence" in line for line in f)
+    return len(os.listdir("/proc/self/fd")), fences
+
+
+def test_fence_tables_and_their_mappings_go_with_engines_and_remotes(shm):
+    """Many engines, each with regions that took slots, and remotes that mapped their fence
+    pages: once closed and dropped, no fence table's fd or mapping is left."""
+    with KVBuffer.allocate(1 << 16) as kv:
+        gc.collect()
+        before = _fds_and_maps()
+        with kvxfer.Engine("shm") as a:
+            for _ in range(20):
+                b = kvxfer.Engine("shm")
+                regions = [b.register(kv) for _ in range(3)]
+                remotes = [a.remote(md.descriptor()) for md in regions]
+                assert all(r.direct for r in remotes)
+                regions[0].close()
+                del regions[1]                       # dropped: revoked when collected
+                b.close()                            # closes regions[2]
+                del regions, remotes, b
+        gc.collect()
+        assert _fds_and_maps() == before
+
+
+# -- the cached pidfd check: a killed peer still fails fast (sound) ---------------------------
+
+def test_a_post_right_after_a_peers_death_fails_fast(shm):
+    """The poster trusts a pidfd's "running" for 0.5 ms (KX_ALIVE_NS): a post in that window
+    reaches the dead peer's queue, and the peer scan fails it; either way within a fraction
+    of a second, never the stall deadline."""
+    from kvxfer.errors import PeerError
+    from _target import Target
+
+    n = 1 << 16
+    with kvxfer.Engine("shm", peer_timeout=30) as eng:
+        tgt = Target("shm", n)
+        try:
+            mr = eng.register(pattern_array(n, 12, low=1))
+            peer, dst = eng.connect(tgt.address), eng.remote(tgt.descriptor)
+            for _ in range(20):
+                eng.write(mr, 0, peer, dst, 0, 64, imm=1).wait(10)
+            tgt.proc.kill()
+            tgt.proc.join(10)
+            start = time.monotonic()
+            try:
+                for _ in range(1000):                  # the first posts may still be "accepted"
+                    eng.write(mr, 0, peer, dst, 0, 64, imm=1).wait(5)
+                raise AssertionError("posts to a dead peer kept succeeding")
+            except PeerError:
+                pass
+            assert time.monotonic() - start < 1.0
+        finally:
+            tgt.kill()
