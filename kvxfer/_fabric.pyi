@@ -102,6 +102,7 @@ class RegionHandle:
     nbytes: int
     busy: int
     keep: Any
+    fence: Any
     watches: list[weakref.ref[WatchHandle]]
     closed: bool
     def close(self) -> None: ...

@@ -379,7 +379,7 @@ class _FenceSlot:
 
     def __del__(self) -> None:
         try:
-            self.release()     # a region dropped without close(): its registration goes too
+            self.release()     # the last reference, its registration's, went: deregistered
         except Exception:
             pass
 
@@ -1201,6 +1201,12 @@ class Engine:
         if fence is not None:         # the share names it: peers copy only while it allows
             share = dataclasses.replace(share, fence=fence.wire())
         region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote), share, fence)
+        if fence is not None:
+            # the slot lives as long as the registration, not the MemoryRegion object: a region
+            # dropped while a transfer from it still holds its registration keeps taking its
+            # peers' copies (as RMA writes to its key still land), and revoking then would let
+            # their imms count without their data
+            mrs[0].fence = fence
         with self._lock:
             if self._closed:       # close() ran while we registered: undo, not leak
                 region._close()

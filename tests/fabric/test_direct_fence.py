@@ -189,6 +189,30 @@ def test_a_dropped_region_is_revoked(shm):
         assert not kv.numpy().any() and a.stats()["direct_revoked"] > 0
 
 
+def test_a_dropped_region_still_registered_keeps_its_fence(shm):
+    """A region dropped while its registration lives on (a transfer from it still holds it):
+    its key still takes RMA writes, so its fence must still take copies; revoking it then let
+    a peer's imm count without its data. It is revoked when the registration goes."""
+    with kvxfer.Engine("shm") as a, kvxfer.Engine("shm") as b, KVBuffer.allocate(1 << 20) as kv:
+        md = b.register(kv)
+        dst = a.remote(md.descriptor())
+        ms, peer = a.register(pattern_array(1 << 20, 8, low=1)), a.connect(b.address)
+        assert dst.direct
+        held = md._handles[0]              # as a TransferSet holds its source registration
+        del md
+        gc.collect()
+        c = b.expect(11, 1)
+        a.write(ms, 0, peer, dst, 0, 1 << 16, imm=11).wait(10)
+        c.wait(10)                         # counted, and its data is there
+        assert kv.numpy()[: 1 << 16].all() and a.stats()["direct_revoked"] == 0
+        kv.numpy()[:] = 0
+        del held
+        gc.collect()                       # the registration goes: now the fence is revoked
+        a.write(ms, 0, peer, dst, 0, 1 << 16, imm=12).wait(10)
+        time.sleep(0.05)
+        assert not kv.numpy().any() and a.stats()["direct_revoked"] > 0 and b.banked(12) == 0
+
+
 def test_a_writer_that_never_leaves_retires_its_slot(shm):
     """A writer killed mid-copy leaves its count in the word: close() waits its bound (1 s),
     proceeds, counts it, and never hands that slot out again."""
