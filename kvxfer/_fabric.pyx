@@ -1012,10 +1012,12 @@ def check_groups(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const
     if starts.shape[0] != ng + 1 or (ng and (starts[ng] > length.shape[0] or starts[ng] > src_off.shape[0]
                                              or starts[ng] > dst_off.shape[0])):
         raise InvalidArgumentError("check_groups: group bounds exceed the triples")
-    for g in range(ng):
+    for g in range(ng):      # every group's bounds before any triple is read (no bounds checks here)
         p = pair[g]
         if not 0 <= p < src_size.shape[0] or p >= dst_size.shape[0] or starts[g] < 0 or starts[g + 1] < starts[g]:
             raise InvalidArgumentError("check_groups: bad group bounds or pair index")
+    for g in range(ng):
+        p = pair[g]
         for i in range(starts[g], starts[g + 1]):
             e = src_off[i] + length[i]
             if e > src_size[p]:
@@ -1085,6 +1087,10 @@ cdef class WatcherHandle:
         """Add n to the counter and wake the thread; returns the new value."""
         cdef kx_watcher *w = self._w()
         cdef uint64_t v
+        if n > <uint64_t>0xFFFFFFFFFFFFFFFF - kx_watcher_value(w):
+            # the word would wrap, and entries armed above its new, small value never post
+            raise InvalidArgumentError(f"bump({n}) would take the counter past 2**64 - 1 "
+                                       f"(it is {kx_watcher_value(w)})")
         with nogil:
             v = kx_watcher_bump(w, n)
         return v

@@ -29,6 +29,7 @@ import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from kvxfer import _environ, _maps, wire
 from kvxfer.errors import (
@@ -483,7 +484,7 @@ class MemoryRegion:
     def __enter__(self) -> "MemoryRegion":
         return self
 
-    def __exit__(self, et, ev, tb) -> None:
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
         if et is None:
             self.close()
             return
@@ -561,7 +562,7 @@ class RegionPairs:
         self.dst_base = np.fromiter([d.base for _, d in pairs], np.uint64, n)
         rails = len(engine._rails)
         #: per local rail: the source registrations and the destination keys of every pair
-        self.handles = [[s._handles[k] for s, _ in pairs] for k in range(rails)]
+        self.handles = [[s._live()[k] for s, _ in pairs] for k in range(rails)]
         self.keys = [np.fromiter([d.keys[k] for _, d in pairs], np.uint64, n) for k in range(rails)]
         #: per pair: the destination's direct mapping for this source, or None (RMA)
         self.directs = [d._direct_from(s) for s, d in pairs]
@@ -638,7 +639,7 @@ class Counter:
 
     __slots__ = ("_handle", "imm", "count", "callback", "__weakref__")
 
-    def __init__(self, handle, imm: int, count: int, callback) -> None:
+    def __init__(self, handle: Any, imm: int, count: int, callback: Optional[Callable[["Counter"], Any]]) -> None:
         self._handle = handle
         self.imm = imm
         self.count = count
@@ -755,12 +756,14 @@ class Watcher:
         return self._h.value
 
     def bump(self, n: int = 1) -> int:
-        """Add ``n`` (CPU) and wake the thread; returns the new value."""
-        return self._h.bump(n)
+        """Add ``n`` (CPU) and wake the thread; returns the new value. Refused
+        (``InvalidArgumentError``, nothing added) when it would take the counter past
+        2**64 - 1: a wrapped counter would never reach the thresholds armed above it."""
+        return self._h.bump(_u64(n, "n"))
 
     def advance(self, to: int) -> int:
         """Raise the counter to at least ``to``; returns its value after."""
-        return self._h.advance(to)
+        return self._h.advance(_u64(to, "to"))
 
     def arm(self, threshold: int, src: "MemoryRegion", peer: "Peer", dst: "RemoteRegion", src_offsets, dst_offsets,
             lengths, *, imm: Optional[int] = None, tag: int = 0, rail: int = 0) -> WatchEntry:
@@ -977,13 +980,30 @@ class Engine:
         rail (no caller inside native code, progress thread joined); close each rail's
         endpoint, AV and CQ (pending transfers and counters fail); deregister the regions;
         unmap peers' raw keys; close each rail's domain and fabric, last rail first; join the
-        dispatcher."""
+        dispatcher.
+
+        A KeyboardInterrupt (Ctrl-C) arriving meanwhile does not leave the engine half
+        closed (marked closed, so never closed again, with its progress threads, endpoints and
+        registrations alive): the steps, each idempotent, are run again to the end, and the
+        interrupt is raised after."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         if not self._rails:
             return
+        interrupted: Optional[BaseException] = None
+        while True:
+            try:
+                self._close_steps()
+                break
+            except KeyboardInterrupt as exc:
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
+
+    def _close_steps(self) -> None:
+        """``close()``'s steps; each may run again after an interrupt (``close()``)."""
         for w in list(self._watchers):  # armed writes never post into a closing rail
             w.close()
         self._rails[0].dispatch_stop()
@@ -1010,12 +1030,13 @@ class Engine:
             try:
                 r._close()
             except FabricError as exc:
-                warnings.warn(f"closing {r!r}: {exc}", ResourceWarning, stacklevel=2)
-        for rail, k in self._raw_keys:
+                warnings.warn(f"closing {r!r}: {exc}", ResourceWarning, stacklevel=3)
+        while self._raw_keys:           # each unmapped once, even if the steps run again
+            rail, k = self._raw_keys.pop()
             try:
                 rail.unmap_key(k)
             except FabricError as exc:
-                warnings.warn(f"unmapping a peer's raw key: {exc}", ResourceWarning, stacklevel=2)
+                warnings.warn(f"unmapping a peer's raw key: {exc}", ResourceWarning, stacklevel=3)
         for r in reversed(self._rails):
             r.close()
         self._fence = None                  # its regions' slots hold it until they are done
@@ -1031,7 +1052,7 @@ class Engine:
     def __enter__(self) -> "Engine":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
     def __del__(self) -> None:
@@ -1302,7 +1323,7 @@ class Engine:
             imm = _check_imm(imm)
             if imm is not None and self._rails[0].cq_data_size < 4:
                 raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")
-            h = self._rails[0].write_one(peer.fi_addrs[0], peer.gens[0], src.ptr, src._handles[0], dst.base, dst.keys[0],
+            h = self._rails[0].write_one(peer.fi_addrs[0], peer.gens[0], src.ptr, src._live()[0], dst.base, dst.keys[0],
                                          dst._direct_from(src), src_offset, dst_offset, nbytes, imm, self.iov,
                                          self.max_write, dst._pack_min)
             return Transfer([h], nbytes, imm)
@@ -1310,7 +1331,8 @@ class Engine:
         so, do, ln = wire.split_write(src_offset, dst_offset, nbytes, len(self._rails))
         return self._post(src, peer, dst, so, do, ln, imm)
 
-    def write_pages(self, src: MemoryRegion, src_pages, peer: Peer, dst: RemoteRegion, dst_pages, page_bytes: int,
+    def write_pages(self, src: MemoryRegion, src_pages: npt.ArrayLike, peer: Peer, dst: RemoteRegion,
+                    dst_pages: npt.ArrayLike, page_bytes: int,
                     *, src_stride: Optional[int] = None, dst_stride: Optional[int] = None,
                     src_offset: int = 0, dst_offset: int = 0, imm: Optional[int] = None) -> Transfer:
         """Page i copies ``page_bytes`` from ``src_offset + src_pages[i]*src_stride`` to
@@ -1339,7 +1361,8 @@ class Engine:
         ln = np.full(len(sp), page_bytes, dtype=np.uint64)
         return self._post(src, peer, dst, so, do, ln, imm)
 
-    def write_batch(self, src: MemoryRegion, peer: Peer, dst: RemoteRegion, src_offsets, dst_offsets, lengths,
+    def write_batch(self, src: MemoryRegion, peer: Peer, dst: RemoteRegion, src_offsets: npt.ArrayLike,
+                    dst_offsets: npt.ArrayLike, lengths: npt.ArrayLike,
                     imm: Optional[int] = None) -> Transfer:
         """Arbitrary (src offset, dst offset, length) triples, in order: what a planner emits."""
         self._endpoints(src, peer, dst)
@@ -1447,7 +1470,8 @@ class Engine:
             so = do = ln = np.empty(0, np.uint64)
         return self.write_pairs(pairs, so, do, ln, counts, imm=imm, rail=rail)
 
-    def write_pairs(self, pairs: "RegionPairs", src_offsets, dst_offsets, lengths, counts, *,
+    def write_pairs(self, pairs: "RegionPairs", src_offsets: npt.ArrayLike, dst_offsets: npt.ArrayLike,
+                    lengths: npt.ArrayLike, counts: npt.ArrayLike, *,
                     imm: Optional[int] = None, rail: Optional[int] = None) -> Transfer:
         """``write_groups`` over a checked ``RegionPairs`` table: group g is pair g with the
         next ``counts[g]`` triples of the concatenated ``src_offsets``, ``dst_offsets``,
@@ -1474,6 +1498,10 @@ class Engine:
         c = _as_index(counts, "counts")
         if len(c) != len(pairs):
             raise InvalidArgumentError(f"counts has {len(c)} entries for {len(pairs)} region pairs")
+        # no count beyond the triples: the int64 sum (and the group starts) cannot wrap then
+        # (a wrapped sum equal to len(ln) sent check_groups far past the arrays)
+        if len(c) and int(c.max()) > len(ln):
+            raise InvalidArgumentError(f"counts has an entry ({int(c.max())}) beyond the {len(ln)} triples")
         c = c.astype(np.int64)
         if int(c.sum()) != len(ln):
             raise InvalidArgumentError(f"counts add up to {int(c.sum())}, but there are {len(ln)} triples")
@@ -1525,7 +1553,7 @@ class Engine:
                 return doms.index(d)
         return None
 
-    def count_writes(self, src_offsets, dst_offsets, lengths, *,
+    def count_writes(self, src_offsets: npt.ArrayLike, dst_offsets: npt.ArrayLike, lengths: npt.ArrayLike, *,
                      region: MemoryRegion | RemoteRegion) -> int:
         """How many messages (= immediates at the target) ``write_batch`` of these triples into
         ``region`` posts: ``wire.count_writes`` with this engine's ``iov``, ``max_write`` and
@@ -1665,7 +1693,9 @@ class Engine:
             if c is not None and c.callback is not None:
                 try:
                     c.callback(c)
-                except Exception:  # a user callback must not kill the dispatcher
+                except BaseException:  # a user callback must not kill the dispatcher: a
+                    # SystemExit (sys.exit() in a callback) ended the thread, and no later
+                    # counter's callback ever ran
                     import traceback
 
                     traceback.print_exc()

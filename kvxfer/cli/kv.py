@@ -72,6 +72,41 @@ def token_list(text: str) -> list[int]:
     return out
 
 
+def poll_us(text: str) -> float:
+    """``--poll-us``: what ``Engine.watcher`` takes (positive, at most 1e9 µs), refused here
+    rather than by the spawned prefill process."""
+    v = positive_float(text)
+    if v > 1e9:
+        raise argparse.ArgumentTypeError(f"a poll interval in µs up to 1e9 expected, got {text!r}")
+    return v
+
+
+def rt_priority(text: str) -> int:
+    """``--rt``: a SCHED_FIFO priority, 0..99."""
+    v = nonnegative_int(text)
+    if v > 99:
+        raise argparse.ArgumentTypeError(f"a SCHED_FIFO priority in 0..99 expected, got {text!r}")
+    return v
+
+
+def _usage_problem(presets: list, lengths: list, page_size: int, max_mib: int) -> Optional[str]:
+    """A preset whose KV cannot be capped under ``--max-mib`` (its smallest prompt, one page,
+    holds more): said before anything runs, not as a failed allocation mid-run."""
+    from kvxfer.errors import KvxferError
+
+    for preset in presets:
+        for want in lengths:
+            try:
+                tokens = fit_tokens(preset, want, page_size, max_mib)
+                held = max(side_bytes(preset, tokens, page_size))
+            except (KvxferError, ValueError, OverflowError) as exc:
+                return f"--page-size {page_size}, --tokens {want}: {preset}: {exc}"
+            if held > max_mib << 20:
+                return (f"--page-size {page_size}: {preset} holds {held / 2**20:.0f} MiB for a {tokens}-token "
+                        f"prompt, over --max-mib {max_mib}")
+    return None
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "kv", help="disaggregation: layer-by-layer streaming tail, per-layer transfer, TTFT overhead, bump->post",
@@ -90,14 +125,14 @@ def add_parser(sub: Any) -> None:
                    help="without --layer-ms: compute per layer at least this x one layer's measured transfer "
                         "(a link slower than the model leaves a tail of L x the difference whatever streams; "
                         "0 keeps the preset's rate; default 1.5)")
-    p.add_argument("--rt", type=nonnegative_int, default=0, metavar="PRIO",
+    p.add_argument("--rt", type=rt_priority, default=0, metavar="PRIO",
                    help="run the prefill node's watcher thread SCHED_FIFO at this priority (default 0: normal)")
     p.add_argument("--tokens-per-s", type=positive_float, default=None, help="derive --layer-ms from this prefill rate")
     p.add_argument("--repeat", type=positive_int, default=5, help="requests per mode (default 5)")
     p.add_argument("--max-mib", type=positive_int, default=192,
                    help="cap one side's KV for a prompt at this (default 192)")
     p.add_argument("--provider", default="shm")
-    p.add_argument("--poll-us", type=positive_float, default=10.0, help="the watcher's poll interval while armed")
+    p.add_argument("--poll-us", type=poll_us, default=10.0, help="the watcher's poll interval while armed")
     p.add_argument("--hot", action="store_true",
                    help="receive with hot=True: the decoder's progress threads poll while the request is in flight")
     p.add_argument("--json", metavar="FILE", type=writable_file)
@@ -350,12 +385,17 @@ def run_case(m: Any, pg: Any, pre: _Prefill, preset: str, tokens: int, layer_ms:
 
 def run_kv(args: argparse.Namespace) -> int:
     """Exit status: 0, or 1 when the provider could not be opened or the run failed (one
-    line on stderr; the cases run before the failure are still written)."""
+    line on stderr; the cases run before the failure are still written), 2 when a preset's
+    KV cannot fit ``--max-mib`` at this ``--page-size`` (before anything runs)."""
     import kvxfer
     from kvxfer.errors import KvxferError
 
     presets = args.preset or sorted(PRESETS)
     lengths = args.tokens if isinstance(args.tokens, list) else token_list(args.tokens)
+    problem = _usage_problem(presets, lengths, args.page_size, args.max_mib)
+    if problem is not None:                    # a usage error: exit 2, before anything runs
+        print(f"kvxfer-bench kv: error: {problem}", file=sys.stderr)
+        return 2
     node = None if args.provider.startswith("shm") else LOOPBACK
     try:  # here first: a provider that cannot open is one line, before a process is spawned
         eng = kvxfer.Engine(args.provider, node)

@@ -51,6 +51,11 @@ def pack_context(**arrays: Any) -> bytes:
             raise InvalidArgumentError(f"context array {name!r} is not an array: {exc}") from None
         if arr.dtype.hasobject:
             raise InvalidArgumentError(f"context array {name!r} holds Python objects")
+        if arr.dtype.fields is not None:    # its str is "|Vn": the fields would be lost
+            raise InvalidArgumentError(f"context array {name!r} has a structured dtype, which the format "
+                                       f"cannot carry: pack each field, or pass .view(np.uint8)")
+        if any(d > 0xFFFFFFFF for d in arr.shape):
+            raise InvalidArgumentError(f"context array {name!r}: dimension past 2**32 - 1 in {arr.shape}")
         try:
             nm, dt = name.encode(), arr.dtype.str.encode()
         except UnicodeEncodeError:
@@ -68,6 +73,9 @@ def pack_context(**arrays: Any) -> bytes:
     for (nm, dt, arr), o in zip(items, offsets):
         head += bytes([len(nm)]) + nm + bytes([len(dt)]) + dt + bytes([arr.ndim])
         head += struct.pack(f"<{arr.ndim}I", *arr.shape) + struct.pack("<I", o)
+    if offsets[-1] > 0xFFFFFFFF:
+        raise InvalidArgumentError(f"context arrays of {offsets[-1] + items[-1][2].nbytes} bytes: the "
+                                   f"format's offsets stop at 4 GiB")
     out = bytearray(offsets[-1] + items[-1][2].nbytes)
     out[:len(head)] = head
     for (_, _, arr), o in zip(items, offsets):
@@ -90,7 +98,8 @@ def unpack_context(data: Any) -> dict[str, np.ndarray]:
         (count,) = struct.unpack_from("<I", raw, 4)
         pos = 8
         out: dict[str, np.ndarray] = {}
-        end_prev = 0
+        spans: list[tuple[str, int, int, np.dtype, tuple]] = []
+        names: set[str] = set()
         for _ in range(count):
             ln = raw[pos]
             name = raw[pos + 1:pos + 1 + ln].decode()
@@ -105,8 +114,15 @@ def unpack_context(data: Any) -> dict[str, np.ndarray]:
             pos += 4
             if dt.hasobject or dt.itemsize == 0 and int(np.prod(shape)) != 0:
                 raise DescriptorError(f"context array {name!r}: bad dtype {dt}")
-            size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            if off < end_prev or off < pos or off + size > n or name in out:
+            size = int(np.prod(shape, dtype=object)) * dt.itemsize     # exact: no int64 wrap
+            if name in names:
+                raise DescriptorError(f"context array {name!r} appears twice")
+            names.add(name)
+            spans.append((name, off, size, dt, shape))
+        # the data of every array lies after the whole header table, in order, unshared
+        end_prev = pos
+        for name, off, size, dt, shape in spans:
+            if off < end_prev or off + size > n:
                 raise DescriptorError(f"context array {name!r} overlaps or runs past the blob")
             end_prev = off + size
             v = buf[off:off + size].view(dt).reshape(shape)
