@@ -32,3 +32,11 @@ def until(cond: Callable[[], object], timeout: float = 20.0) -> bool:
             return False
         time.sleep(0.002)
     return True
+
+
+def wait_for(cond: Callable[[], object], what: str, timeout: float = 20.0) -> None:
+    """Poll ``cond`` every 5 ms; fail the test naming ``what`` if it does not hold in time."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)

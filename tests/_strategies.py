@@ -1,4 +1,5 @@
-"""Hypothesis strategies shared by the messenger's codec tests and its stress fuzzing."""
+"""Hypothesis strategies shared by the messenger's codec tests, its stress fuzzing, and the
+planner and counting property tests (one side of a TP pairing)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,16 @@ def controls(draw, src=u64, dst=u64, hello_blob=st.binary(min_size=1, max_size=2
     elif t == C.REJECT:
         kw.update(imm=draw(u32), reason=draw(reasons))
     return C.Control(t, draw(src), draw(dst), draw(u64), **kw)
+
+
+@st.composite
+def side_shape(draw, kv_heads: int, mla: bool, tps) -> tuple:
+    """(replicated, tp, kv, placement, order) of one side of a TP pairing: an MLA latent is
+    replicated or sharded, GQA heads split over ``tp`` (any of ``tps`` that divides or is
+    divided by ``kv_heads``) or are replicated."""
+    replicated = draw(st.booleans()) if mla else draw(st.sampled_from([False] * 5 + [True]))
+    tp = draw(st.sampled_from([t for t in tps if replicated or kv_heads % t == 0 or t % kv_heads == 0]))
+    kv = "mla" if mla else draw(st.sampled_from(["fused", "stacked", "separate"]))
+    placement = draw(st.sampled_from(["per_layer", "layer_major"]))
+    order = draw(st.sampled_from(["HND", "NHD"]))
+    return replicated, tp, kv, placement, order

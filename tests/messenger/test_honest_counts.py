@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 
 import kvxfer
 from kvxfer import KVLayout, Sharding
+from _data import wait_for as _wait
+from _strategies import side_shape
 
 FULL = bool(os.environ.get("KVXFER_FULL"))
 HEADS = [1, 2, 3, 4, 8]
@@ -34,17 +36,9 @@ SECRET = b"test-secret-0123456789"
 CTX_BYTES = 16
 
 
-def _valid_tps(kv_heads: int, replicated: bool) -> list[int]:
-    return [t for t in (1, 2, 4) if replicated or kv_heads % t == 0 or t % kv_heads == 0]
-
-
 @st.composite
 def _side(draw, kv_heads, mla, num_layers, page_size, head_dim, dtype):
-    replicated = draw(st.booleans()) if mla else draw(st.sampled_from([False] * 5 + [True]))
-    tp = draw(st.sampled_from(_valid_tps(kv_heads, replicated)))
-    kv = "mla" if mla else draw(st.sampled_from(["fused", "stacked", "separate"]))
-    placement = draw(st.sampled_from(["per_layer", "layer_major"]))
-    order = draw(st.sampled_from(["HND", "NHD"]))
+    replicated, tp, kv, placement, order = draw(side_shape(kv_heads, mla, (1, 2, 4)))
     num_pages = draw(st.integers(2, 8))
     base = KVLayout(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, kv, placement)
     g = base.resolve(Sharding(tp, replicated))
@@ -116,13 +110,6 @@ def _kv(layout, sharding, fill, share, keep):
                 regs.append(np.full(s, fill, np.uint8))
         out[r] = regs
     return out
-
-
-def _wait(cond, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
 
 
 def _engine(provider, c):

@@ -16,6 +16,7 @@ from kvxfer import KVLayout, Sharding
 from kvxfer.errors import InvalidArgumentError, PeerError
 from kvxfer.errors import TimeoutError as KTimeoutError
 from kvxfer.messenger import _codec as C
+from _data import wait_for as _until
 
 LAYOUT = KVLayout.vllm(2, 4, 8, 4, 32, "float16")       # 2 layers, pages of 4 tokens
 SH = Sharding(1)
@@ -57,13 +58,6 @@ def _requests(p, n):
         out.update({q.request_id: q for q in p.requests(timeout=1)})
     assert len(out) == n, out
     return out
-
-
-def _until(cond, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 # -- finding 1: abandoning a pass scheduled ahead ----------------------------------------------

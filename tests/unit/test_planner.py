@@ -16,23 +16,16 @@ from kvxfer.layout import KVLayout, Sharding
 from kvxfer.planner import TransferPlan, plan
 
 from _planner_ref import RankMemory, dense_strides, execute, ref_heads
+from _strategies import side_shape
 
 ITEMSIZE = {"uint8": 1, "bfloat16": 2, "float32": 4}
 HEADS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64]
 
 
-def _valid_tps(kv_heads: int, replicated: bool) -> list[int]:
-    return [t for t in range(1, 9) if replicated or kv_heads % t == 0 or t % kv_heads == 0]
-
-
 @st.composite
 def side(draw, kv_heads: int, mla: bool, num_layers: int, page_size: int, head_dim: int, dtype: str):
     """One side (prefill or decode): layout and sharding."""
-    replicated = draw(st.booleans()) if mla else draw(st.sampled_from([False] * 5 + [True]))
-    tp = draw(st.sampled_from(_valid_tps(kv_heads, replicated)))
-    kv = "mla" if mla else draw(st.sampled_from(["fused", "stacked", "separate"]))
-    placement = draw(st.sampled_from(["per_layer", "layer_major"]))
-    order = draw(st.sampled_from(["HND", "NHD"]))
+    replicated, tp, kv, placement, order = draw(side_shape(kv_heads, mla, range(1, 9)))
     num_pages = draw(st.integers(1, 8))
     lh = kv_heads if replicated else max(kv_heads // tp, 1)
     page, layer = dense_strides(kv, lh, page_size, head_dim, ITEMSIZE[dtype], num_pages)
