@@ -55,6 +55,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     ctypedef struct kx_rail_stats:
         uint64_t writes_posted
         uint64_t direct_writes
+        uint64_t direct_revoked
         uint64_t bell_rings
         uint64_t bell_wakes
         uint64_t errors
@@ -115,7 +116,6 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     char *kx_direct_base(const kx_direct *d)
     void kx_direct_unref(kx_direct *d)
     int kx_direct_fence(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, uint32_t slot, uint32_t gen)
-    uint64_t kx_rail_direct_revoked(const kx_rail *r)
     int kx_fence_table_open(size_t slots, int *fd, uint64_t **words)
     void kx_fence_table_close(int fd, uint64_t *words, size_t slots)
     uint32_t kx_fence_issue(uint64_t *word)

@@ -288,7 +288,7 @@ cdef class Rail:
         cdef kx_rail_stats s
         kx_rail_get_stats(self._rail(), &s)
         return {"writes_posted": s.writes_posted, "direct_writes": s.direct_writes,
-                "direct_revoked": kx_rail_direct_revoked(self._rail()), "errors": s.errors,
+                "direct_revoked": s.direct_revoked, "errors": s.errors,
                 "outstanding": s.outstanding, "bell_rings": s.bell_rings, "bell_wakes": s.bell_wakes}
 
     # -- addresses -------------------------------------------------------------------------

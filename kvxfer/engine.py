@@ -10,8 +10,8 @@ On shm, a region that is a shared memfd mapping (a host ``KVBuffer``, or any vie
 travels with a host share in its descriptor, and a peer engine maps it and writes into it
 directly: a memcpy per message, then a 0-byte write carrying the imm (src/direct.c). The
 target counts exactly what it counts over RMA. The share names the region's word in this
-engine's fence table, which ``MemoryRegion.close()`` revokes before it deregisters, so no
-peer's copy lands after the close (``_FenceSlot``). ``Engine(direct=False)`` or
+engine's fence table, which ``MemoryRegion.close()`` revokes (and waits out) before it
+returns, so no peer's copy lands after the close (``_FenceSlot``). ``Engine(direct=False)`` or
 ``KVXFER_SHM_DIRECT=0`` turns it off.
 """
 
@@ -465,8 +465,8 @@ class MemoryRegion:
 
     def _close(self) -> None:
         """Deregister on every rail, even if one fails; then raise the first failure. Peers'
-        direct copies stop first (the fence), as their RMA writes stop at deregistration,
-        and the fence slot is released after."""
+        direct copies are stopped here too (the fence: revoked, copies in progress waited
+        out), as their RMA writes stop at deregistration; the slot is released after."""
         self._revoke()
         handles, self._handles, self._obj = self._handles, [], None
         fence, self._fence = self._fence, None

@@ -23,10 +23,10 @@
  * same checks as the data (kx_direct_fence). Around every copy the sender takes a writer
  * only if the generation is its own and revoked is clear (one CAS), and drops it after (one
  * atomic sub); a refused copy is skipped and its message's 0-byte write still goes, refused
- * by the target like any write to a closed key. MemoryRegion.close() sets revoked, waits for
- * the writers to leave (bounded: a writer killed mid-copy never leaves), deregisters, then
- * bumps the generation before the slot serves another region, so no copy lands after the
- * close returns, in this region or in the slot's next one.
+ * by the target like any write to a closed key. MemoryRegion.close() deregisters, sets
+ * revoked, waits for the writers to leave (bounded: a writer killed mid-copy never leaves),
+ * then bumps the generation before the slot serves another region, so no copy lands after
+ * the close returns, in this region or in the slot's next one.
  *
  * What is checked before mapping, so a stale or hostile host share maps nothing: the path
  * is stat'ed (not opened) first and must be a regular file named "/memfd:..." with the
@@ -38,7 +38,6 @@
 #include "internal.h"
 
 #include <fcntl.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -169,11 +168,7 @@ int kx_direct_fence(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, 
     int ret = kx_map_memfd(path, dev, ino, (uint64_t)slot * sizeof(uint64_t), sizeof(uint64_t), &map, &maplen, &at);
     if (ret)
         return ret;
-    if ((uintptr_t)at % sizeof(uint64_t)) {      /* cannot happen: the offset is a multiple of 8 */
-        munmap(map, maplen);
-        return -EINVAL;
-    }
-    d->fence_map = map;
+    d->fence_map = map;       /* `at` is 8-aligned: a page-aligned mapping, an offset of 8 * slot */
     d->fence_maplen = maplen;
     d->fence = (uint64_t *)at;
     d->fence_gen = gen;
@@ -250,11 +245,6 @@ uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit, int *revoked)
     return done;
 }
 
-uint64_t kx_rail_direct_revoked(const kx_rail *r)
-{
-    return __atomic_load_n(&r->stat_direct_revoked, __ATOMIC_RELAXED);
-}
-
 /* ---- the target's side: its fence table ----------------------------------------------- */
 
 int kx_fence_table_open(size_t slots, int *fd_out, uint64_t **words_out)
@@ -308,16 +298,11 @@ uint32_t kx_fence_revoke(uint64_t *w, int64_t wait_ns)
         return 0;
     /* a writer is inside one copy (at most a progress round, 1 MiB): yield, then nap */
     int64_t deadline = kx_now_ns() + wait_ns;
-    for (int spins = 0;; spins++) {
+    for (int step = 0;; step++) {
         v = __atomic_load_n(w, __ATOMIC_SEQ_CST);
         if (!(v & KX_FENCE_WRITERS) || kx_now_ns() >= deadline)
             return (uint32_t)(v & KX_FENCE_WRITERS);
-        if (spins < 64)
-            sched_yield();
-        else {
-            struct timespec ts = {0, 50000};
-            nanosleep(&ts, NULL);
-        }
+        kx_pause(step, 50000);
     }
 }
 

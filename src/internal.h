@@ -228,6 +228,19 @@ static inline int64_t kx_now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* One step of a bounded wait on another thread or process (a peer's lock, a fence's
+ * writers): a live holder lets go within microseconds, so yield the first 64 times, then nap
+ * `nap_ns` (one that never lets go must not cost a core). */
+static inline void kx_pause(int step, long nap_ns)
+{
+    if (step < 64) {
+        sched_yield();
+    } else {
+        struct timespec ts = {0, nap_ns};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /* `ns` from now on `clock`: CLOCK_MONOTONIC for the hub's condition variables (kx_deadline),
  * CLOCK_REALTIME for the calls that know no other (pthread_timedjoin_np) */
 static inline void kx_deadline_on(clockid_t clock, struct timespec *ts, int64_t ns)

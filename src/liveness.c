@@ -488,19 +488,16 @@ static int kx_shm_lock_wait(kx_rail *r, kx_peer *p)
     if (!w || !kx_lock_held(*w))
         return 0;
     int64_t start = kx_now_ns();
-    for (int i = 0;; i++) {
+    for (int step = 0;; step++) {
         if (!kx_lock_held(*w))
             return 0;
-        if (i < 64) {              /* a live holder keeps it for microseconds */
-            sched_yield();
-            continue;
+        if (step >= 64) {          /* a live holder keeps it for microseconds: past that, look */
+            if ((p->pidfd >= 0 && kx_pidfd_exited(p->pidfd)) || kx_pid_dying(p->pid))
+                return ECONNRESET;
+            if (r->peer_timeout_ns > 0 && kx_now_ns() - start > r->peer_timeout_ns)
+                return ETIMEDOUT;
         }
-        if ((p->pidfd >= 0 && kx_pidfd_exited(p->pidfd)) || kx_pid_dying(p->pid))
-            return ECONNRESET;
-        if (r->peer_timeout_ns > 0 && kx_now_ns() - start > r->peer_timeout_ns)
-            return ETIMEDOUT;
-        struct timespec ts = {0, 20000};
-        nanosleep(&ts, NULL);
+        kx_pause(step, 20000);
     }
 }
 

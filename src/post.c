@@ -171,11 +171,10 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
                      * any write to a closed key, as on the RMA path */
                     x->copied = (uint64_t)bytes;
                     __atomic_add_fetch(&r->stat_direct_revoked, 1, __ATOMIC_RELAXED);
+                } else if (x->copied < (uint64_t)bytes) {
+                    kx_peer_leave(r, x->peer);
+                    return 0;
                 } else {
-                    if (x->copied < (uint64_t)bytes) {
-                        kx_peer_leave(r, x->peer);
-                        return 0;
-                    }
                     /* the whole message is in place: order the copy (non-temporal stores
                      * included) before the write that tells the peer */
                     __atomic_thread_fence(__ATOMIC_SEQ_CST);

@@ -419,6 +419,7 @@ void kx_rail_get_stats(const kx_rail *r, kx_rail_stats *out)
 {
     out->writes_posted = __atomic_load_n(&r->stat_writes, __ATOMIC_RELAXED);
     out->direct_writes = __atomic_load_n(&r->stat_direct, __ATOMIC_RELAXED);
+    out->direct_revoked = __atomic_load_n(&r->stat_direct_revoked, __ATOMIC_RELAXED);
     out->bell_rings = __atomic_load_n(&r->stat_bell_rings, __ATOMIC_RELAXED);
     out->bell_wakes = __atomic_load_n(&r->stat_bell_wakes, __ATOMIC_RELAXED);
     out->errors = __atomic_load_n(&r->stat_rx_err, __ATOMIC_RELAXED);

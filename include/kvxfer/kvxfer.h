@@ -53,6 +53,7 @@ typedef struct kx_rail_info {
 typedef struct kx_rail_stats {
     uint64_t writes_posted;
     uint64_t direct_writes;  /* messages whose bytes were copied through a direct mapping */
+    uint64_t direct_revoked; /* direct messages whose copy a fence refused (the target closed the region) */
     uint64_t bell_rings;   /* shm: posts that woke a sleeping peer through its doorbell */
     uint64_t bell_wakes;   /* shm: sleeps of this rail's progress thread that a peer's ring ended */
     uint64_t errors;       /* error completions not tied to a transfer */
@@ -156,8 +157,6 @@ void kx_direct_unref(kx_direct *d);          /* the last reference unmaps */
  * skips the copy otherwise (the message's 0-byte write still goes). Without a fence copies
  * are unchecked: the engine never writes directly without one. */
 int kx_direct_fence(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, uint32_t slot, uint32_t gen);
-/* direct messages of this rail whose copy a fence refused (the target closed the region) */
-uint64_t kx_rail_direct_revoked(const kx_rail *r);
 
 /* The target's fence table: `slots` 64-bit words [generation: 32 | revoked: 1 | writers: 31]
  * in a sealed memfd mapped here (*fd stays open for peers to open through /proc). */

@@ -1762,8 +1762,7 @@ class Messenger:
         """A peer whose counts cannot be believed: torn down (its requests fail with
         ``PeerError``, fenced: after the teardown nothing of it lands), so no page stays
         quarantined for as long as it keeps sending heartbeats."""
-        with self._lock:
-            self._count("peers_broke_protocol")
+        self._count("peers_broke_protocol")
         self._peer_gone(pg, PeerError(f"peer {pg.uid:016x} broke the protocol ({why}): torn down"), notify=True)
 
     def _peer_gone(self, pg: PeerGroup, err: KvxferError, *, notify: bool) -> None:
@@ -1951,7 +1950,8 @@ class Messenger:
                 self._drop("late_announce")
                 return
             least = 2 if self.context_slots else 1    # a page, and the context
-            bad = not least <= m.count <= self._most_writes(r)
+            most = self._most_writes(r)
+            bad = not least <= m.count <= most
             if bad:
                 self._count("drop_bad_count")
             else:
@@ -1960,7 +1960,7 @@ class Messenger:
                 r._state = "transferring"
         if bad:     # writes may still land, none counted: only a teardown frees the pages
             self._broke_protocol(pg, f"it announced {m.count} writes for request {r.request_id!r}, not "
-                                     f"{least} to {self._most_writes(r)}")
+                                     f"{least} to {most}")
             return
         try:
             # everything already landed (small requests: the data overtakes the ANNOUNCE): no
@@ -2018,21 +2018,20 @@ class Messenger:
             most = r._announced if r._announced is not None else self._most_writes(r)
             if target > most:                    # more than it announced, or than can exist
                 self._count("drop_bad_count")
-                target = None
-        if target is None:       # no fence can be trusted: only a teardown frees the pages
+                trusted = False
+            else:
+                trusted = True
+                if m.flags & C.ABORTED_BY_PREFILLER and r.error is None:
+                    r.error = PeerError(f"the prefiller gave up on request {r.request_id!r}")
+                r._fence_target = target
+                r._fence_since = time.monotonic()
+                if r._counter is None and target > 0:
+                    try:
+                        r._fence_counter = self.engine.expect(r.imm, target)
+                    except KvxferError:
+                        pass
+                self._fencing.add(r)
+        if not trusted:          # no fence can be trusted: only a teardown frees the pages
             self._broke_protocol(pg, f"it reported more writes posted for request {r.request_id!r} than {most}")
             return
-        with self._lock:
-            if r._state in _FINAL:
-                return
-            if m.flags & C.ABORTED_BY_PREFILLER and r.error is None:
-                r.error = PeerError(f"the prefiller gave up on request {r.request_id!r}")
-            r._fence_target = target
-            r._fence_since = time.monotonic()
-            if r._counter is None and target > 0:
-                try:
-                    r._fence_counter = self.engine.expect(r.imm, target)
-                except KvxferError:
-                    pass
-            self._fencing.add(r)
         self._check_fence(r)
