@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 
 from kvxfer import _environ, _maps, wire
+from kvxfer._check import as_int
 from kvxfer.engine._args import _check_cpus, _check_imm, _check_nics, _check_options, _check_timeout, _timeout
 from kvxfer.engine.rails import Peer, _fabric, _message_limits, _need_native, _open_rails
 from kvxfer.engine.regions import FENCE_SLOTS, MemoryRegion, RemoteRegion, _FenceSlot, _resolve_buffer
@@ -50,7 +51,8 @@ from kvxfer.errors import (
 
 
 class Engine(_Writes):
-    """One libfabric RDM endpoint with a native progress thread.
+    """A process's transfer endpoint over one or more rails: each rail one libfabric RDM
+    endpoint with its native progress thread (one per NIC in ``nics``, or ``rails`` on one).
 
     ``provider``: a libfabric provider string ("tcp;ofi_rxm", "shm", "efa", "verbs;ofi_rxm");
     None takes FI_PROVIDER, else the first of PREFERENCE that opens. ``node``: the local
@@ -536,8 +538,7 @@ class Engine(_Writes):
         if checked is None:
             raise InvalidArgumentError("expect needs an imm")
         imm = checked
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count <= 0:
-            raise InvalidArgumentError(f"count must be a positive int, got {count!r}")
+        count = as_int(count, "count", minimum=1)
         if callback is not None and not callable(callback):
             raise InvalidArgumentError("callback must be callable")
         if count >= 2**63:
