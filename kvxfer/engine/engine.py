@@ -17,8 +17,10 @@ returns, so no peer's copy lands after the close (``_FenceSlot``). ``Engine(dire
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
+import functools
 import errno as _errno
 import os
 import threading
@@ -29,7 +31,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from kvxfer import _environ, _maps, wire
+from kvxfer import _environ, _maps, _shm, wire
 from kvxfer._check import as_int
 from kvxfer.engine._args import _check_cpus, _check_imm, _check_nics, _check_options, _check_timeout, _timeout
 from kvxfer.engine.rails import Peer, _fabric, _message_limits, _need_native, _open_rails
@@ -48,6 +50,18 @@ from kvxfer.errors import (
     TimeoutError,
     UnsupportedError,
 )
+
+
+def _close_at_exit(ref: "weakref.ref[Engine]", pid: int) -> None:
+    """An engine still open when the interpreter exits is closed, as a messenger is: a shm
+    engine's region and doorbell in /dev/shm go with it (issue 26.4). Not in a forked child
+    (``pid`` is the opener's): its copy of the engine has no threads and is not its to close."""
+    e = ref()
+    if e is not None and not e.closed and os.getpid() == pid:
+        try:
+            e.close()
+        except Exception:
+            pass
 
 
 class Engine(_Writes):
@@ -166,6 +180,13 @@ class Engine(_Writes):
                 r.close()
             raise
         self._closed = False
+        #: closes this engine at interpreter exit unless it was closed before (unregistered then)
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self), os.getpid())
+        atexit.register(self._at_exit)
+        if self.provider.split(";")[0] == "shm" and os.environ.get("KVXFER_SHM_REAP", "1") != "0":
+            # files of this user's shm processes that died unclosed (SIGKILL): never reused,
+            # 16 MiB each; the pid in a name is checked against its process's start time
+            _shm.reap_stale()
 
     # -- life cycle ----------------------------------------------------------------------
     def close(self) -> None:
@@ -185,6 +206,9 @@ class Engine(_Writes):
             if self._closed:
                 return
             self._closed = True
+        at_exit = getattr(self, "_at_exit", None)
+        if at_exit is not None:
+            atexit.unregister(at_exit)
         if not self._rails:
             return
         interrupted: Optional[BaseException] = None
