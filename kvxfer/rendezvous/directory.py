@@ -234,8 +234,8 @@ class Directory:
     def connect(self, name: str, timeout: Optional[float] = None) -> Instance:
         """The instance ``name``, connected (its groups up). Already connected and alive: no
         store call. Otherwise its handshakes come from the watch's view when the last poll
-        succeeded, else from the store now (``RendezvousError`` if unreachable); ``PeerError``
-        if it is not listed, gone or dead, or does not answer."""
+        succeeded and showed it, else from the store now (``RendezvousError`` if unreachable);
+        ``PeerError`` if it is not listed, gone or dead, or does not answer."""
         check_key(name)
         with self._lock:
             inst = self._inst.get(name)
@@ -243,7 +243,9 @@ class Directory:
                 if inst.alive:
                     return inst
                 raise inst.error or PeerError(f"instance {name!r} is dead")
-            fresh = not self.store_ok
+            # a name the last poll did not show is looked up in the store now (so an unreachable
+            # store is a RendezvousError, never "not listed"); a listed one needs no call
+            fresh = not self.store_ok or inst is None or not inst.blobs or inst.state == "gone"
         if fresh:
             rows = self.store.list(f"{self.role}/{name}/")      # RendezvousError when unreachable
             for k, v in rows.items():

@@ -1,0 +1,360 @@
+"""``kvxfer-bench cluster``: many nodes finding each other through a rendezvous store, with
+a prefill instance killed and the store stopped and restarted mid-run; prints what happened.
+
+The shape (issue 27): a store server (a real ``etcd`` or ``redis-server`` when installed, or
+a directory), 2 prefill instances (each one process holding both TP2 ranks), 2 decode
+instances. Each decoder routes requests at random over the prefill instances it lists in
+the store, connecting lazily; then prefill instance ``p0`` is killed with SIGKILL (its
+in-flight requests fail with ``PeerError`` within ``peer_timeout``, fenced, and are retried
+on another instance); the store is killed (new lookups fail with ``RendezvousError``, the
+data path goes on) and restarted (leases re-established); a third prefill instance ``p2``
+joins and is discovered through the watch. Every request must end byte-exact.
+
+``run_cluster`` is also what tests/rendezvous/test_cluster.py drives, with each node in its
+own network namespace (a ``Placement`` says where each process runs and which address it
+has); the command runs everything on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional, Sequence
+
+NODE = "kvxfer.cli._cluster_node"
+
+
+class Placement:
+    """Where each process runs: ``node(name) -> (argv prefix, address)`` and the store
+    server's ``(argv prefix, address)``. The default: everything on 127.0.0.1."""
+
+    def node(self, name: str) -> tuple[list[str], str]:
+        return [], "127.0.0.1"
+
+    def store(self) -> tuple[list[str], str]:
+        return [], "127.0.0.1"
+
+
+class _Proc:
+    """A node process; its stdout read in lines with deadlines (nothing it does can hang us)."""
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        self.err = tempfile.TemporaryFile()
+        import kvxfer
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(kvxfer.__file__)))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.pop("FI_PROVIDER", None)
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, env=env,
+                                  start_new_session=True, close_fds=True)
+        self.buf = b""
+        self.lines: list[str] = []
+        self.closed = False
+        self.rc: Optional[int] = None
+
+    def describe(self) -> str:
+        self.err.seek(0)
+        rc = self.p.poll()
+        return (f"{self.name} ({'running' if rc is None else f'exit {rc}'}); stdout:\n" + "\n".join(self.lines[-20:])
+                + "\nstderr:\n" + self.err.read().decode(errors="replace")[-8000:])
+
+    def next(self, tag: str, timeout: float) -> Any:
+        """The JSON after the next line tagged ``tag`` (other lines are kept)."""
+        end = time.monotonic() + timeout
+        while True:
+            while b"\n" in self.buf:
+                raw, self.buf = self.buf.split(b"\n", 1)
+                text = raw.decode(errors="replace")
+                self.lines.append(text)
+                if text.startswith("ERROR "):
+                    raise RuntimeError(f"{self.name} failed:\n{json.loads(text[6:])}")
+                if text.startswith(tag + " "):
+                    return json.loads(text[len(tag) + 1:])
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no {tag} from {self.describe()}")
+            r, _, _ = select.select([self.p.stdout], [], [], min(left, 0.2))
+            if r:
+                chunk = os.read(self.p.stdout.fileno(), 65536)
+                if not chunk:
+                    raise RuntimeError(f"{self.name} closed stdout before {tag}: {self.describe()}")
+                self.buf += chunk
+
+    def send(self, text: str) -> None:
+        try:
+            self.p.stdin.write(text.encode() + b"\n")
+            self.p.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            try:
+                os.kill(self.p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.p.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self, timeout: float = 20.0) -> Optional[int]:
+        """Ask it to exit, wait ``timeout`` s, then kill it; its exit status. Idempotent."""
+        if self.closed:
+            return self.rc
+        self.closed = True
+        self.send("exit")
+        try:
+            rc = self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        self.kill()
+        for f in (self.p.stdin, self.p.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        self.err.close()
+        self.rc = rc
+        return rc
+
+
+class _DirServer:
+    """A directory as the store's 'server': stopping it moves the directory away."""
+
+    def __init__(self) -> None:
+        self.base = tempfile.mkdtemp(prefix="kvxfer-cluster-")
+        self.root = os.path.join(self.base, "store")
+        os.makedirs(self.root)
+        self.url = "file://" + self.root
+
+    def start(self) -> "_DirServer":
+        if os.path.isdir(self.root + ".off"):
+            os.rename(self.root + ".off", self.root)
+        return self
+
+    def stop(self) -> None:
+        if os.path.isdir(self.root):
+            os.rename(self.root, self.root + ".off")
+
+    def close(self) -> None:
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def store_kinds() -> list[str]:
+    """The store kinds that can run here, best first."""
+    from kvxfer.rendezvous.servers import available
+
+    out = []
+    for kind, mod in (("etcd", "etcd3gw"), ("redis", "redis")):
+        try:
+            __import__(mod)
+        except ImportError:
+            continue
+        if available(kind) is None:
+            out.append(kind)
+    return out + ["file"]
+
+
+def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: int = 150,
+                provider: str = "tcp;ofi_rxm", peer_timeout: float = 1.5, ttl: float = 2.0, grace: float = 2.0,
+                deadline: float = 240.0, say: Callable[[str], Any] = lambda s: None,
+                procs: Optional[list] = None) -> dict:
+    """Run the shape once over a ``kind`` store (``etcd``, ``redis`` or ``file``); returns the
+    report (``checks``: name -> (ok, detail); ``events``; each decoder's result). ``procs``,
+    when given, collects every process started (for a caller's own cleanup)."""
+    from kvxfer.rendezvous.servers import Server
+
+    placement = placement or Placement()
+    started: list[Any] = [] if procs is None else procs
+    t0 = time.monotonic()
+    events: list[tuple[float, str]] = []
+
+    def event(text: str) -> None:
+        events.append((round(time.monotonic() - t0, 3), text))
+        say(f"[{time.monotonic() - t0:6.2f} s] {text}")
+
+    if kind == "file":
+        srv: Any = _DirServer()
+    else:
+        prefix, host = placement.store()
+        srv = Server(kind, host=host, prefix=prefix).start()
+    started.append(srv)
+    event(f"{kind} store up: {srv.url}")
+    common = ["--store", srv.url, "--provider", provider, "--peer-timeout", str(peer_timeout), "--ttl", str(ttl),
+              "--grace", str(grace), "--deadline", str(int(deadline)), "--secret-hex", os.urandom(16).hex()]
+
+    def node(role: str, name: str, *extra: str) -> _Proc:
+        prefix, addr = placement.node(name)
+        argv = [*prefix, sys.executable, "-m", NODE, role, "--instance", name, "--node", addr, *common, *extra]
+        p = _Proc(name, argv)
+        started.append(p)
+        return p
+
+    report: dict[str, Any] = {"store": kind, "url": srv.url, "events": events, "checks": {}}
+    checks = report["checks"]
+    try:
+        pre = {n: node("prefill", n) for n in ("p0", "p1")}
+        for p in pre.values():
+            p.next("READY", 60)
+        event("prefill instances p0, p1 published (TP2: one process, both ranks)")
+        dec = {n: node("decode", n) for n in ("d0", "d1")}
+        for d in dec.values():
+            info = d.next("READY", 60)
+            event(f"{d.name} lists prefill instances {info['prefill']}")
+        for d in dec.values():
+            d.send(f"run {requests} {deadline / 2}")
+        for d in dec.values():
+            d.next("PROGRESS", 60)
+        pre["p0"].kill()
+        t_kill = time.time()
+        event("p0 killed (SIGKILL) mid-run")
+        for d in dec.values():
+            d.next("PROGRESS", 60)
+        srv.stop()
+        event(f"{kind} store stopped")
+        look = dec["d0"]
+        look.send("lookup p9")
+        lk = look.next("LOOKUP", 30)
+        event(f"lookup of a new instance while the store is down: {lk.get('error')}: {lk.get('message', '')[:90]}")
+        checks["lookup fails clearly while the store is down"] = (
+            not lk["ok"] and lk["error"] == "RendezvousError" and lk["connection_error"], lk)
+        for d in dec.values():
+            d.next("PROGRESS", 60)
+        event("requests went on while the store was down")
+        srv.start()
+        event(f"{kind} store restarted")
+        p2 = node("prefill", "p2")
+        pre["p2"] = p2
+        p2.next("READY", 60)
+        event("p2 joined")
+        time.sleep(max(1.5, ttl))
+        for d in dec.values():
+            d.next("PROGRESS", 60)
+            d.send("stop")
+        results = {n: d.next("RESULT", deadline) for n, d in dec.items()}
+        event("decoders finished")
+        import kvxfer.rendezvous as R
+
+        st = R.open(srv.url, op_timeout=2.0)
+        try:
+            end = time.monotonic() + 3 * ttl + grace
+            while time.monotonic() < end:       # bounded: p0's expired entries gone, the others back
+                listed = sorted({k.split("/")[1] for k in st.list("")})
+                if listed == ["d0", "d1", "p1", "p2"]:
+                    break
+                time.sleep(0.1)
+        finally:
+            st.close()
+        for d in dec.values():
+            d.send("stats")
+        stats = {n: d.next("STATS", 30) for n, d in dec.items()}
+        pstats = {}
+        for n in ("p1", "p2"):
+            pre[n].send("stats")
+            pstats[n] = pre[n].next("STATS", 30)
+        report.update(results=results, listed=listed, stats=stats, prefill_stats=pstats, t_kill=t_kill)
+        total = sum(r["requests"] for r in results.values())
+        done = sum(r["done"] for r in results.values())
+        fails = [f for r in results.values() for f in r["failures"]]
+        checks["every request done, none lost"] = (
+            done == total and all(not r["lost"] for r in results.values()), f"{done}/{total}")
+        checks["every request byte-exact"] = (all(not r["bad"] for r in results.values()),
+                                             sum(r["bytes_checked"] for r in results.values()))
+        checks["failures only on the killed instance, fenced PeerErrors"] = (
+            all(f["instance"] == "p0" and f["error"] == "PeerError" and f["fenced"] for f in fails),
+            f"{len(fails)} failed and retried")
+        late = max((f["at"] - t_kill for f in fails), default=0.0)
+        checks["in-flight requests of p0 failed within peer_timeout"] = (
+            late <= peer_timeout + 2.0, f"last failure {late:.2f} s after the kill (peer_timeout {peer_timeout} s)")
+        checks["p2 discovered and used"] = (any(r["by_instance"].get("p2") for r in results.values()),
+                                            {n: r["by_instance"] for n, r in results.items()})
+        checks["leases re-established after the restart"] = (
+            listed == ["d0", "d1", "p1", "p2"] and all(s["lease"] == "held" for s in [*stats.values(), *pstats.values()]),
+            listed)
+        for n, d in dec.items():
+            rc = d.close()
+            checks[f"{n} exited cleanly"] = (rc == 0, rc)
+        for n in ("p1", "p2"):
+            rc = pre[n].close()
+            checks[f"{n} exited cleanly"] = (rc == 0, rc)
+        event("all nodes closed")
+        report["ok"] = all(v[0] for v in checks.values())
+        return report
+    except (RuntimeError, TimeoutError) as exc:     # say what every node was doing
+        for x in started:
+            if isinstance(x, _Proc) and x.p.poll() is None:
+                try:
+                    os.kill(x.p.pid, signal.SIGUSR1)    # faulthandler: every thread's stack
+                except ProcessLookupError:
+                    pass
+        time.sleep(1.0)
+        for x in started:
+            if isinstance(x, _Proc) and x.p.poll() is None and x.name.startswith("d"):
+                x.send("stats")
+                try:
+                    x.lines.append(f"(asked) STATS {json.dumps(x.next('STATS', 10))}")
+                except (RuntimeError, TimeoutError):
+                    pass
+        others = "\n\n".join(x.describe() for x in started if isinstance(x, _Proc) and not x.closed)
+        raise RuntimeError(f"{exc}\n\n--- the nodes ---\n{others}") from exc
+    finally:
+        for x in started:          # every node, then the server: bounded closes, kills behind them
+            if isinstance(x, _Proc):
+                x.close(timeout=5)
+        srv.close()
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("cluster", help="2 prefill + 2 decode instances over a rendezvous store, with a kill "
+                                       "and a store restart mid-run",
+                       description=__doc__.split("\n\n")[1] if __doc__ else None)
+    p.add_argument("--store", choices=("auto", "etcd", "redis", "file"), default="auto",
+                   help="which store server to start here (auto: every one that can run)")
+    p.add_argument("--requests", type=int, default=150, help="requests per decoder, at least")
+    p.add_argument("--provider", default="tcp;ofi_rxm")
+    p.add_argument("--peer-timeout", type=float, default=1.5)
+    p.add_argument("--json", help="write the reports to this file")
+    p.set_defaults(func=run_cmd)
+
+
+def run_cmd(args: Any) -> int:
+    kinds = store_kinds() if args.store == "auto" else [args.store]
+    ok = True
+    reports = []
+    for kind in kinds:
+        print(f"== {kind} ==")
+        rep = run_cluster(kind, requests=args.requests, provider=args.provider, peer_timeout=args.peer_timeout,
+                          say=print)
+        reports.append(rep)
+        for name, (good, detail) in rep["checks"].items():
+            print(f"  {'ok  ' if good else 'FAIL'} {name}: {detail}")
+        for n, r in rep.get("results", {}).items():
+            print(f"  {n}: {r['done']} requests done ({r['by_instance']}), {len(r['failures'])} failed and retried")
+        ok = ok and rep["ok"]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1, default=str)
+    return 0 if ok else 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="kvxfer-bench")
+    add_parser(ap.add_subparsers(dest="cmd"))
+    a = ap.parse_args(["cluster", *(sys.argv[1:] if argv is None else argv)])
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
