@@ -166,7 +166,7 @@ def store_kinds() -> list[str]:
 
 
 def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: int = 150,
-                provider: str = "tcp;ofi_rxm", peer_timeout: float = 1.5, ttl: float = 2.0, grace: float = 2.0,
+                provider: str = "tcp;ofi_rxm", peer_timeout: float = 3.0, ttl: float = 2.0, grace: float = 2.0,
                 deadline: float = 240.0, say: Callable[[str], Any] = lambda s: None,
                 procs: Optional[list] = None) -> dict:
     """Run the shape once over a ``kind`` store (``etcd``, ``redis`` or ``file``); returns the
@@ -322,7 +322,7 @@ def add_parser(sub: Any) -> None:
                    help="which store server to start here (auto: every one that can run)")
     p.add_argument("--requests", type=int, default=150, help="requests per decoder, at least")
     p.add_argument("--provider", default="tcp;ofi_rxm")
-    p.add_argument("--peer-timeout", type=float, default=1.5)
+    p.add_argument("--peer-timeout", type=float, default=3.0)
     p.add_argument("--json", help="write the reports to this file")
     p.set_defaults(func=run_cmd)
 

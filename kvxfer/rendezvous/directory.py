@@ -78,7 +78,8 @@ class Instance:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.blobs: dict[int, bytes] = {}
+        self.blobs: dict[int, bytes] = {}      #: rank -> handshake, as listed now
+        self.seen: dict[int, bytes] = {}       # rank -> the last handshake listed (kept when it goes)
         self.groups: list[Any] = []
         self.state = "listed"
         self.error: Optional[BaseException] = None
@@ -137,7 +138,7 @@ class Directory:
                     inst.absent_since = time.monotonic()
                 self._sweep()
                 return
-            if inst is not None and inst.groups and inst.blobs.get(rank, value) != value:
+            if inst is not None and inst.groups and inst.seen.get(rank, value) != value:
                 # a new handshake under a connected name: the instance restarted (a new uid)
                 self._expire(inst, "restarted with a new handshake")
                 self.counts["replaced"] += 1
@@ -148,7 +149,7 @@ class Directory:
                 inst = self._inst[name] = Instance(name)
                 self.counts["appeared"] += 1
                 changed = inst
-            inst.blobs[rank] = value
+            inst.blobs[rank] = inst.seen[rank] = value
             inst.absent_since = None
             self._sweep()
         if changed is not None:

@@ -25,7 +25,7 @@ from _backends import why_not
 pytestmark = pytest.mark.timeout(240)
 PREFILL_MODE = "node"       # "per-rank" once the messenger's per-rank prefill is merged
 PROVIDER = "tcp;ofi_rxm"
-PEER_TIMEOUT = 1.5
+PEER_TIMEOUT = 3.0
 NAMES = ["p0", "p1", "p2", "d0", "d1"]
 
 
