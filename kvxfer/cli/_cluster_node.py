@@ -125,7 +125,8 @@ class _Load:
     """The decode instance's load: requests routed at random over the listed prefill
     instances, retried on another when one fails, every completed one checked byte for byte."""
 
-    def __init__(self, m: Any, d: Any, regions: list, seed: int, prefix: str, minimum: int, timeout: float) -> None:
+    def __init__(self, m: Any, d: Any, regions: list, seed: int, prefix: str, minimum: int, timeout: float,
+                 peer_timeout: float) -> None:
         from kvxfer import Sharding
 
         self.m, self.d, self.regions = m, d, regions
@@ -134,6 +135,8 @@ class _Load:
         self.rng = random.Random(zlib.crc32(prefix.encode()))
         self.prefix, self.minimum, self.timeout = prefix, minimum, timeout
         self.stop = threading.Event()
+        self.suspect: dict[str, float] = {}
+        self.hold = 2 * peer_timeout
         self.out: dict[str, Any] = {"done": 0, "bytes_checked": 0, "failures": [], "retried": 0, "lost": [],
                                     "by_instance": {}, "route_errors": {}, "bad": []}
 
@@ -150,7 +153,11 @@ class _Load:
         import kvxfer
 
         for _ in range(20):                      # bounded: names change only between tries
-            names = self.d.names()
+            now = time.monotonic()
+            listed = self.d.names()
+            # a router's circuit breaker: an instance that just failed a request is skipped for
+            # a while (its death is being declared; a send to it may block until then)
+            names = [n for n in listed if self.suspect.get(n, 0) < now] or listed
             if not names:
                 time.sleep(0.05)
                 continue
@@ -159,6 +166,7 @@ class _Load:
                 inst = self.d.connect(name)
                 return self.m.receive(inst.peer, rid, pages, self.rng.randint(1, len(pages) * PAGE)), name
             except kvxfer.errors.KvxferError as exc:
+                self.suspect[name] = time.monotonic() + self.hold
                 k = type(exc).__name__
                 self.out["route_errors"][k] = self.out["route_errors"].get(k, 0) + 1
                 time.sleep(0.01)
@@ -214,6 +222,7 @@ class _Load:
                 if self.out["done"] % 20 == 0:
                     emit("PROGRESS", {"done": self.out["done"]})
             else:
+                self.suspect[where] = time.monotonic() + self.hold
                 self.out["failures"].append({"rid": rid, "instance": where, "state": r.state,
                                              "error": type(r.error).__name__, "fenced": bool(r.fenced),
                                              "at": time.time()})
@@ -255,7 +264,7 @@ def _decode(a: argparse.Namespace) -> int:
             if not cmd:
                 continue
             if cmd[0] == "run":
-                load = _Load(m, d, regions, a.seed, a.instance, int(cmd[1]), float(cmd[2]))
+                load = _Load(m, d, regions, a.seed, a.instance, int(cmd[1]), float(cmd[2]), a.peer_timeout)
                 th = threading.Thread(target=lambda: emit("RESULT", load.run()), daemon=True)
                 th.start()
             elif cmd[0] == "lookup":
