@@ -4,7 +4,7 @@ ranks) or a decode instance, finding the others through a rendezvous store.
 Run as ``python -m kvxfer.cli._cluster_node prefill|decode --store URL --instance NAME
 --node ADDR ...``; it talks to its parent in lines on stdout (``READY``, ``PROGRESS``,
 ``LOOKUP``, ``RESULT``, ``ERROR``, each followed by JSON) and takes commands on stdin
-(``run``, ``lookup NAME``, ``stop``, ``exit``). SIGALRM ends it after ``--deadline`` s.
+(``run``, ``lookup NAME``, ``list``, ``stats``, ``stop``, ``exit``). SIGALRM ends it after ``--deadline`` s.
 
 Every prefill instance serves the same KV cache (a seeded logical cache ``[layers, planes,
 pages, heads, tokens, bytes]`` scattered into its ranks through the layout's geometry), and a
@@ -282,6 +282,11 @@ def _decode(a: argparse.Namespace) -> int:
                                "instances": {n: [i.state, [g.state for g in i.groups], repr(i.error)]
                                              for n in ("p0", "p1", "p2") if (i := d.instance(n)) is not None},
                                "stats": m.stats()})
+            elif cmd[0] == "list":           # the store as this node sees it (instances listed)
+                try:
+                    emit("LIST", {"ok": True, "instances": sorted({k.split("/")[1] for k in store.list("")})})
+                except kvxfer.errors.KvxferError as exc:
+                    emit("LIST", {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             elif cmd[0] == "stop" and load is not None:
                 load.stop.set()
             elif cmd[0] == "exit":

@@ -67,3 +67,4 @@ def test_cluster_survives_a_killed_instance_and_a_store_restart(star, kind):
     assert fails, "the kill found nothing in flight on p0: the test did not test the kill"
     assert all(f["at"] - rep["t_kill"] <= PEER_TIMEOUT + 2.0 for f in fails)
     assert all(p.closed for p in procs if hasattr(p, "closed"))
+    print(f"{kind}: events {rep['events']}; false deaths {rep['false_deaths']}")
