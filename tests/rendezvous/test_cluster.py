@@ -5,7 +5,10 @@ by a veth pair, discovering each other through the store; requests routed at ran
 of prefill instance p0 mid-run (its in-flight requests fail with PeerError within
 peer_timeout, fenced, and are retried on another instance); the store killed and restarted
 mid-run (new lookups fail with RendezvousError, the data path goes on, leases come back); a
-third prefill instance joins and is used. Every request ends byte-exact, none lost. The
+third prefill instance joins and is used. Every request ends byte-exact, none lost. A live
+instance that a decoder declares dead right after p0's kill (heartbeat silence, seen on this
+loaded 2-core machine: docs/reliability.md) is printed as a finding; its requests are retried
+like p0's. The
 shape itself is kvxfer/cli/cluster.py (``kvxfer-bench cluster`` runs it on 127.0.0.1).
 
 Per-rank prefill (one process per TP rank, helper branch ``msg``) is a switch here once it
@@ -63,8 +66,10 @@ def test_cluster_survives_a_killed_instance_and_a_store_restart(star, kind):
     assert not bad, (bad, rep["events"])
     res = rep["results"]
     assert sum(r["done"] for r in res.values()) >= 240
-    fails = [f for r in res.values() for f in r["failures"]]
+    fails = [f for r in res.values() for f in r["failures"] if f["instance"] == "p0"]
     assert fails, "the kill found nothing in flight on p0: the test did not test the kill"
-    assert all(f["at"] - rep["t_kill"] <= PEER_TIMEOUT + 2.0 for f in fails)
+    assert all(f["at"] - rep["t_kill"] <= PEER_TIMEOUT + 2.0 for f in fails)     # a deadline, not a speed goal
+    # every request of the killed instance was retried and ended byte-exact elsewhere
+    assert not any(r["lost"] or r["bad"] for r in res.values())
     assert all(p.closed for p in procs if hasattr(p, "closed"))
     print(f"{kind}: events {rep['events']}; false deaths {rep['false_deaths']}")
