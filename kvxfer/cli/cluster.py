@@ -334,15 +334,17 @@ def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: i
 
 
 def add_parser(sub: Any) -> None:
+    from kvxfer.cli._args import positive_float, positive_int, writable_file
+
     p = sub.add_parser("cluster", help="2 prefill + 2 decode instances over a rendezvous store, with a kill "
                                        "and a store restart mid-run",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("--store", choices=("auto", "etcd", "redis", "file"), default="auto",
                    help="which store server to start here (auto: every one that can run)")
-    p.add_argument("--requests", type=int, default=150, help="requests per decoder, at least")
+    p.add_argument("--requests", type=positive_int, default=150, help="requests per decoder, at least")
     p.add_argument("--provider", default="tcp;ofi_rxm")
-    p.add_argument("--peer-timeout", type=float, default=3.0)
-    p.add_argument("--json", help="write the reports to this file")
+    p.add_argument("--peer-timeout", type=positive_float, default=3.0)
+    p.add_argument("--json", type=writable_file, help="write the reports to this file")
     p.set_defaults(func=run_cmd)
 
 
@@ -364,8 +366,9 @@ def run_cmd(args: Any) -> int:
             print(f"  {n}: {r['done']} requests done ({r['by_instance']}), {len(r['failures'])} failed and retried")
         ok = ok and rep["ok"]
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(reports, f, indent=1, default=str)
+        from kvxfer.cli._args import write_json
+
+        ok = write_json(args.json, {"reports": reports}, "kvxfer-bench cluster") and ok
     return 0 if ok else 1
 
 

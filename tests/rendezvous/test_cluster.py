@@ -73,3 +73,31 @@ def test_cluster_survives_a_killed_instance_and_a_store_restart(star, kind):
     assert not any(r["lost"] or r["bad"] for r in res.values())
     assert all(p.closed for p in procs if hasattr(p, "closed"))
     print(f"{kind}: events {rep['events']}; false deaths {rep['false_deaths']}")
+
+
+def test_kvxfer_bench_cluster_on_loopback(tmp_path, capsys):
+    """The command a user runs: the same shape on 127.0.0.1 over a directory store, each
+    check printed, exit status 0, the report written as JSON."""
+    import json
+
+    from kvxfer.cli.bench import main
+
+    if PROVIDER not in kvxfer.providers():
+        pytest.skip(f"{PROVIDER} is not available here")
+    out = tmp_path / "cluster.json"
+    assert main(["cluster", "--store", "file", "--requests", "60", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "p0 killed (SIGKILL) mid-run" in text and "FAIL" not in text
+    assert "ok   every request byte-exact" in text
+    rep = json.loads(out.read_text())["reports"][0]
+    assert rep["ok"] and rep["store"] == "file"
+
+
+def test_kvxfer_bench_cluster_usage_errors():
+    from kvxfer.cli.bench import main
+
+    for argv in (["cluster", "--requests", "0"], ["cluster", "--store", "zookeeper"],
+                 ["cluster", "--peer-timeout", "-1"]):
+        with pytest.raises(SystemExit) as ei:
+            main(argv)
+        assert ei.value.code == 2
