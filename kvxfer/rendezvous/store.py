@@ -87,6 +87,7 @@ class Lease:
         self.last_ok = time.monotonic()
         self.next_at = self.last_ok + ttl / 3
         self.backend: object = None          # the backend's own handle (an etcd lease id)
+        self._lock = threading.Lock()        # a renewal and the release never overlap
 
     def _renewed(self) -> None:
         if self.state == "lost":
@@ -279,18 +280,17 @@ class Store:
         with self._cv:
             if self._closed:
                 return
+            self._closed = True              # the renewer stops at its next step
             leases, self._leases = self._leases, []
             self._cv.notify_all()
         for w in list(self._watches):
             w.close(timeout)
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join(timeout)      # a renewal in flight ends within op_timeout
         for lease in leases:
-            lease.state = "closed"
-            self._release(lease)
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        if self._renewer is not None:
-            self._renewer.join(timeout)
+            with lease._lock:
+                lease.state = "closed"
+                self._release(lease)
         self._close_client()
 
     def __enter__(self) -> "Store":
@@ -310,7 +310,8 @@ class Store:
         with self._cv:
             if lease in self._leases:
                 self._leases.remove(lease)
-        self._release(lease)
+        with lease._lock:                    # after a renewal in flight: nothing puts it back
+            self._release(lease)
 
     def _release(self, lease: Lease) -> None:
         try:
@@ -335,10 +336,11 @@ class Store:
     def _renew_once(self, lease: Lease) -> None:
         err: Optional[RendezvousError] = None
         for i in range(RETRIES):
-            if lease.state == "closed" or self._closed:
-                return
             try:
-                self._renew(lease)
+                with lease._lock:
+                    if lease.state == "closed" or self._closed:
+                        return
+                    self._renew(lease)
             except RendezvousError as exc:
                 err = exc
                 time.sleep(min(0.05 * (2 ** i), lease.ttl / 10))
