@@ -102,6 +102,17 @@ def _prefill(a: argparse.Namespace) -> int:
             traceback.print_exc()
 
     m = kvxfer.Messenger(eng, lay, sh, kv, peer_timeout=a.peer_timeout, secret=a.secret, on_request=on_request)
+    silence: dict[str, float] = {}       # decoder uid -> the longest it was silent while alive
+    quiet = threading.Event()
+
+    def sample() -> None:
+        while not quiet.wait(0.05):
+            now = time.monotonic()
+            for g in m.peers:
+                k = f"{g.uid:016x}"
+                silence[k] = max(silence.get(k, 0.0), now - g.last_heard)
+
+    threading.Thread(target=sample, name="silence", daemon=True).start()
     store = R.open(a.store, op_timeout=a.op_timeout)
     ann = R.Announcement(store, m, "prefill", a.instance, ttl=a.ttl)
     emit("READY", {"instance": a.instance, "pid": os.getpid(), "keys": list(ann.keys)})
@@ -111,8 +122,10 @@ def _prefill(a: argparse.Namespace) -> int:
                 break
             if line.strip() == "stats":
                 emit("STATS", {"served": served[0], "lease": ann.state, "errors": errors[-5:], "stats": m.stats(),
+                               "silence": {k: round(v, 3) for k, v in silence.items()},
                                "reestablished": sum(le.reestablished for le in ann.leases)})
     finally:
+        quiet.set()
         ann.close()
         store.close()
         m.close()
@@ -256,6 +269,19 @@ def _decode(a: argparse.Namespace) -> int:
     d = R.Directory(store, m, "prefill", interval=0.1, grace=a.grace, connect_timeout=a.peer_timeout * 2)
     load = None
     th = None
+    silence: dict[str, float] = {}       # instance -> the longest a live group of it was silent
+    quiet = threading.Event()
+
+    def sample() -> None:                # every 50 ms: how long since each group was heard
+        while not quiet.wait(0.05):
+            now = time.monotonic()
+            for n in ("p0", "p1", "p2"):
+                inst = d.instance(n)
+                for g in inst.groups if inst is not None else ():
+                    if g.alive:
+                        silence[n] = max(silence.get(n, 0.0), now - g.last_heard)
+
+    threading.Thread(target=sample, name="silence", daemon=True).start()
     try:
         names = d.wait_for(a.expect, 30)
         emit("READY", {"instance": a.instance, "pid": os.getpid(), "prefill": names})
@@ -281,7 +307,7 @@ def _decode(a: argparse.Namespace) -> int:
                                "store_ok": d.store_ok, "names": d.names(),
                                "instances": {n: [i.state, [g.state for g in i.groups], repr(i.error)]
                                              for n in ("p0", "p1", "p2") if (i := d.instance(n)) is not None},
-                               "stats": m.stats()})
+                               "stats": m.stats(), "silence": {k: round(v, 3) for k, v in silence.items()}})
             elif cmd[0] == "list":           # the store as this node sees it (instances listed)
                 try:
                     emit("LIST", {"ok": True, "instances": sorted({k.split("/")[1] for k in store.list("")})})
@@ -294,6 +320,7 @@ def _decode(a: argparse.Namespace) -> int:
         if th is not None:
             th.join(a.deadline)
     finally:
+        quiet.set()
         d.close()
         ann.close()
         store.close()

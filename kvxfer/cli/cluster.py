@@ -176,7 +176,7 @@ def store_kinds() -> list[str]:
 
 
 def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: int = 150,
-                provider: str = "tcp;ofi_rxm", peer_timeout: float = 3.0, ttl: float = 2.0, grace: float = 2.0,
+                provider: str = "tcp;ofi_rxm", peer_timeout: float = 10.0, ttl: float = 2.0, grace: float = 2.0,
                 deadline: float = 240.0, say: Callable[[str], Any] = lambda s: None,
                 procs: Optional[list] = None) -> dict:
     """Run the shape once over a ``kind`` store (``etcd``, ``redis`` or ``file``); returns the
@@ -343,7 +343,8 @@ def add_parser(sub: Any) -> None:
                    help="which store server to start here (auto: every one that can run)")
     p.add_argument("--requests", type=positive_int, default=150, help="requests per decoder, at least")
     p.add_argument("--provider", default="tcp;ofi_rxm")
-    p.add_argument("--peer-timeout", type=positive_float, default=3.0)
+    p.add_argument("--peer-timeout", type=positive_float, default=10.0,
+                   help="seconds of silence before a peer is declared dead (the messenger's default)")
     p.add_argument("--json", type=writable_file, help="write the reports to this file")
     p.set_defaults(func=run_cmd)
 
@@ -359,6 +360,8 @@ def run_cmd(args: Any) -> int:
         reports.append(rep)
         for name, (good, detail) in rep["checks"].items():
             print(f"  {'ok  ' if good else 'FAIL'} {name}: {detail}")
+        for n, st in [*rep.get("stats", {}).items(), *rep.get("prefill_stats", {}).items()]:
+            print(f"  {n}: longest silence of a live peer {st.get('silence')}")
         for inst, dname in rep.get("false_deaths", []):
             print(f"  FINDING {dname} declared live instance {inst} dead (heartbeat silence after p0's kill); "
                   "its requests were retried elsewhere")

@@ -28,7 +28,7 @@ from _backends import why_not
 pytestmark = pytest.mark.timeout(240)
 PREFILL_MODE = "node"       # "per-rank" once the messenger's per-rank prefill is merged
 PROVIDER = "tcp;ofi_rxm"
-PEER_TIMEOUT = 3.0
+PEER_TIMEOUT = 10.0     # below ~6 s a live instance is sometimes declared dead after p0's kill (docs/reliability.md)
 NAMES = ["p0", "p1", "p2", "d0", "d1"]
 
 
