@@ -121,6 +121,7 @@ class Directory:
         self._on_change = on_change
         self._lock = threading.RLock()
         self._inst: dict[str, Instance] = {}
+        self._later: list[Instance] = []     # gone, not yet told (_flush)
         self.counts = {"appeared": 0, "replaced": 0, "expired": 0, "dropped": 0, "connects": 0}
         self._watch: Watch = store.watch(role + "/", self._event, interval=interval)
 
@@ -136,22 +137,22 @@ class Directory:
             if value is None:
                 if inst is not None and inst.blobs.pop(rank, None) is not None and not inst.blobs:
                     inst.absent_since = time.monotonic()
-                self._sweep()
-                return
-            if inst is not None and inst.groups and inst.seen.get(rank, value) != value:
-                # a new handshake under a connected name: the instance restarted (a new uid)
-                self._expire(inst, "restarted with a new handshake")
-                self.counts["replaced"] += 1
-                inst = None
-            elif inst is not None and inst.state == "gone":
-                inst = None                # came back after it was declared gone: a new one
-            if inst is None:
-                inst = self._inst[name] = Instance(name)
-                self.counts["appeared"] += 1
-                changed = inst
-            inst.blobs[rank] = inst.seen[rank] = value
-            inst.absent_since = None
+            else:
+                if inst is not None and inst.groups and inst.seen.get(rank, value) != value:
+                    # a new handshake under a connected name: the instance restarted (a new uid)
+                    self._expire(inst, "restarted with a new handshake")
+                    self.counts["replaced"] += 1
+                    inst = None
+                elif inst is not None and inst.state == "gone":
+                    inst = None            # came back after it was declared gone: a new one
+                if inst is None:
+                    inst = self._inst[name] = Instance(name)
+                    self.counts["appeared"] += 1
+                    changed = inst
+                inst.blobs[rank] = inst.seen[rank] = value
+                inst.absent_since = None
             self._sweep()
+        self._flush()
         if changed is not None:
             self._notify(changed)
 
@@ -164,19 +165,27 @@ class Directory:
     def _expire(self, inst: Instance, why: str) -> None:
         """Lease expiry: the second failure signal. The instance takes no new requests; its
         groups are declared dead where the messenger can be told."""
-        was = inst.state
         inst.state = "gone"
         inst.error = PeerError(f"instance {inst.name!r}: {why}")
         self.counts["expired"] += 1
-        drop = getattr(self.m, "drop_peer", None)
-        for g in inst.groups:
-            if drop is not None and g.alive:
-                try:
-                    drop(g, inst.error)
-                    self.counts["dropped"] += 1
-                except Exception:
-                    pass
-        if was != "gone":
+        self._later.append(inst)             # told outside the lock (_flush)
+
+    def _flush(self) -> None:
+        """Tell the messenger and ``on_change`` about instances that went (never under the
+        directory's lock: the messenger's teardown takes its own)."""
+        while True:
+            with self._lock:
+                if not self._later:
+                    return
+                inst = self._later.pop(0)
+            drop = getattr(self.m, "drop_peer", None)
+            for g in inst.groups:
+                if drop is not None and g.alive:
+                    try:
+                        drop(g, inst.error)
+                        self.counts["dropped"] += 1
+                    except Exception:
+                        pass
             self._notify(inst)
 
     def _notify(self, inst: Instance) -> None:
@@ -220,7 +229,8 @@ class Directory:
                         inst.error = next((g.error for g in inst.groups if not g.alive), None)
                 elif inst.state == "listed" and self._complete(inst):
                     out.append(name)
-            return out
+        self._flush()
+        return out
 
     def instance(self, name: str) -> Optional[Instance]:
         with self._lock:
