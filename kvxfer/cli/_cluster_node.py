@@ -1,5 +1,5 @@
 """One node of ``kvxfer-bench cluster``: a prefill instance (one process holding both TP
-ranks) or a decode instance, finding the others through a rendezvous store.
+ranks, or with ``--rank R`` one of its two rank processes) or a decode instance, finding the others through a rendezvous store.
 
 Run as ``python -m kvxfer.cli._cluster_node prefill|decode --store URL --instance NAME
 --node ADDR ...``; it talks to its parent in lines on stdout (``READY``, ``PROGRESS``,
@@ -81,7 +81,8 @@ def _prefill(a: argparse.Namespace) -> int:
     lay, sh = layout(), Sharding(2)
     data = cache(a.seed)
     kv = {}
-    for r in (0, 1):
+    held = (0, 1) if a.rank is None else (a.rank,)     # node mode: both ranks; per-rank: one
+    for r in held:
         regs = _regions(lay, sh, 0)
         heads = list(sh.heads(r, lay.kv_heads))
         for layer in range(lay.num_layers):
@@ -101,7 +102,8 @@ def _prefill(a: argparse.Namespace) -> int:
             errors.append(f"{rid}: {type(exc).__name__}: {exc}")
             traceback.print_exc()
 
-    m = kvxfer.Messenger(eng, lay, sh, kv, peer_timeout=a.peer_timeout, secret=a.secret, on_request=on_request)
+    m = kvxfer.Messenger(eng, lay, sh, kv, ranks=list(held), peer_timeout=a.peer_timeout, secret=a.secret,
+                         on_request=on_request)
     silence: dict[str, float] = {}       # decoder uid -> the longest it was silent while alive
     quiet = threading.Event()
 
@@ -177,7 +179,9 @@ class _Load:
             name = self.rng.choice(names)
             try:
                 inst = self.d.connect(name)
-                return self.m.receive(inst.peer, rid, pages, self.rng.randint(1, len(pages) * PAGE)), name
+                # node mode: one group holds both ranks; per-rank: one group per rank process
+                peers = inst.groups if len(inst.groups) > 1 else inst.peer
+                return self.m.receive(peers, rid, pages, self.rng.randint(1, len(pages) * PAGE)), name
             except kvxfer.errors.KvxferError as exc:
                 self.suspect[name] = time.monotonic() + self.hold
                 k = type(exc).__name__
@@ -236,9 +240,15 @@ class _Load:
                     emit("PROGRESS", {"done": self.out["done"]})
             else:
                 self.suspect[where] = time.monotonic() + self.hold
+                at = time.time()
+                # per-rank: the request fails as soon as one leg's peer dies; it is fenced
+                # once the live legs' ABORTED counts landed too (bounded wait)
+                fence_end = time.monotonic() + 2 * self.hold
+                while not r.fenced and time.monotonic() < fence_end:
+                    time.sleep(0.01)
                 self.out["failures"].append({"rid": rid, "instance": where, "state": r.state,
                                              "error": type(r.error).__name__, "fenced": bool(r.fenced),
-                                             "at": time.time()})
+                                             "at": at, "fenced_after": round(time.time() - at, 3)})
                 if r.fenced:
                     r.release()
                     free.extend(r.dst_pages.tolist())
@@ -266,7 +276,8 @@ def _decode(a: argparse.Namespace) -> int:
                          context_slots=4 * INFLIGHT, context_bytes=CTX_BYTES)
     store = R.open(a.store, op_timeout=a.op_timeout)
     ann = R.Announcement(store, m, "decode", a.instance, ttl=a.ttl)
-    d = R.Directory(store, m, "prefill", interval=0.1, grace=a.grace, connect_timeout=a.peer_timeout * 2)
+    d = R.Directory(store, m, "prefill", interval=0.1, grace=a.grace, connect_timeout=a.peer_timeout * 2,
+                    ranks=2)
     load = None
     th = None
     silence: dict[str, float] = {}       # instance -> the longest a live group of it was silent
@@ -334,6 +345,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("role", choices=("prefill", "decode"))
     p.add_argument("--store", required=True)
     p.add_argument("--instance", required=True)
+    p.add_argument("--rank", type=int, choices=(0, 1), help="prefill per-rank: the one TP rank this process holds")
     p.add_argument("--provider", default="tcp;ofi_rxm")
     p.add_argument("--node", default="127.0.0.1")
     p.add_argument("--seed", type=int, default=27)

@@ -2,8 +2,8 @@
 a prefill instance killed and the store stopped and restarted mid-run; prints what happened.
 
 The shape (issue 27): a store server (a real ``etcd`` or ``redis-server`` when installed, or
-a directory), 2 prefill instances (each one process holding both TP2 ranks), 2 decode
-instances. Each decoder routes requests at random over the prefill instances it lists in
+a directory), 2 prefill instances of TP2 (each one process holding both ranks, or with
+``--per-rank`` one process per rank, as vLLM and SGLang run them), 2 decode instances. Each decoder routes requests at random over the prefill instances it lists in
 the store, connecting lazily; then prefill instance ``p0`` is killed with SIGKILL (its
 in-flight requests fail with ``PeerError`` within ``peer_timeout``, fenced, and are retried
 on another instance); the store is killed (new lookups fail with ``RendezvousError``, the
@@ -178,12 +178,15 @@ def store_kinds() -> list[str]:
 def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: int = 150,
                 provider: str = "tcp;ofi_rxm", peer_timeout: float = 10.0, ttl: float = 2.0, grace: float = 2.0,
                 deadline: float = 240.0, say: Callable[[str], Any] = lambda s: None,
-                procs: Optional[list] = None) -> dict:
+                procs: Optional[list] = None, mode: str = "node") -> dict:
     """Run the shape once over a ``kind`` store (``etcd``, ``redis`` or ``file``); returns the
     report (``checks``: name -> (ok, detail); ``events``; each decoder's result). ``procs``,
     when given, collects every process started (for a caller's own cleanup)."""
     from kvxfer.rendezvous.servers import Server
 
+    if mode not in ("node", "per-rank"):
+        raise ValueError(f"mode is 'node' or 'per-rank', got {mode!r}")
+    shape = "one process, both ranks" if mode == "node" else "one process per rank"
     placement = placement or Placement()
     started: list[Any] = [] if procs is None else procs
     t0 = time.monotonic()
@@ -204,19 +207,25 @@ def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: i
               "--grace", str(grace), "--deadline", str(int(deadline)), "--secret-hex", os.urandom(16).hex()]
 
     def node(role: str, name: str, *extra: str) -> _Proc:
-        prefix, addr = placement.node(name)
+        prefix, addr = placement.node(name)     # an instance's rank processes share its host
         argv = [*prefix, sys.executable, "-m", NODE, role, "--instance", name, "--node", addr, *common, *extra]
-        p = _Proc(name, argv)
+        p = _Proc(name + (f"r{extra[-1]}" if extra else ""), argv)
         started.append(p)
         return p
 
-    report: dict[str, Any] = {"store": kind, "url": srv.url, "events": events, "checks": {}}
+    def instance(name: str) -> list[_Proc]:
+        """A prefill instance: one process holding both TP ranks, or one per rank."""
+        procs = [node("prefill", name)] if mode == "node" else [node("prefill", name, "--rank", str(r))
+                                                                   for r in (0, 1)]
+        for p in procs:
+            p.next("READY", 60)
+        return procs
+
+    report: dict[str, Any] = {"store": kind, "mode": mode, "url": srv.url, "events": events, "checks": {}}
     checks = report["checks"]
     try:
-        pre = {n: node("prefill", n) for n in ("p0", "p1")}
-        for p in pre.values():
-            p.next("READY", 60)
-        event("prefill instances p0, p1 published (TP2: one process, both ranks)")
+        pre = {n: instance(n) for n in ("p0", "p1")}
+        event(f"prefill instances p0, p1 published (TP2: {shape})")
         dec = {n: node("decode", n) for n in ("d0", "d1")}
         for d in dec.values():
             info = d.next("READY", 60)
@@ -236,7 +245,8 @@ def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: i
                 time.sleep(0.02)
 
         progress(40)
-        pre["p0"].kill()
+        for p in pre["p0"]:
+            p.kill()
         t_kill = time.time()
         event("p0 killed (SIGKILL) mid-run")
         progress(40)
@@ -252,9 +262,7 @@ def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: i
         event("requests went on while the store was down")
         srv.start()
         event(f"{kind} store restarted")
-        p2 = node("prefill", "p2")
-        pre["p2"] = p2
-        p2.next("READY", 60)
+        pre["p2"] = instance("p2")
         event("p2 joined")
         time.sleep(max(1.5, ttl))
         progress(40)
@@ -275,9 +283,9 @@ def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: i
             d.send("stats")
         stats = {n: d.next("STATS", 30) for n, d in dec.items()}
         pstats = {}
-        for n in ("p1", "p2"):
-            pre[n].send("stats")
-            pstats[n] = pre[n].next("STATS", 30)
+        for p in [*pre["p1"], *pre["p2"]]:
+            p.send("stats")
+            pstats[p.name] = p.next("STATS", 30)
         report.update(results=results, listed=listed, stats=stats, prefill_stats=pstats, t_kill=t_kill)
         total = sum(r["requests"] for r in results.values())
         done = sum(r["done"] for r in results.values())
@@ -293,8 +301,10 @@ def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: i
         report["false_deaths"] = sorted({(f["instance"], n) for n, r in results.items() for f in r["failures"]
                                          if f["instance"] != "p0"})
         late = max((f["at"] - t_kill for f in fails if f["instance"] == "p0"), default=0.0)
-        checks["in-flight requests of p0 failed within peer_timeout"] = (
-            late <= peer_timeout + 2.0, f"last failure {late:.2f} s after the kill (peer_timeout {peer_timeout} s)")
+        # a deadline, not a speed goal: the messenger thread's tick may be late by the
+        # seconds a send to the dead peer blocks it (docs/reliability.md)
+        checks["in-flight requests of p0 failed within peer_timeout (+5 s)"] = (
+            late <= peer_timeout + 5.0, f"last failure {late:.2f} s after the kill (peer_timeout {peer_timeout} s)")
         checks["p2 discovered and used"] = (any(r["by_instance"].get("p2") for r in results.values()),
                                             {n: r["by_instance"] for n, r in results.items()})
         checks["leases re-established after the restart"] = (
@@ -303,9 +313,9 @@ def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: i
         for n, d in dec.items():
             rc = d.close()
             checks[f"{n} exited cleanly"] = (rc == 0, rc)
-        for n in ("p1", "p2"):
-            rc = pre[n].close()
-            checks[f"{n} exited cleanly"] = (rc == 0, rc)
+        for p in [*pre["p1"], *pre["p2"]]:
+            rc = p.close()
+            checks[f"{p.name} exited cleanly"] = (rc == 0, rc)
         event("all nodes closed")
         report["ok"] = all(v[0] for v in checks.values())
         return report
@@ -342,6 +352,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--store", choices=("auto", "etcd", "redis", "file"), default="auto",
                    help="which store server to start here (auto: every one that can run)")
     p.add_argument("--requests", type=positive_int, default=150, help="requests per decoder, at least")
+    p.add_argument("--per-rank", action="store_true", help="each prefill instance as one process per TP rank")
     p.add_argument("--provider", default="tcp;ofi_rxm")
     p.add_argument("--peer-timeout", type=positive_float, default=10.0,
                    help="seconds of silence before a peer is declared dead (the messenger's default)")
@@ -356,7 +367,7 @@ def run_cmd(args: Any) -> int:
     for kind in kinds:
         print(f"== {kind} ==")
         rep = run_cluster(kind, requests=args.requests, provider=args.provider, peer_timeout=args.peer_timeout,
-                          say=print)
+                          say=print, mode="per-rank" if args.per_rank else "node")
         reports.append(rep)
         for name, (good, detail) in rep["checks"].items():
             print(f"  {'ok  ' if good else 'FAIL'} {name}: {detail}")

@@ -106,17 +106,22 @@ class Instance:
 
 class Directory:
     """The instances of ``role`` in ``store``, watched every ``interval`` s; ``connect(name)``
-    connects ``messenger`` to one lazily. ``on_change(instance)`` (optional) runs on the watch
+    connects ``messenger`` to one lazily (one group per distinct handshake: a per-rank
+    instance's groups go to ``receive`` together). ``ranks``: the role's TP size, so an
+    instance whose rank processes are not all listed yet takes no request. ``on_change(instance)`` (optional) runs on the watch
     thread when an instance appears, is replaced, goes or dies."""
 
     def __init__(self, store: Store, messenger: Any, role: str = "prefill", *, interval: float = 0.25,
-                 grace: float = 5.0, connect_timeout: Optional[float] = None,
+                 grace: float = 5.0, connect_timeout: Optional[float] = None, ranks: Optional[int] = None,
                  on_change: Optional[Callable[[Instance], Any]] = None) -> None:
         check_key(role)
         self.store = store
         self.m = messenger
         self.role = role
         self.grace = check_seconds(grace, "grace", 0.0)
+        if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1):
+            raise InvalidArgumentError(f"ranks must be a positive int (the TP size of the role), got {ranks!r}")
+        self.ranks = ranks
         self.connect_timeout = connect_timeout
         self._on_change = on_change
         self._lock = threading.RLock()
@@ -236,11 +241,11 @@ class Directory:
         with self._lock:
             return self._inst.get(name)
 
-    @staticmethod
-    def _complete(inst: Instance) -> bool:
-        """Every rank of the handshake's sharding is listed (node mode: the ranks the blob says
-        it holds; per-rank mode: one entry per rank)."""
-        return bool(inst.blobs)
+    def _complete(self, inst: Instance) -> bool:
+        """An instance takes requests once ``ranks`` entries are listed (every TP rank: a
+        per-rank instance publishes one per rank process, a node-mode one the same handshake
+        under each rank); without ``ranks``, once any is."""
+        return len(inst.blobs) >= (self.ranks or 1)
 
     def connect(self, name: str, timeout: Optional[float] = None) -> Instance:
         """The instance ``name``, connected (its groups up). Already connected and alive: no
@@ -265,6 +270,8 @@ class Directory:
             inst = self._inst.get(name)
             if inst is None or not inst.blobs or inst.state == "gone":
                 raise PeerError(f"no {self.role} instance {name!r} in {self.store.url}")
+            if not self._complete(inst):
+                raise PeerError(f"{self.role} instance {name!r} lists ranks {sorted(inst.blobs)} of {self.ranks}")
             blobs = list(dict.fromkeys(inst.blobs[r] for r in sorted(inst.blobs)))   # node mode: one blob
         with inst._lock:
             if inst.groups:
