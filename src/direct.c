@@ -455,11 +455,15 @@ int kx_fence_table_open(size_t slots, const uint8_t owner[KX_OWNER_BYTES], int *
         close(fd);
         return ret;
     }
+    /* every slot starts revoked (generation 0, no writers): one never handed out takes no
+     * copy, whatever a descriptor names (its record is empty too) */
+    for (size_t k = 0; k < slots; k++)
+        ((uint64_t *)map)[k] = KX_FENCE_REVOKED;
     struct kx_fence_header h = {.magic = KX_FENCE_MAGIC, .slots = slots};
     memcpy(h.owner, owner, KX_OWNER_BYTES);
     memcpy((char *)map + len - sizeof(h), &h, sizeof(h));
     *fd_out = fd;
-    *words_out = map;     /* all zero: generation 0, not revoked, no writers */
+    *words_out = map;
     return 0;
 }
 
@@ -474,7 +478,7 @@ void kx_fence_table_close(int fd, uint64_t *words, size_t slots)
 uint32_t kx_fence_issue(uint64_t *words, size_t slots, size_t slot, uint64_t dev, uint64_t ino, uint64_t offset,
                         uint64_t len)
 {
-    /* a free slot is revoked with no writers (or fresh: 0); nobody holds its generation yet,
+    /* a free slot is revoked with no writers (fresh ones too); nobody holds its generation yet,
      * so its record may change: write it, then let copies in (release: a sender that sees
      * the slot unrevoked sees the record) */
     uint64_t *w = &words[slot];

@@ -184,3 +184,11 @@ def test_a_decoder_in_another_process_cannot_aim_at_the_senders_memory(shm):
             assert np.array_equal(tgt.memory(), src)
             assert not dst.direct
             tgt.call("fill", 0)
+
+
+def test_a_slot_never_handed_out_is_refused(hostile):
+    """Defence in depth (it held before too, by the empty record): a fresh slot starts revoked."""
+    a, b, ms, src, peer, md, b_file, victim, _ = hostile
+    free = b._fence_next + 3                                # never issued
+    assert a.remote(_forge(md.descriptor(), fence=_fence(md.descriptor(), slot=free, generation=0))).direct is False
+    assert b._fence.word(free) == 1 << 31                   # revoked, generation 0, no writers
