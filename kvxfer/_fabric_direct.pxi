@@ -10,11 +10,12 @@ cdef class DirectMap:
     take their own references, so the mapping outlives this handle as long as they copy. Raises FabricError
     (``kx_direct_open``) when it cannot map; the engine then writes over RMA.
 
-    ``fence``: ``(path, dev, ino, slot, generation)`` of the target's fence table
-    (``/proc/<pid>/fd/<fd>`` of its memfd, checked like the data): every copy then takes a
-    writer on word ``slot`` only while it carries ``generation`` and is not revoked, and is
-    skipped once the target closed the region (src/direct.c). The engine maps no host share
-    without one (``fenced``)."""
+    ``fence``: ``(path, dev, ino, slot, generation, owner)`` of the target's fence table
+    (``/proc/<pid>/fd/<fd>`` of its memfd, checked like the data), whose header must name
+    ``owner`` (the descriptor's 8-byte owner digest) and whose record for ``slot`` must cover
+    the data's file and range: every copy then takes a writer on word ``slot`` only while it
+    carries ``generation`` and is not revoked, and fails its transfer once the target closed
+    the region (src/direct.c). The engine maps no host share without one (``fenced``)."""
 
     cdef kx_direct *d
     cdef readonly size_t nbytes
@@ -27,12 +28,16 @@ cdef class DirectMap:
         cdef const char *fcp
         cdef uint64_t fdev, fino
         cdef uint32_t slot, gen
+        cdef const uint8_t[:] owner
         cdef int ret
         self.d = NULL
         self.fenced = False
         if fence is not None:
-            fpath, fdev, fino, slot, gen = fence
+            fpath, fdev, fino, slot, gen, fowner = fence
             fp = str(fpath).encode()
+            owner = bytes(fowner)
+            if owner.shape[0] != KX_OWNER_BYTES:
+                raise InvalidArgumentError(f"a fence's owner is {KX_OWNER_BYTES} bytes")
         with nogil:
             ret = kx_direct_open(cp, dev, ino, offset, nbytes, &self.d)
         check(ret, "kx_direct_open")
@@ -40,7 +45,7 @@ cdef class DirectMap:
         if fence is not None:
             fcp = fp
             with nogil:
-                ret = kx_direct_fence(self.d, fcp, fdev, fino, slot, gen)
+                ret = kx_direct_fence(self.d, fcp, fdev, fino, slot, gen, &owner[0])
             check(ret, "kx_direct_fence")       # __dealloc__ unmaps the data
             self.fenced = True
 
@@ -63,21 +68,25 @@ cdef inline uint64_t _load_word(uint64_t *w) noexcept nogil:
 cdef class FenceTable:
     """The target's side of the direct-write fence (src/direct.c): ``slots`` 64-bit words
     [generation: 32 | revoked: 1 | writers: 31] in a sealed memfd, mapped here and held open
-    as ``fd`` (peers open it through ``/proc/<pid>/fd/<fd>``). The engine hands one slot to
-    each region that offers a host share. Unmapped and closed when collected (a region that
-    still revokes holds a reference)."""
+    as ``fd`` (peers open it through ``/proc/<pid>/fd/<fd>``), with each slot's record of its
+    region and a header naming ``owner`` (the engine's 8-byte owner digest). The engine hands
+    one slot to each region that offers a host share. Unmapped and closed when collected (a
+    region that still revokes holds a reference)."""
 
     cdef int _fd
     cdef uint64_t *words
     cdef readonly size_t slots
 
-    def __cinit__(self, size_t slots):
+    def __cinit__(self, size_t slots, bytes owner):
         cdef int ret
+        cdef const uint8_t *o = owner
         self._fd = -1
         self.words = NULL
         self.slots = slots
+        if len(owner) != KX_OWNER_BYTES:
+            raise InvalidArgumentError(f"a fence table's owner is {KX_OWNER_BYTES} bytes")
         with nogil:
-            ret = kx_fence_table_open(slots, &self._fd, &self.words)
+            ret = kx_fence_table_open(slots, o, &self._fd, &self.words)
         check(ret, "kx_fence_table_open")
 
     def __dealloc__(self):
@@ -98,9 +107,12 @@ cdef class FenceTable:
         """The slot's word as it stands (for tests)."""
         return _load_word(self._word(slot))
 
-    def issue(self, size_t slot):
-        """Open a free slot for a new region; returns the generation its descriptor names."""
-        return kx_fence_issue(self._word(slot))
+    def issue(self, size_t slot, uint64_t dev, uint64_t ino, uint64_t offset, uint64_t nbytes):
+        """Open a free slot for a new region, bytes ``[offset, offset + nbytes)`` of the memfd
+        (dev, ino), recorded for its peers to check; returns the generation its descriptor
+        names."""
+        self._word(slot)
+        return kx_fence_issue(self.words, self.slots, slot, dev, ino, offset, nbytes)
 
     def revoke(self, size_t slot, double timeout):
         """Refuse every later copy into the slot's region and wait up to ``timeout`` s for the

@@ -159,7 +159,6 @@ struct kx_rail {
     size_t cq_data_size;
     int need_ctx;
     int has_wait;
-    uint64_t next_key;     /* fallback key sequence when getrandom fails */
 
     kx_hub *hub;
 

@@ -3,18 +3,26 @@
 
 #include <sys/random.h>
 
-/* Requested keys are random: where the provider does not choose keys (tcp, shm), a key is
- * all a peer needs to write into a region, so a peer given one region must not be able to
- * guess the key of another. */
-static uint64_t kx_random_key(kx_rail *r)
+/* Requested keys are random 64-bit: where the provider does not choose keys (tcp;ofi_rxm and
+ * shm on libfabric 1.17: FI_MR_PROV_KEY off), a key (with, on tcp, offsets from 0) is all a
+ * process on the fabric needs to write into a region, so a peer given one region must not be
+ * able to guess the key of another, nor a process that was given none any key. From the
+ * kernel's generator, never a weaker fallback: a registration fails where none is readable. */
+static int kx_random_key(uint64_t *key)
 {
     uint64_t k = 0;
-    if (getrandom(&k, sizeof(k), 0) != (ssize_t)sizeof(k)) {
-        pthread_mutex_lock(&r->hub->lock);
-        k = (r->next_key++) * 0x9E3779B97F4A7C15ULL ^ (uint64_t)kx_now_ns();
-        pthread_mutex_unlock(&r->hub->lock);
+    for (int tries = 0; tries < 8 && k == 0; tries++) {    /* 0 is refused: a default-looking key */
+        ssize_t n = getrandom(&k, sizeof(k), 0);
+        if (n != (ssize_t)sizeof(k)) {
+            if (n < 0 && errno == EINTR)
+                continue;
+            return n < 0 ? -errno : -FI_EIO;
+        }
     }
-    return k ? k : 1;
+    if (k == 0)
+        return -FI_EIO;
+    *key = k;
+    return 0;
 }
 
 int kx_mr_register(kx_rail *r, void *buf, size_t len, int iface, int device, int dmabuf_fd, int remote,
@@ -27,7 +35,12 @@ int kx_mr_register(kx_rail *r, void *buf, size_t len, int iface, int device, int
     attr.mr_iov = &iov;
     attr.iov_count = 1;
     attr.access = FI_READ | FI_WRITE | FI_SEND | FI_RECV | (remote ? FI_REMOTE_READ | FI_REMOTE_WRITE : 0);
-    attr.requested_key = (r->mr_mode & FI_MR_PROV_KEY) ? 0 : kx_random_key(r);
+    if (!(r->mr_mode & FI_MR_PROV_KEY)) {
+        *call = "getrandom";
+        int ret = kx_random_key(&attr.requested_key);
+        if (ret)
+            return ret;
+    }
     attr.iface = (enum fi_hmem_iface)iface;
     if (iface == FI_HMEM_CUDA)
         attr.device.cuda = device;

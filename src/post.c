@@ -166,11 +166,14 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
                 int revoked;
                 budget -= (int64_t)kx_direct_copy(x, (uint64_t)budget, &revoked);
                 if (revoked) {
-                    /* the target deregistered the region (its fence, direct.c): copy no
-                     * more of it, and still post the imm, which the target refuses like
-                     * any write to a closed key, as on the RMA path */
-                    x->copied = (uint64_t)bytes;
+                    /* the target deregistered the region, or revoked it under a live key
+                     * (its fence, direct.c): this message's bytes are not all in place, so
+                     * its imm must never count. Fail the transfer and post nothing more of
+                     * it, as the RMA path fails on the target's key check */
                     __atomic_add_fetch(&r->stat_direct_revoked, 1, __ATOMIC_RELAXED);
+                    kx_peer_leave(r, x->peer);
+                    kx_transfer_fail(r, x, FI_EACCES);
+                    return 1;
                 } else if (x->copied < (uint64_t)bytes) {
                     kx_peer_leave(r, x->peer);
                     return 0;

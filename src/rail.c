@@ -150,7 +150,6 @@ int kx_rail_open(const char *prov, const char *node, const char *domain, int hme
     r->hub->open++;
     pthread_mutex_unlock(&r->hub->lock);
     r->spin = spin;
-    r->next_key = 1;
     r->last_activity_ns = kx_now_ns();
 
     const char *call = "fi_allocinfo";

@@ -437,7 +437,7 @@ class Engine(_Writes):
                 os.close(dmabuf)
         # a shared memfd mapping: shm peers may map it and write directly (src/direct.c)
         share = _maps.host_share(ptr, nbytes) if self.direct and remote and device == "cpu" else None
-        fence = self._fence_take() if share is not None else None
+        fence = self._fence_take(share, nbytes) if share is not None else None
         if fence is not None:         # the share names it: peers copy only while it allows
             share = dataclasses.replace(share, fence=fence.wire())
         region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote), share, fence)
@@ -484,7 +484,7 @@ class Engine(_Writes):
             try:
                 direct = _fabric.DirectMap(f"/proc/{share.pid}/fd/{share.fd}", share.dev, share.inode, share.offset,
                                            d.nbytes, (f"/proc/{share.pid}/fd/{f.fd}", f.dev, f.inode, f.slot,
-                                                      f.generation))
+                                                      f.generation, d.owner))
             except KvxferError:
                 direct = None   # another host or namespace, no permission, a stale share: RMA
         return RemoteRegion(self, d, tuple(keys), direct)
@@ -510,16 +510,17 @@ class Engine(_Writes):
         self._watchers.add(w)
         return w
 
-    def _fence_take(self) -> Optional[_FenceSlot]:
-        """A slot of this engine's fence table for a region that offers a host share (the
-        table is made at the first), or None: no memfd, or every slot taken (the region's
-        share then goes without a fence, and peers write into it over RMA)."""
+    def _fence_take(self, share: wire.HostShare, nbytes: int) -> Optional[_FenceSlot]:
+        """A slot of this engine's fence table for a region that offers ``share`` (the table
+        is made at the first; the slot records the share's memfd and range, which peers check
+        before they map it), or None: no memfd, or every slot taken (the region's share then
+        goes without a fence, and peers write into it over RMA)."""
         with self._lock:
             if self._closed:
                 return None
             if self._fence is None:
                 try:
-                    table = _fabric.FenceTable(FENCE_SLOTS)
+                    table = _fabric.FenceTable(FENCE_SLOTS, wire.owner_digest(self.address))
                     st = os.fstat(table.fd)
                 except (KvxferError, OSError):
                     return None
@@ -531,7 +532,7 @@ class Engine(_Writes):
                     return None
                 slot, self._fence_next = self._fence_next, self._fence_next + 1
             table = self._fence
-            gen = table.issue(slot)
+            gen = table.issue(slot, share.dev, share.inode, share.offset, nbytes)
         return _FenceSlot(self, table, slot, gen, *self._fence_file)
 
     def _fence_give(self, slot: int, reusable: bool) -> None:

@@ -9,11 +9,20 @@ HMAC-SHA256 tag over all bytes before it, and a decoder given the secret refuses
 whose tag is missing or wrong. Without a secret no tag is sent and none is accepted (the
 sizes differ, so a tagged message fails to parse): a node then trusts the fabric.
 
-Handshake, version 1 (little-endian)::
+Confidentiality: a region descriptor holds the region's remote keys, which are all a process
+on the fabric needs to write into the region. With a ``secret`` the handshake's descriptor
+table is encrypted (version 2): AES-256-GCM (the ``cryptography`` package, ``kvxfer[secure]``)
+under a key derived from the secret with HKDF-SHA256, with a fresh random 96-bit nonce per
+blob and the bytes before the table (magic, version, header) as associated data. A holder of
+the blob without the secret reads the header (uid, address, layout) but no descriptor, and a
+decoder given the secret refuses a version 1 blob (keys in clear). Without a secret the blob
+stays version 1, as before.
 
-    b"KXHS" | u8 version | u32 header length | header (UTF-8 JSON)
-            | u32 descriptors | per descriptor: u16 length + wire.Descriptor bytes
-            | [32-byte tag]
+Handshake, version 1 (no secret) and 2 (a secret; little-endian)::
+
+    b"KXHS" | u8 version | u32 header length | header (UTF-8 JSON) | table | [32-byte tag]
+    table, version 1:  u32 descriptors | per descriptor: u16 length + wire.Descriptor bytes
+    table, version 2:  u32 sealed length | 12-byte nonce | AES-GCM(version 1 table) + 16-byte GCM tag
 
 The JSON header holds ``uid`` (the messenger's random 64-bit identity, new per process),
 ``address`` (hex of the engine address), ``layout`` (KVLayout fields), ``sharding``
@@ -54,6 +63,7 @@ import hashlib
 import hmac
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -61,18 +71,22 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, LayoutError
+from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, LayoutError, UnsupportedError
 from kvxfer.layout import KVLayout, Sharding
 
 __all__ = [
     "Handshake", "Control", "RequestId", "encode_request_id", "decode_request_id",
-    "HANDSHAKE_VERSION", "CONTROL_VERSION", "TAG_BYTES", "MSG_TYPES",
+    "HANDSHAKE_VERSION", "HANDSHAKE_SEALED_VERSION", "CONTROL_VERSION", "TAG_BYTES", "MSG_TYPES",
     "HELLO", "HELLO_ACK", "REQUEST", "ANNOUNCE", "ABORT", "ABORTED", "REJECT", "HEARTBEAT", "BYE",
     "ABORTED_UNKNOWN", "ABORTED_BY_PREFILLER", "MAX_PAGES",
 ]
 
 HANDSHAKE_MAGIC = b"KXHS"
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 1           #: without a secret: the descriptor table in clear
+HANDSHAKE_SEALED_VERSION = 2    #: with a secret: the descriptor table encrypted
+_NONCE_BYTES = 12
+_GCM_TAG_BYTES = 16
+_TABLE_KEY_INFO = b"kvxfer handshake region table, AES-256-GCM, v2"
 CONTROL_MAGIC = b"KC"
 CONTROL_VERSION = 1
 TAG_BYTES = 32
@@ -118,6 +132,47 @@ def _check_secret(secret: Optional[bytes]) -> Optional[bytes]:
 
 def _tag(secret: bytes, data: bytes) -> bytes:
     return hmac.new(secret, data, hashlib.sha256).digest()
+
+
+def _table_cipher(secret: bytes) -> Any:
+    """The AEAD of a handshake's descriptor table: AES-256-GCM under HKDF-SHA256(secret)."""
+    try:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    except ImportError:
+        raise UnsupportedError("a messenger secret encrypts the handshake's region keys with the "
+                               "'cryptography' package: pip install 'kvxfer[secure]'") from None
+    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_TABLE_KEY_INFO).derive(secret)
+    return AESGCM(key)
+
+
+def _encrypt_table(secret: bytes, table: bytes, aad: bytes) -> bytes:
+    nonce = os.urandom(_NONCE_BYTES)
+    sealed = nonce + _table_cipher(secret).encrypt(nonce, table, aad)
+    return _U32.pack(len(sealed)) + sealed
+
+
+def _decrypt_table(secret: bytes, data: bytes, pos: int, aad: bytes) -> bytes:
+    """The version 1 table inside a version 2 blob's sealed table at ``pos`` (which must run
+    to the end); DescriptorError where it does not decrypt."""
+    if pos + 4 > len(data):
+        raise DescriptorError("handshake is truncated")
+    (n,) = _U32.unpack_from(data, pos)
+    pos += 4
+    if n < _NONCE_BYTES + _GCM_TAG_BYTES or pos + n != len(data):
+        raise DescriptorError("handshake's sealed region table has a bad length")
+    nonce, ct = data[pos:pos + _NONCE_BYTES], data[pos + _NONCE_BYTES:pos + n]
+    try:
+        cipher = _table_cipher(secret)
+    except UnsupportedError as exc:
+        raise DescriptorError(str(exc)) from None
+    from cryptography.exceptions import InvalidTag
+
+    try:
+        return cipher.decrypt(nonce, ct, aad)
+    except InvalidTag:
+        raise DescriptorError("handshake's region table failed authentication (wrong shared secret)") from None
 
 
 def _seal(data: bytes, secret: Optional[bytes]) -> bytes:
@@ -234,12 +289,16 @@ class Handshake:
             if self.context is None:
                 raise InvalidArgumentError("a handshake with context slots needs the context descriptor")
             descs.append(self.context)
-        out = [HANDSHAKE_MAGIC, bytes([HANDSHAKE_VERSION]), _U32.pack(len(header)), header, _U32.pack(len(descs))]
+        table = [_U32.pack(len(descs))]
         for d in descs:
             if not 0 < len(d) < 65536:
                 raise InvalidArgumentError("a descriptor must be 1..65535 bytes")
-            out += [_U16.pack(len(d)), d]
-        return _seal(b"".join(out), _check_secret(secret))
+            table += [_U16.pack(len(d)), d]
+        secret = _check_secret(secret)
+        version = HANDSHAKE_SEALED_VERSION if secret else HANDSHAKE_VERSION
+        head = b"".join([HANDSHAKE_MAGIC, bytes([version]), _U32.pack(len(header)), header])
+        body = _encrypt_table(secret, b"".join(table), head) if secret else b"".join(table)
+        return _seal(head + body, secret)
 
     @classmethod
     def decode(cls, data: Any, secret: Optional[bytes] = None) -> "Handshake":
@@ -247,13 +306,23 @@ class Handshake:
         for a layout or sharding that cannot exist)."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise DescriptorError(f"a handshake is bytes, not {type(data).__name__}")
-        data = _open(bytes(data), _check_secret(secret), "handshake")
+        secret = _check_secret(secret)
+        data = bytes(data)
+        if data[:4] == HANDSHAKE_MAGIC and data[4:5] == bytes([HANDSHAKE_SEALED_VERSION]) and not secret:
+            raise DescriptorError("handshake version 2 has its region table encrypted: decoding it needs the "
+                                  "shared secret")
+        data = _open(data, secret, "handshake")
         if data[:4] != HANDSHAKE_MAGIC:
             raise DescriptorError("not a kvxfer messenger handshake (bad magic)")
         if len(data) < 5:
             raise DescriptorError("handshake is truncated")
-        if data[4] != HANDSHAKE_VERSION:
-            raise DescriptorError(f"handshake version {data[4]} is not supported (this kvxfer speaks {HANDSHAKE_VERSION})")
+        want = HANDSHAKE_SEALED_VERSION if secret else HANDSHAKE_VERSION
+        if data[4] == HANDSHAKE_VERSION and secret:
+            raise DescriptorError("handshake carries its region keys in clear (version 1); with a shared secret "
+                                  "they must be encrypted (version 2)")
+        if data[4] != want:
+            raise DescriptorError(f"handshake version {data[4]} is not supported (this kvxfer speaks "
+                                  f"{HANDSHAKE_VERSION} and, with a secret, {HANDSHAKE_SEALED_VERSION})")
         pos = 5
         if pos + 4 > len(data):
             raise DescriptorError("handshake is truncated")
@@ -266,6 +335,8 @@ class Handshake:
         except (UnicodeDecodeError, ValueError, RecursionError):
             raise DescriptorError("handshake header is not valid JSON") from None
         pos += hl
+        if secret:                     # the rest is the sealed table: parse its plaintext
+            data, pos = _decrypt_table(secret, data, pos, data[:pos]), 0
         if pos + 4 > len(data):
             raise DescriptorError("handshake is truncated")
         (nd,) = _U32.unpack_from(data, pos)

@@ -4,8 +4,18 @@ target's memfd, as its RMA writes land nowhere once the key is gone. Each region
 host share owns a word of its engine's fence table; the descriptor (version 3) names it.
 
 Before the fence, the first two tests failed: the old RemoteRegion kept memcpying into the
-memfd after the target's close (and into the buffer's next registration)."""
+memfd after the target's close (and into the buffer's next registration). A copy the fence
+refuses fails its transfer (EACCES) and posts nothing more of it, so its imm never counts
+(issue 26: it used to post the imm anyway, which counted where the key was still live)."""
 
+
+def _refused(t, timeout=10):
+    """Wait for t, which the fence refuses: it fails with EACCES."""
+    with pytest.raises(FabricError) as ei:
+        t.wait(timeout)
+    assert ei.value.errno == errno.EACCES
+
+import errno
 import gc
 import mmap
 import threading
@@ -16,7 +26,7 @@ import pytest
 
 import kvxfer
 from kvxfer import KVBuffer, wire
-from kvxfer.errors import PeerError, TimeoutError
+from kvxfer.errors import FabricError, PeerError, TimeoutError
 from _data import pattern_array, until as _until
 from _target import Target
 
@@ -71,15 +81,19 @@ def test_a_closed_regions_old_remote_writes_nothing(shm, how):
         t = eng.write(mr, 0, peer, dst, 0, 65536, imm=2)
         try:
             t.wait(2)
+        except FabricError as exc:
+            assert exc.errno == errno.EACCES     # the fence refused the copy
         except (PeerError, TimeoutError):
             assert how == "close_engine"        # its endpoint is gone; shm may never answer
+        else:
+            raise AssertionError("a write into a closed region completed")
         time.sleep(0.1)
         assert not tgt.memory().any()
         after = eng.stats()
         assert after["direct_writes"] == before["direct_writes"]
         if how == "close":
-            assert after["direct_revoked"] - before["direct_revoked"] == t.num_writes
-            assert tgt.call("banked", 2) == 0    # the 0-byte writes were refused: the key is gone
+            assert after["direct_revoked"] - before["direct_revoked"] == 1   # the first refusal ends it
+            assert tgt.call("banked", 2) == 0    # no imm was posted
 
 
 def test_close_under_a_stream_of_direct_writes_stops_them(shm):
@@ -96,6 +110,9 @@ def test_close_under_a_stream_of_direct_writes_stops_them(shm):
             try:
                 while not stop.is_set():
                     eng.write(mr, 0, peer, dst, 0, n).wait(20)   # no imm: every message a copy
+            except FabricError as exc:                          # the fence refused: the end
+                if exc.errno != errno.EACCES:                   # pragma: no cover
+                    errors.append(exc)
             except BaseException as exc:                        # pragma: no cover
                 errors.append(exc)
 
@@ -131,10 +148,10 @@ def test_a_re_registered_buffer_takes_only_the_new_regions_writes(shm):
         assert new.direct
         tgt.call("fill", 0)
         t = eng.write(ms_old, 0, peer, old, 0, n, imm=3)
-        t.wait(20)
+        _refused(t, 20)
         time.sleep(0.1)
         assert not tgt.memory().any()
-        assert eng.stats()["direct_revoked"] == t.num_writes
+        assert eng.stats()["direct_revoked"] == 1
         assert tgt.call("banked", 3) == 0
         t = eng.write(ms_new, 0, peer, new, 0, n, imm=4)
         tgt.call("expect", 4, t.num_writes)
@@ -184,7 +201,7 @@ def test_a_dropped_region_is_revoked(shm):
         assert dst.direct
         del md
         gc.collect()
-        a.write(ms, 0, peer, dst, 0, 1 << 16, imm=1).wait(10)
+        _refused(a.write(ms, 0, peer, dst, 0, 1 << 16, imm=1))
         time.sleep(0.05)
         assert not kv.numpy().any() and a.stats()["direct_revoked"] > 0
 
@@ -208,7 +225,7 @@ def test_a_dropped_region_still_registered_keeps_its_fence(shm):
         kv.numpy()[:] = 0
         del held
         gc.collect()                       # the registration goes: now the fence is revoked
-        a.write(ms, 0, peer, dst, 0, 1 << 16, imm=12).wait(10)
+        _refused(a.write(ms, 0, peer, dst, 0, 1 << 16, imm=12))
         time.sleep(0.05)
         assert not kv.numpy().any() and a.stats()["direct_revoked"] > 0 and b.banked(12) == 0
 

@@ -2,14 +2,17 @@
 (docs/reliability.md, the review of 2026-12-01, finding 17). Real shm provider; whatever may
 hang runs in a spawned child with a deadline."""
 
+import errno
 import gc
 import threading
 import time
 
 import numpy as np
+import pytest
 
 import kvxfer
 from kvxfer import KVBuffer
+from kvxfer.errors import FabricError
 from _data import pattern_array
 from _procs import run_in_child
 
@@ -25,8 +28,8 @@ def _register_while_closing():
     kv = KVBuffer.allocate(1 << 16)
     take = E.Engine._fence_take
 
-    def take_then_close(self):
-        slot = take(self)
+    def take_then_close(self, *args):
+        slot = take(self, *args)
         th = threading.Thread(target=self.close)       # another thread's close(), in the window
         th.start()
         th.join(10)
@@ -97,7 +100,9 @@ def test_generations_and_slot_reuse_across_many_regions(shm):
         kv.numpy()[:] = 0
         for old in olds:
             assert old.direct
-            a.write(ms, 0, peer, old, 0, n).wait(10)
+            with pytest.raises(FabricError) as ei:      # refused by the fence: the transfer fails
+                a.write(ms, 0, peer, old, 0, n).wait(10)
+            assert ei.value.errno == errno.EACCES
         time.sleep(0.05)
         assert not kv.numpy().any()
         a.write(ms, 0, peer, new, 0, n).wait(10)
