@@ -404,8 +404,9 @@ def _pair_template(sp: np.ndarray, dp: np.ndarray, sg: RankGeometry, dg: RankGeo
         np.multiply(dp, dg.page_stride, out=dblk[sl])
         dblk[sl] += dg.plane_base[k]
         grp[sl] = sg.plane_region[k] * 2 + dg.plane_region[k]
-    # Sort blocks by (group, src offset). Blocks of one pair never overlap at the source, so
-    # expanding each by the sorted inner pattern keeps the whole list sorted by src offset.
+    # Sort blocks by (group, src offset). Blocks of one pair never overlap at the source (but
+    # for a packed page's K and V, sorted below), so expanding each by the sorted inner pattern
+    # keeps the whole list sorted by src offset.
     if grp[0] == grp[-1] and (grp == grp[0]).all():
         order = np.argsort(sblk, kind="stable")
     else:
@@ -417,18 +418,31 @@ def _pair_template(sp: np.ndarray, dp: np.ndarray, sg: RankGeometry, dg: RankGeo
     else:
         so = (sblk[:, None] + inner_s[None, :]).ravel()
         do = (dblk[:, None] + inner_d[None, :]).ravel()
+    eg = np.repeat(grp, m) if m > 1 else grp
+    if sg.packed and planes > 1:
+        # a packed page's K and V blocks interleave row by row: sort the vectors themselves so
+        # K|V of one row (and rows of a page) can join when the destination is packed alike
+        o = np.argsort(eg * sg.region_size + so, kind="stable")
+        so, do, eg = so[o], do[o], eg[o]
+    return _coalesce(so, do, eg, run)
+
+
+def _coalesce(so: np.ndarray, do: np.ndarray, eg: np.ndarray, run: int | np.ndarray) -> _PairTemplate:
+    """Merge writes sorted by (group, src offset) that are contiguous on both sides: ``so``,
+    ``do`` the offsets, ``eg`` the group (``src plane region * 2 + dst plane region``), ``run``
+    the length of each (one int, or one per write)."""
     e = so.shape[0]
+    uniform = np.ndim(run) == 0
+    step = run if uniform else run[:-1]
     brk = np.empty(e, bool)
     brk[0] = True
-    # every entry is `run` bytes long before merging
-    np.not_equal(so[1:], so[:-1] + run, out=brk[1:])
-    brk[1:] |= do[1:] != do[:-1] + run
-    gchange = np.flatnonzero(grp[1:] != grp[:-1]) + 1  # block index where the group changes
-    brk[gchange * m] = True
+    np.not_equal(so[1:], so[:-1] + step, out=brk[1:])
+    brk[1:] |= do[1:] != do[:-1] + step
+    brk[1:] |= eg[1:] != eg[:-1]
     starts = np.flatnonzero(brk)
-    length = np.diff(np.append(starts, e)) * run
+    length = np.diff(np.append(starts, e)) * run if uniform else np.add.reduceat(run, starts)
     src_off, dst_off = so[starts], do[starts]
-    g = grp[starts // m]
+    g = eg[starts]
     src_reg = (g // 2).astype(np.int32)
     dst_reg = (g % 2).astype(np.int32)
     gb = np.flatnonzero(np.diff(g)) + 1
