@@ -27,7 +27,7 @@ from the `Sharding` passed next to it. `dtype` matters only by size; `"bfloat16"
 | | `stacked` | all K pages then all V pages in one region: `[2, pages, block]` |
 | | `separate` | K and V each in their own region (a K pool and a V pool) |
 | | `mla` | one plane, one latent vector per token, `kv_heads=1` |
-| | `packed` | K and V side by side in each (head, token) row of `2 * head_dim` elements (vLLM 0.32) |
+| | `packed` | vLLM 0.32's `2 * head_dim` rows: HND per head K rows then V rows (CPU), NHD K|V per (token, head) |
 | `placement` | `per_layer` | one region (or one per K/V pool) per layer |
 | | `layer_major` | one region (per pool) holding all layers at `layer_stride` |
 | `page_stride`, `layer_stride` | bytes | override the dense strides (padding); checked when resolved (below) |
@@ -62,7 +62,7 @@ offset(layer, plane, page, head, token)
       + head * head_stride + token * token_stride            (dim innermost, contiguous)
 
 row = 2c if packed else c              (bytes from one token's vector to the next)
-HND: head_stride = page_size * row, token_stride = row
+HND: head_stride = page_size * row, token_stride = row      (packed HND: token_stride = c)
 NHD: head_stride = row,             token_stride = lh * row
 
 kv        plane_region  plane_base             dense page_stride
@@ -70,7 +70,8 @@ fused     (0, 0)        (0, B)                 2B
 stacked   (0, 0)        (0, num_pages*page_stride)   B
 separate  (0, 1)        (0, 0)                 B
 mla       (0,)          (0,)                   B
-packed    (0, 0)        (0, c)                 2B
+packed    (0, 0)        HND (0, page_size*c),  2B
+                        NHD (0, c)
 
 per_layer:   regions_per_layer = pools (2 if separate else 1), layer_stride = 0,
              region size = num_pages * page_stride (x2 if stacked)
@@ -82,8 +83,10 @@ layer_major: regions_per_layer = 0, layer_stride = that per-layer size unless gi
 ```
 
 The packed form is vLLM 0.32's: its CPU backend gives one tensor per layer,
-`[blocks, kv_heads, block_size, 2 * head_size]` (HND; K in the first `head_size` of the last
-dimension, V in the second), all layers views into one storage: `KVLayout.vllm_packed(...,
+`[blocks, kv_heads, block_size, 2 * head_size]` (HND), all layers views into one storage, and
+its kernel reads each head's `[block_size, 2 * head_size]` as `[2 * block_size, head_size]`:
+the block's `block_size` K rows, then its `block_size` V rows (checked against vLLM's own
+cache-write kernel in tests/vllm/test_layout.py): `KVLayout.vllm_packed(...,
 placement="layer_major", layer_stride=..., page_stride=...)` with the strides of vLLM's
 `kv_cache_config` (layer-major or block-major, both placements above). Its GPU backends pack
 K|V per (token, head) in the order `KVCacheLayout` names: NHD `[blocks, block_size, kv_heads,
@@ -127,7 +130,8 @@ ORDERS: tuple[str, ...] = ("HND", "NHD")
 #: stacked: all K pages then all V pages in one region ``[2, pages, ...]`` (vLLM flash-attn);
 #: separate: K and V in their own regions (SGLang's k_buffer / v_buffer);
 #: mla: one latent vector per token, no V plane, replicated on every rank;
-#: packed: K then V in each (head, token) row of ``2 * head_dim`` elements (vLLM 0.32).
+#: packed: vLLM 0.32's ``2 * head_dim`` rows: HND a head's K rows then its V rows (CPU backend),
+#: NHD K then V in each (token, head) row.
 KV_FORMS: tuple[str, ...] = ("fused", "stacked", "separate", "mla", "packed")
 #: per_layer: each layer its own region(s); layer_major: one region (per K/V pool) with
 #: layers at ``layer_stride``.
@@ -421,7 +425,11 @@ class KVLayout:
         packed = self.kv == "packed"
         block = lh * p * d * isz
         row = (2 if packed else 1) * d * isz  # one token's vector(s) of one head
-        if self.order == "HND":
+        if packed and self.order == "HND":
+            # vLLM's CPU kernel views a head's [page, 2*dim] as [2*page, dim]: page K rows, then
+            # page V rows (vllm/v1/attention/backends/cpu_attn.py, view + chunk(2, dim=2))
+            head_stride, token_stride = 2 * p * d * isz, d * isz
+        elif self.order == "HND":
             head_stride, token_stride = p * row, row
         else:
             head_stride, token_stride = row, lh * row
@@ -442,7 +450,7 @@ class KVLayout:
         elif self.kv == "separate":
             plane_region, plane_base = (0, 1), (0, 0)
         elif packed:
-            plane_region, plane_base = (0, 0), (0, d * isz)
+            plane_region, plane_base = (0, 0), ((0, p * d * isz) if self.order == "HND" else (0, d * isz))
         else:
             plane_region, plane_base = (0,), (0,)
         per_layer = pool * (2 if self.kv == "stacked" else 1)

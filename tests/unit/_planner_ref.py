@@ -4,7 +4,8 @@ Nothing here uses the planner's or the geometry's offset arithmetic: each rank's
 viewed through numpy reshapes of the tensor shapes the engines document (vLLM
 ``[pages, 2, heads, page, dim]``, flash-attn ``[2, pages, page, heads, dim]``, SGLang
 ``[tokens, heads, dim]`` per K/V pool, layer-major ``[layers, ...]``, vLLM 0.32's packed
-``[pages, heads, page, 2 * dim]`` / ``[pages, page, heads, 2 * dim]`` with its layers outer or
+``[pages, heads, page, 2 * dim]`` (read as ``[pages, heads, 2, page, dim]``, vLLM's CPU kernel's
+view) / ``[pages, page, heads, 2, dim]`` with its layers outer or
 inside each page of one storage), the sharding is re-derived from the GQA rule, and a plan is
 executed as byte copies between numpy arrays.
 """
@@ -98,10 +99,12 @@ class RankMemory:
             raw = _view(self._layer_bytes(layer, 0), (2, pages, self.page_stride))[plane, :, : self.pb]
         elif lay.kv == "fused":
             raw = _view(self._layer_pages(layer, 0, 2 * self.pb), (pages, 2, self.pb))[:, plane]
-        elif lay.kv == "packed":  # [pages, heads, page, 2, dim] (HND) / [pages, page, heads, 2, dim]
-            rows = _view(self._layer_pages(layer, 0, 2 * self.pb), (pages, *self.block[:2], 2, self.block[2]))
-            v = rows[:, :, :, plane]
-            return v if lay.order == "HND" else v.transpose(0, 2, 1, 3)
+        elif lay.kv == "packed":
+            raw = self._layer_pages(layer, 0, 2 * self.pb)
+            if lay.order == "HND":  # vLLM's CPU view: [pages, heads, 2 * page, dim], K rows then V rows
+                return _view(raw, (pages, self.block[0], 2, *self.block[1:]))[:, :, plane]
+            rows = _view(raw, (pages, *self.block[:2], 2, self.block[2]))   # [pages, page, heads, 2, dim]
+            return rows[:, :, :, plane].transpose(0, 2, 1, 3)
         else:  # mla
             raw = self._layer_pages(layer, 0, self.pb)
         v = _view(raw, (pages, *self.block))

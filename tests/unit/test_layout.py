@@ -125,11 +125,13 @@ def test_mla_latent():
 @pytest.mark.parametrize("tp", [1, 2, 8, 16])
 def test_vllm_packed_hnd_and_nhd(tp):
     """vLLM 0.32: per layer [blocks, heads, block, 2*dim] (HND) / [blocks, block, heads, 2*dim]
-    (NHD), K in the first dim elements of a row, V in the second."""
+    (NHD). HND as vLLM's CPU kernel reads it: a head's [block, 2*dim] viewed as [2*block, dim],
+    its block K rows then its block V rows; NHD: K in the first dim elements of a row, V in the
+    second."""
     lh = max(H // tp, 1)
     lay = KVLayout.vllm_packed(L, H, D, P, N, dtype="bfloat16", order="HND")
-    hnd = _element_offsets((N, lh, P, 2 * D), 2)
-    _check(lay, Sharding(tp), lambda l, k: l, lambda l, k, p, h, t: hnd[p, h, t, k * D])
+    hnd = _element_offsets((N, lh, 2, P, D), 2)     # the CPU kernel's view, chunked on dim 2
+    _check(lay, Sharding(tp), lambda l, k: l, lambda l, k, p, h, t: hnd[p, h, k, t, 0])
     assert lay.region_sizes(Sharding(tp)) == (hnd.size * 2,) * L
     lay = KVLayout.vllm_packed(L, H, D, P, N, dtype="bfloat16", order="NHD")
     nhd = _element_offsets((N, P, lh, 2 * D), 2)
@@ -141,14 +143,14 @@ def test_vllm_packed_one_storage_layers_outer_and_pages_outer():
     stride its kv_cache_config gives, layers outer or inside each block."""
     lh, isz = H // 2, 4
     page = lh * P * 2 * D * isz
-    outer = _element_offsets((L, N, lh, P, 2 * D), isz)  # [layers, blocks, heads, block, 2*dim]
+    outer = _element_offsets((L, N, lh, 2, P, D), isz)  # [layers, blocks, heads, K|V, block, dim]
     lay = KVLayout.vllm_packed(L, H, D, P, N, dtype="float32", placement="layer_major")
-    _check(lay, Sharding(2), lambda l, k: 0, lambda l, k, p, h, t: outer[l, p, h, t, k * D])
+    _check(lay, Sharding(2), lambda l, k: 0, lambda l, k, p, h, t: outer[l, p, h, k, t, 0])
     assert lay.region_sizes(Sharding(2)) == (outer.size * isz,)
-    inner = _element_offsets((N, L, lh, P, 2 * D), isz)  # [blocks, layers, heads, block, 2*dim]
+    inner = _element_offsets((N, L, lh, 2, P, D), isz)  # [blocks, layers, heads, K|V, block, dim]
     lay = KVLayout.vllm_packed(L, H, D, P, N, dtype="float32", placement="layer_major",
                                layer_stride=page, page_stride=L * page)
-    _check(lay, Sharding(2), lambda l, k: 0, lambda l, k, p, h, t: inner[p, l, h, t, k * D])
+    _check(lay, Sharding(2), lambda l, k: 0, lambda l, k, p, h, t: inner[p, l, h, k, t, 0])
     assert lay.region_sizes(Sharding(2)) == (inner.size * isz,)
     with pytest.raises(LayoutError, match="inside a page"):  # layers would overlap
         KVLayout.vllm_packed(L, H, D, P, N, dtype="float32", placement="layer_major",

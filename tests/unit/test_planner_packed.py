@@ -57,10 +57,11 @@ def test_same_packed_shape_coalesces_whole_page_runs():
 def test_packed_tp_mismatch_write_shapes():
     """TP2 -> TP1: under HND a source rank's heads are one contiguous run on both sides (one
     write per layer); under NHD one write per token (its 4 heads' rows, K|V each); HND into NHD
-    transposes, one write per (head, token) row, K and V together."""
+    transposes, one write per (head, token, plane) vector: an HND head keeps its K rows apart
+    from its V rows (vLLM's CPU view), NHD puts them side by side."""
     hnd = plan(_packed(8), Sharding(2), _packed(8), Sharding(1), [0], [0])
     assert hnd.num_writes == L * 2 and (hnd.writes(0, 0).length == 4 * P * 2 * D * 2).all()
     nhd = plan(_packed(8, "NHD"), Sharding(2), _packed(8, "NHD"), Sharding(1), [0], [0])
     assert nhd.num_writes == L * 2 * P and (nhd.writes(0, 0).length == 4 * 2 * D * 2).all()
     mixed = plan(_packed(8), Sharding(2), _packed(8, "NHD"), Sharding(1), [0], [0])
-    assert mixed.num_writes == L * 2 * 4 * P and (mixed.writes(1, 0).length == 2 * D * 2).all()
+    assert mixed.num_writes == L * 2 * 4 * P * 2 and (mixed.writes(1, 0).length == D * 2).all()
