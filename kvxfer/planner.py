@@ -178,11 +178,13 @@ class TransferPlan:
 
     def __init__(self, *, src_tp: int, dst_tp: int, layers: tuple[int, ...], num_pages: int,
                  src_geometry: RankGeometry, dst_geometry: RankGeometry,
-                 src_order: str, dst_order: str, templates: dict[tuple[int, int], _PairTemplate]) -> None:
+                 src_order: str, dst_order: str, templates: dict[tuple[int, int], _PairTemplate],
+                 num_tokens: int = 0) -> None:
         self.src_tp = src_tp
         self.dst_tp = dst_tp
         self.layers = layers
-        self.num_pages = num_pages
+        self.num_pages = num_pages  #: source pages
+        self.num_tokens = num_tokens  #: tokens moved (whole pages: num_pages * page_size)
         self.src_geometry = src_geometry
         self.dst_geometry = dst_geometry
         self.src_order = src_order
@@ -270,7 +272,8 @@ class TransferPlan:
                             if self.layers else f"layer {layer} is not in this empty plan")
         return TransferPlan(src_tp=self.src_tp, dst_tp=self.dst_tp, layers=(layer,), num_pages=self.num_pages,
                             src_geometry=self.src_geometry, dst_geometry=self.dst_geometry,
-                            src_order=self.src_order, dst_order=self.dst_order, templates=self._t)
+                            src_order=self.src_order, dst_order=self.dst_order, templates=self._t,
+                            num_tokens=self.num_tokens)
 
     # -- printing -------------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -336,7 +339,6 @@ def _check_compatible(src: KVLayout, dst: KVLayout) -> None:
         ("num_layers", src.num_layers, dst.num_layers),
         ("kv_heads", src.kv_heads, dst.kv_heads),
         ("head_dim", src.head_dim, dst.head_dim),
-        ("page_size (tokens)", src.page_size, dst.page_size),
         ("dtype", src.np_dtype, dst.np_dtype),
         ("KV planes (MLA latent vs K/V)", src.planes, dst.planes),
     ):
@@ -418,31 +420,45 @@ def _pair_template(sp: np.ndarray, dp: np.ndarray, sg: RankGeometry, dg: RankGeo
     else:
         so = (sblk[:, None] + inner_s[None, :]).ravel()
         do = (dblk[:, None] + inner_d[None, :]).ravel()
-    eg = np.repeat(grp, m) if m > 1 else grp
     if sg.packed and planes > 1:
         # a packed page's K and V blocks interleave row by row: sort the vectors themselves so
         # K|V of one row (and rows of a page) can join when the destination is packed alike
-        o = np.argsort(eg * sg.region_size + so, kind="stable")
-        so, do, eg = so[o], do[o], eg[o]
-    return _coalesce(so, do, eg, run)
+        return _sort_coalesce(so, do, np.repeat(grp, m), run, sg.region_size)
+    gpos = np.concatenate(([0], np.flatnonzero(np.diff(grp)) + 1))  # blocks where the group changes
+    return _coalesce(so, do, gpos * m, grp[gpos], run)
 
 
-def _coalesce(so: np.ndarray, do: np.ndarray, eg: np.ndarray, run: int | np.ndarray) -> _PairTemplate:
+def _sort_coalesce(so: np.ndarray, do: np.ndarray, eg: np.ndarray, run: int | np.ndarray,
+                   region_size: int) -> _PairTemplate:
+    """``_coalesce`` of writes in any order: sort them by (group ``eg``, src offset) first."""
+    o = np.argsort(eg * region_size + so, kind="stable")
+    so, do, eg = so[o], do[o], eg[o]
+    if isinstance(run, np.ndarray):
+        run = run[o]
+    gpos = np.concatenate(([0], np.flatnonzero(np.diff(eg)) + 1))
+    return _coalesce(so, do, gpos, eg[gpos], run)
+
+
+def _coalesce(so: np.ndarray, do: np.ndarray, gpos: np.ndarray, gval: np.ndarray,
+              run: int | np.ndarray) -> _PairTemplate:
     """Merge writes sorted by (group, src offset) that are contiguous on both sides: ``so``,
-    ``do`` the offsets, ``eg`` the group (``src plane region * 2 + dst plane region``), ``run``
-    the length of each (one int, or one per write)."""
+    ``do`` the offsets; the group (``src plane region * 2 + dst plane region``) is ``gval[i]``
+    from write ``gpos[i]`` on (``gpos[0] == 0``); ``run`` the length of each (one int, or one
+    per write)."""
     e = so.shape[0]
-    uniform = np.ndim(run) == 0
+    uniform = not isinstance(run, np.ndarray)
     step = run if uniform else run[:-1]
     brk = np.empty(e, bool)
-    brk[0] = True
     np.not_equal(so[1:], so[:-1] + step, out=brk[1:])
     brk[1:] |= do[1:] != do[:-1] + step
-    brk[1:] |= eg[1:] != eg[:-1]
+    brk[gpos] = True
     starts = np.flatnonzero(brk)
     length = np.diff(np.append(starts, e)) * run if uniform else np.add.reduceat(run, starts)
     src_off, dst_off = so[starts], do[starts]
-    g = eg[starts]
+    if gpos.shape[0] > 1:
+        g = gval[np.searchsorted(gpos, starts, side="right") - 1]
+    else:
+        g = np.full(starts.shape[0], gval[0], np.int64)
     src_reg = (g // 2).astype(np.int32)
     dst_reg = (g % 2).astype(np.int32)
     gb = np.flatnonzero(np.diff(g)) + 1
@@ -451,16 +467,179 @@ def _coalesce(so: np.ndarray, do: np.ndarray, eg: np.ndarray, run: int | np.ndar
     return _PairTemplate(src_reg, src_off, dst_reg, dst_off, length.astype(np.int64), groups)
 
 
+def _num_tokens(num_tokens: Any, sp: np.ndarray, dp: np.ndarray, src: KVLayout, dst: KVLayout) -> int | None:
+    """The tokens to move, checked against both page lists; None for whole pages (equal sizes)."""
+    if num_tokens is None:
+        if src.page_size != dst.page_size:
+            raise LayoutError(f"source and destination layouts differ in page_size (tokens): {src.page_size} vs "
+                              f"{dst.page_size}; plan between them with num_tokens= (the tokens the pages hold)")
+        if sp.shape[0] != dp.shape[0]:
+            raise PlanError(f"src_pages has {sp.shape[0]} pages but dst_pages has {dp.shape[0]}")
+        return None
+    if not is_int(num_tokens) or num_tokens < 0:
+        raise PlanError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    t = int(num_tokens)
+    for name, pages, size in (("src_pages", sp, src.page_size), ("dst_pages", dp, dst.page_size)):
+        if pages.shape[0] != -(-t // size):
+            raise PlanError(f"{name} has {pages.shape[0]} pages but {t} tokens fill {-(-t // size)} "
+                            f"pages of {size} tokens")
+    return t
+
+
+class _PagePattern:
+    """The writes of one source page's tokens relative to that page (``src``), to the first
+    destination page they reach (``dst``, plus ``rel`` pages further on), each ``run`` bytes,
+    sorted by source offset: one per (phase, length) class of source pages."""
+
+    __slots__ = ("src", "dst", "rel", "run", "by_rel")
+
+    def __init__(self, phase: int, length: int, sg: RankGeometry, dg: RankGeometry, nh: int) -> None:
+        ps, pd, c = sg.page_size, dg.page_size, sg.chunk
+        # pieces: cut where a destination page ends (the page starts `phase` tokens into one)
+        start = np.union1d([0], np.arange((-phase) % pd, length, pd, dtype=np.int64))
+        count = np.diff(np.append(start, length))
+        dtok = phase + start
+        src = start * sg.token_stride
+        dst = (dtok % pd) * dg.token_stride
+        rel = dtok // pd
+        # fold an axis whose stride is the run on both sides (as `_inner` does in a page)
+        heads_fold = nh == 1 or (sg.head_stride == c and dg.head_stride == c)
+        hrun = nh * c if heads_fold else c
+        if sg.token_stride == hrun and dg.token_stride == hrun:
+            run = count * hrun
+        else:  # one write per token of each piece
+            rep = np.repeat(np.arange(start.shape[0]), count)
+            tok = np.arange(length, dtype=np.int64) - np.repeat(start, count)
+            src, dst, rel = src[rep] + tok * sg.token_stride, dst[rep] + tok * dg.token_stride, rel[rep]
+            run = np.full(src.shape[0], hrun, np.int64)
+        if not heads_fold:
+            h = np.arange(nh, dtype=np.int64)
+            src = (src[:, None] + h * sg.head_stride).ravel()
+            dst = (dst[:, None] + h * dg.head_stride).ravel()
+            rel, run = np.repeat(rel, nh), np.repeat(run, nh)
+        o = np.argsort(src, kind="stable")
+        self.src, self.dst, self.rel, self.run = src[o], dst[o], rel[o], run[o]
+        # the columns that reach each destination page (a slice where they are one run)
+        self.by_rel: list[tuple[int, slice | np.ndarray]] = []
+        for r in np.unique(self.rel).tolist():
+            cols = np.flatnonzero(self.rel == r)
+            one_run = cols[-1] - cols[0] + 1 == cols.shape[0]
+            self.by_rel.append((r, slice(int(cols[0]), int(cols[-1]) + 1) if one_run else cols))
+
+
+class _PieceChunk:
+    """What every pair dealt one chunk ``[a, b)`` of the source page list shares on the token
+    path: its blocks (page, plane) sorted by (group, src offset) as on the page path, each
+    block's page class (where the page starts in a destination page, how many tokens it
+    holds), and the destination page offsets each class's pattern reaches."""
+
+    def __init__(self, sp: np.ndarray, dp: np.ndarray, a: int, b: int, tokens: int,
+                 sg: RankGeometry, dg: RankGeometry) -> None:
+        ps, pd, n = sg.page_size, dg.page_size, b - a
+        self.nb, self.keys = sg.planes * n, []
+        if n == 0:  # more replicas than pages
+            return
+        o = np.argsort(sp[a:b], kind="stable")
+        t0 = (a + o) * ps  # first token of each page, in source page order
+        phase, length = t0 % pd, np.minimum(tokens - t0, ps)
+        key = phase * (ps + 1) + length
+        keys = np.unique(key)
+        self.keys = [(k // (ps + 1), k % (ps + 1)) for k in keys.tolist()]
+        cls = np.searchsorted(keys, key) if len(keys) > 1 else np.zeros(n, np.int64)
+        planes = sg.planes
+        spo = sp[a:b][o] * sg.page_stride
+        sblk = np.concatenate([spo + sg.plane_base[k] for k in range(planes)])
+        grp = np.repeat([sg.plane_region[k] * 2 + dg.plane_region[k] for k in range(planes)], n)
+        dpl = np.repeat([dg.plane_base[k] for k in range(planes)], n)
+        order = np.argsort(grp * sg.region_size + sblk, kind="stable")  # merges sorted runs
+        self.sblk, self.dplane, grp = sblk[order], dpl[order], grp[order]
+        page = order % n
+        bcls = cls[page]
+        self.gb = np.concatenate(([0], np.flatnonzero(np.diff(grp)) + 1))  # blocks where the group changes
+        self.gval = grp[self.gb]
+        self.grp = grp
+        self.members: list[slice | np.ndarray] = (
+            [slice(None)] if len(self.keys) == 1 else [np.flatnonzero(bcls == c) for c in range(len(self.keys))])
+        self._dfirst = (t0 // pd)[page]
+        self._dp, self._pstride = dp, dg.page_stride
+        self._dtab: dict[tuple[int, int], np.ndarray] = {}
+
+    def dst_pages(self, c: int, r: int) -> np.ndarray:
+        """Byte offset of the destination page ``r`` pages after the first one each block of
+        class ``c`` reaches."""
+        if (c, r) not in self._dtab:
+            self._dtab[c, r] = self._dp[self._dfirst[self.members[c]] + r] * self._pstride + self.dplane[self.members[c]]
+        return self._dtab[c, r]
+
+
+def _piece_template(ch: _PieceChunk, pats: list[_PagePattern], src_shift: int, dst_shift: int,
+                    sg: RankGeometry) -> _PairTemplate:
+    """Layer-0 writes for one pair when pages do not align: one row per block of the chunk,
+    its class's pattern shifted to the block (rows as wide as the widest pattern, padding of
+    run 0 dropped after), so the writes come out sorted by (group, src offset) as on the page
+    path, then runs contiguous on both sides merged."""
+    if ch.nb == 0:
+        return _PairTemplate(_EMPTY_I32, _EMPTY_I64, _EMPTY_I32, _EMPTY_I64, _EMPTY_I64, [])
+    widths = [q.src.shape[0] for q in pats]
+    m, nb = max(widths), ch.nb
+    S = np.empty((nb, m), np.int64)
+    D = np.empty((nb, m), np.int64)
+    R = np.zeros((nb, m), np.int64) if len(set(widths)) > 1 else None
+    for c, q in enumerate(pats):
+        bc = ch.members[c]
+        w = widths[c]
+        S[bc, :w] = (ch.sblk[bc] + src_shift)[:, None] + q.src
+        for r, cols in q.by_rel:
+            rows = bc[:, None] if isinstance(cols, np.ndarray) and not isinstance(bc, slice) else bc
+            D[rows, cols] = (ch.dst_pages(c, r) + dst_shift)[:, None] + q.dst[cols]
+        if R is not None:
+            R[bc, :w] = q.run
+    runs: int | np.ndarray
+    if R is None:
+        so, do = S.ravel(), D.ravel()
+        allrun = np.concatenate([q.run for q in pats])
+        if (allrun == allrun[0]).all():
+            runs = int(allrun[0])
+        else:
+            runs = np.stack([q.run for q in pats])[_block_classes(ch, len(pats))].ravel()
+        gpos = ch.gb * m
+    else:
+        keep = R > 0
+        so, do, runs = S[keep], D[keep], R[keep]
+        if (runs == runs[0]).all():
+            runs = int(runs[0])
+        sizes = keep.sum(axis=1)
+        gpos = (np.cumsum(sizes) - sizes)[ch.gb]
+        if sg.packed and sg.planes > 1:
+            return _sort_coalesce(so, do, np.repeat(ch.grp, sizes), runs, sg.region_size)
+    if sg.packed and sg.planes > 1:  # K and V rows interleave: sort the writes themselves
+        return _sort_coalesce(so, do, np.repeat(ch.grp, m), runs, sg.region_size)
+    return _coalesce(so, do, gpos, ch.gval, runs)
+
+
+def _block_classes(ch: _PieceChunk, k: int) -> np.ndarray:
+    """Each block's class index (patterns of equal widths but different runs)."""
+    out = np.empty(ch.nb, np.int64)
+    for c in range(k):
+        out[ch.members[c]] = c
+    return out
+
+
 def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst_sharding: Sharding,
          src_pages: Sequence[int] | np.ndarray, dst_pages: Sequence[int] | np.ndarray,
-         layers: Iterable[int] | None = None, seed: int | np.random.Generator | None = None) -> TransferPlan:
+         layers: Iterable[int] | None = None, seed: int | np.random.Generator | None = None,
+         num_tokens: int | None = None) -> TransferPlan:
     """Plan the RDMA writes that move ``src_pages`` (prefill side) into ``dst_pages`` (decode
     side): ``src_pages[i]`` on every source rank becomes ``dst_pages[i]`` on every destination
     rank, each destination rank receiving exactly the heads its sharding gives it.
 
     ``layers`` restricts (and orders) the layers planned; ``seed`` picks which replica sends
-    when several source ranks hold the same bytes. Raises :class:`LayoutError` for layouts or
-    shardings that cannot meet, :class:`PlanError` for bad page or layer lists.
+    when several source ranks hold the same bytes. ``num_tokens`` (the tokens the pages hold;
+    needed where the page sizes differ) moves exactly those tokens, token ``t`` from slot
+    ``t % page_size`` of ``src_pages[t // page_size]`` to its place in each side's own pages,
+    each page list ``ceil(num_tokens / page_size)`` long; without it whole pages move,
+    ``src_pages[i]`` to ``dst_pages[i]``. Raises :class:`LayoutError` for layouts or shardings
+    that cannot meet, :class:`PlanError` for bad page or layer lists or token counts.
     """
     if not isinstance(src_layout, KVLayout) or not isinstance(dst_layout, KVLayout):
         raise LayoutError("src_layout and dst_layout must be KVLayout")
@@ -469,13 +648,14 @@ def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst
     dg = dst_layout.resolve(dst_sharding)
     sp = _pages(src_pages, src_layout, "src_pages")
     dp = _pages(dst_pages, dst_layout, "dst_pages")
-    if sp.shape[0] != dp.shape[0]:
-        raise PlanError(f"src_pages has {sp.shape[0]} pages but dst_pages has {dp.shape[0]}")
+    tokens = _num_tokens(num_tokens, sp, dp, src_layout, dst_layout)
     if dp.shape[0] > 1 and np.unique(dp).shape[0] != dp.shape[0]:
         raise PlanError("dst_pages repeat a page: it would be written twice")
     lay = _layers(layers, src_layout.num_layers)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     kv_heads, n = src_layout.kv_heads, sp.shape[0]
+    if tokens is not None and (sg.page_size != dg.page_size or tokens != n * sg.page_size):
+        return _plan_pieces(sg, dg, src_sharding, dst_sharding, src_layout, dst_layout, sp, dp, tokens, lay, rng)
 
     templates: dict[tuple[int, int], _PairTemplate] = {}
     by_src: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # chunk -> pages in src order
@@ -501,4 +681,38 @@ def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst
                 templates[(s, d)] = _pair_template(*chunk(a, b), sg, dg, inner_s, inner_d, run)
     return TransferPlan(src_tp=src_sharding.tp_size, dst_tp=dst_sharding.tp_size, layers=lay, num_pages=n,
                         src_geometry=sg, dst_geometry=dg, src_order=src_layout.order,
-                        dst_order=dst_layout.order, templates=templates)
+                        dst_order=dst_layout.order, templates=templates,
+                        num_tokens=n * sg.page_size if tokens is None else tokens)
+
+
+def _plan_pieces(sg: RankGeometry, dg: RankGeometry, src_sharding: Sharding, dst_sharding: Sharding,
+                 src_layout: KVLayout, dst_layout: KVLayout, sp: np.ndarray, dp: np.ndarray, tokens: int,
+                 lay: tuple[int, ...], rng: np.random.Generator) -> TransferPlan:
+    """``plan`` at token granularity: replicas get contiguous chunks of the source page list
+    as on the page path (each within one source page of its share), and each source page's
+    tokens go as its (phase, length) class's pattern says."""
+    kv_heads, n = src_layout.kv_heads, sp.shape[0]
+    templates: dict[tuple[int, int], _PairTemplate] = {}
+    patterns: dict[tuple[int, int, int], _PagePattern] = {}  # (head count, phase, length)
+    chunks: dict[tuple[int, int], _PieceChunk] = {}
+    for d in range(dst_sharding.tp_size):
+        dheads = dst_sharding.heads(d, kv_heads)
+        for h0, nh, cands, src_h0 in _segments(dheads, src_sharding, kv_heads):
+            r = len(cands)
+            owners = [int(c) for c in (rng.permutation(np.asarray(cands)) if r > 1 else cands)]
+            for j, s in enumerate(owners):
+                a, b = -(-j * n // r), -(-(j + 1) * n // r)  # chunk j of r, contiguous in list order
+                if (a, b) not in chunks:
+                    chunks[a, b] = _PieceChunk(sp, dp, a, b, tokens, sg, dg)
+                ch = chunks[a, b]
+                pats = []
+                for key in ch.keys:
+                    if (nh, *key) not in patterns:
+                        patterns[(nh, *key)] = _PagePattern(key[0], key[1], sg, dg, nh)
+                    pats.append(patterns[(nh, *key)])
+                assert (s, d) not in templates
+                templates[(s, d)] = _piece_template(ch, pats, src_h0 * sg.head_stride,
+                                                    (h0 - dheads.start) * dg.head_stride, sg)
+    return TransferPlan(src_tp=src_sharding.tp_size, dst_tp=dst_sharding.tp_size, layers=lay,
+                        num_pages=n, src_geometry=sg, dst_geometry=dg, src_order=src_layout.order,
+                        dst_order=dst_layout.order, templates=templates, num_tokens=tokens)

@@ -24,10 +24,11 @@ FORMS = ("fused", "stacked", "separate", "packed")
 
 
 @st.composite
-def side(draw, kv_heads: int, mla: bool, num_layers: int, page_size: int, head_dim: int, dtype: str):
-    """One side (prefill or decode): layout and sharding."""
+def side(draw, kv_heads: int, mla: bool, num_layers: int, page_size: int, head_dim: int, dtype: str,
+         min_pages: int = 1):
+    """One side (prefill or decode): layout and sharding, at least ``min_pages`` pages."""
     replicated, tp, kv, placement, order = draw(side_shape(kv_heads, mla, range(1, 9), FORMS))
-    num_pages = draw(st.integers(1, 8))
+    num_pages = draw(st.integers(max(min_pages, 1), max(min_pages, 1) + 7))
     lh = kv_heads if replicated else max(kv_heads // tp, 1)
     page, layer = dense_strides(kv, lh, page_size, head_dim, ITEMSIZE[dtype], num_pages)
     page_pad = draw(st.sampled_from([0, 0, 0, 1, 8]))
