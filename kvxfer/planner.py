@@ -19,13 +19,17 @@ How a page travels, in short (the full rules follow):
   counts it stays ``page_size`` writes.
 * Writes are then ordered by (source region, destination region, source offset) and any
   write contiguous with the previous one on both sides is merged (never across layers).
+* Where the two sides' page sizes differ, ``num_tokens=`` says how many tokens move, and a
+  page's tokens are cut where the other side's pages end (below, "Page sizes that differ").
 
 Planning, step by step
 ----------------------
 
 `plan(src_layout, src_sharding, dst_layout, dst_sharding, src_pages, dst_pages, layers=None,
-seed=None) -> TransferPlan`: `src_pages[i]` on the prefill side becomes `dst_pages[i]` on the
-decode side, on every destination rank, for the heads that rank holds.
+seed=None, num_tokens=None) -> TransferPlan`: `src_pages[i]` on the prefill side becomes
+`dst_pages[i]` on the decode side, on every destination rank, for the heads that rank holds
+(with `num_tokens`: token `t` of the request moves from slot `t % ps` of `src_pages[t // ps]`
+to slot `t % pd` of `dst_pages[t // pd]`).
 
 1. **Segments.** For each destination rank, its heads are split into runs held by the same set
    of source ranks: the intersection with each source rank's range (one candidate), a single
@@ -74,6 +78,33 @@ into one message or split a long one (iovecs per message, maximum message size);
 `kvxfer.count_writes` (engine side) turns a write list into the number of messages, and that is
 what a completion counter should wait for.
 
+Page sizes that differ
+----------------------
+
+A prefill node and a decode node tuned apart have different page sizes (`ps` source, `pd`
+destination tokens), in either direction and by any ratio. Then the page lists no longer fix
+the last partial page on each side, so `plan(..., num_tokens=T)` is required: `T` tokens move,
+exactly, each page list is `ceil(T / page_size)` of its own side's pages long (`PlanError`
+otherwise), nothing past token `T` is read or written (the last page of each side in part).
+Without `num_tokens` the sizes must be equal and whole pages move (`LayoutError` naming
+`num_tokens` otherwise); `num_tokens` with equal sizes moves exactly `T` tokens too, and is the
+page path when `T` fills the pages.
+
+The token path keeps the page path's structure. Replicas get contiguous chunks of the *source*
+page list (balanced within one source page per segment, plus the short last page). Blocks
+(page, plane) are sorted by (group, src offset). A source page that starts `phase` tokens into a
+destination page (`phase = (i * ps) % pd` for list position `i`) is cut into *pieces* where
+destination pages end; its writes depend only on `(phase, length)` (`length` < `ps` for the
+last page), so one pattern per class is built, at most `lcm(ps, pd) / ps` classes plus the
+last page, with the same (head, token) folding as inside a page, and shifted to every block of
+the class: writes come out sorted and coalesce with no sort over writes. Writes per layer and
+pair are about `pieces × (heads not folded) × planes` for HND, `tokens × planes` for NHD with
+differing head counts; a piece is at most `min(ps, pd)` tokens and there are
+`ceil(T/ps) + ceil(T/pd) - ceil(T/lcm(ps, pd))` of them. Contiguous page runs on both sides
+still merge across piece boundaries (one write per plane and layer with matching heads).
+The per-pair templates, `layer(l)`, `groups`, `expected_writes` and `count_writes` are as on
+the page path.
+
 HND vs NHD write counts
 -----------------------
 
@@ -94,11 +125,13 @@ layers). That is why HND is preferred for disaggregation; see docs/benchmarks.md
 Validation
 ----------
 
-* `LayoutError`: layouts that differ in layer count, KV heads, head dim, page size, dtype (the
+* `LayoutError`: layouts that differ in layer count, KV heads, head dim, page size (without
+  `num_tokens`), dtype (the
   number format, `KVLayout.dtype_format`: fp8 e4m3 and e5m2 share a size, not a meaning; a
   generic `"fp8"` matches any fp8), or MLA vs K/V; a sharding that does not divide the heads; strides smaller than the data; an
   unknown order, KV form or placement.
-* `PlanError`: page lists of different lengths, not 1-D, not integers (floats and bools
+* `PlanError`: page lists of different lengths (or not `ceil(num_tokens / page_size)` long),
+  `num_tokens` not an int >= 0, page lists not 1-D, not integers (floats and bools
   refused), negative, beyond a layout's `num_pages`; a destination page listed twice (it would be
   written twice; a repeated *source* page is fine); layers out of range or repeated; a rank pair
   or layer not in the plan.
@@ -114,6 +147,7 @@ import numpy as np
 
 from kvxfer._check import is_int
 from kvxfer.errors import LayoutError, PlanError
+from kvxfer._pieces import PagePattern, PieceChunk
 from kvxfer.layout import KVLayout, RankGeometry, Sharding, same_format
 
 __all__ = ["plan", "TransferPlan", "Writes"]
@@ -486,93 +520,7 @@ def _num_tokens(num_tokens: Any, sp: np.ndarray, dp: np.ndarray, src: KVLayout, 
     return t
 
 
-class _PagePattern:
-    """The writes of one source page's tokens relative to that page (``src``), to the first
-    destination page they reach (``dst``, plus ``rel`` pages further on), each ``run`` bytes,
-    sorted by source offset: one per (phase, length) class of source pages."""
-
-    __slots__ = ("src", "dst", "rel", "run", "by_rel")
-
-    def __init__(self, phase: int, length: int, sg: RankGeometry, dg: RankGeometry, nh: int) -> None:
-        ps, pd, c = sg.page_size, dg.page_size, sg.chunk
-        # pieces: cut where a destination page ends (the page starts `phase` tokens into one)
-        start = np.union1d([0], np.arange((-phase) % pd, length, pd, dtype=np.int64))
-        count = np.diff(np.append(start, length))
-        dtok = phase + start
-        src = start * sg.token_stride
-        dst = (dtok % pd) * dg.token_stride
-        rel = dtok // pd
-        # fold an axis whose stride is the run on both sides (as `_inner` does in a page)
-        heads_fold = nh == 1 or (sg.head_stride == c and dg.head_stride == c)
-        hrun = nh * c if heads_fold else c
-        if sg.token_stride == hrun and dg.token_stride == hrun:
-            run = count * hrun
-        else:  # one write per token of each piece
-            rep = np.repeat(np.arange(start.shape[0]), count)
-            tok = np.arange(length, dtype=np.int64) - np.repeat(start, count)
-            src, dst, rel = src[rep] + tok * sg.token_stride, dst[rep] + tok * dg.token_stride, rel[rep]
-            run = np.full(src.shape[0], hrun, np.int64)
-        if not heads_fold:
-            h = np.arange(nh, dtype=np.int64)
-            src = (src[:, None] + h * sg.head_stride).ravel()
-            dst = (dst[:, None] + h * dg.head_stride).ravel()
-            rel, run = np.repeat(rel, nh), np.repeat(run, nh)
-        o = np.argsort(src, kind="stable")
-        self.src, self.dst, self.rel, self.run = src[o], dst[o], rel[o], run[o]
-        # the columns that reach each destination page (a slice where they are one run)
-        self.by_rel: list[tuple[int, slice | np.ndarray]] = []
-        for r in np.unique(self.rel).tolist():
-            cols = np.flatnonzero(self.rel == r)
-            one_run = cols[-1] - cols[0] + 1 == cols.shape[0]
-            self.by_rel.append((r, slice(int(cols[0]), int(cols[-1]) + 1) if one_run else cols))
-
-
-class _PieceChunk:
-    """What every pair dealt one chunk ``[a, b)`` of the source page list shares on the token
-    path: its blocks (page, plane) sorted by (group, src offset) as on the page path, each
-    block's page class (where the page starts in a destination page, how many tokens it
-    holds), and the destination page offsets each class's pattern reaches."""
-
-    def __init__(self, sp: np.ndarray, dp: np.ndarray, a: int, b: int, tokens: int,
-                 sg: RankGeometry, dg: RankGeometry) -> None:
-        ps, pd, n = sg.page_size, dg.page_size, b - a
-        self.nb, self.keys = sg.planes * n, []
-        if n == 0:  # more replicas than pages
-            return
-        o = np.argsort(sp[a:b], kind="stable")
-        t0 = (a + o) * ps  # first token of each page, in source page order
-        phase, length = t0 % pd, np.minimum(tokens - t0, ps)
-        key = phase * (ps + 1) + length
-        keys = np.unique(key)
-        self.keys = [(k // (ps + 1), k % (ps + 1)) for k in keys.tolist()]
-        cls = np.searchsorted(keys, key) if len(keys) > 1 else np.zeros(n, np.int64)
-        planes = sg.planes
-        spo = sp[a:b][o] * sg.page_stride
-        sblk = np.concatenate([spo + sg.plane_base[k] for k in range(planes)])
-        grp = np.repeat([sg.plane_region[k] * 2 + dg.plane_region[k] for k in range(planes)], n)
-        dpl = np.repeat([dg.plane_base[k] for k in range(planes)], n)
-        order = np.argsort(grp * sg.region_size + sblk, kind="stable")  # merges sorted runs
-        self.sblk, self.dplane, grp = sblk[order], dpl[order], grp[order]
-        page = order % n
-        bcls = cls[page]
-        self.gb = np.concatenate(([0], np.flatnonzero(np.diff(grp)) + 1))  # blocks where the group changes
-        self.gval = grp[self.gb]
-        self.grp = grp
-        self.members: list[slice | np.ndarray] = (
-            [slice(None)] if len(self.keys) == 1 else [np.flatnonzero(bcls == c) for c in range(len(self.keys))])
-        self._dfirst = (t0 // pd)[page]
-        self._dp, self._pstride = dp, dg.page_stride
-        self._dtab: dict[tuple[int, int], np.ndarray] = {}
-
-    def dst_pages(self, c: int, r: int) -> np.ndarray:
-        """Byte offset of the destination page ``r`` pages after the first one each block of
-        class ``c`` reaches."""
-        if (c, r) not in self._dtab:
-            self._dtab[c, r] = self._dp[self._dfirst[self.members[c]] + r] * self._pstride + self.dplane[self.members[c]]
-        return self._dtab[c, r]
-
-
-def _piece_template(ch: _PieceChunk, pats: list[_PagePattern], src_shift: int, dst_shift: int,
+def _piece_template(ch: PieceChunk, pats: list[PagePattern], src_shift: int, dst_shift: int,
                     sg: RankGeometry) -> _PairTemplate:
     """Layer-0 writes for one pair when pages do not align: one row per block of the chunk,
     its class's pattern shifted to the block (rows as wide as the widest pattern, padding of
@@ -617,7 +565,7 @@ def _piece_template(ch: _PieceChunk, pats: list[_PagePattern], src_shift: int, d
     return _coalesce(so, do, gpos, ch.gval, runs)
 
 
-def _block_classes(ch: _PieceChunk, k: int) -> np.ndarray:
+def _block_classes(ch: PieceChunk, k: int) -> np.ndarray:
     """Each block's class index (patterns of equal widths but different runs)."""
     out = np.empty(ch.nb, np.int64)
     for c in range(k):
@@ -693,8 +641,8 @@ def _plan_pieces(sg: RankGeometry, dg: RankGeometry, src_sharding: Sharding, dst
     tokens go as its (phase, length) class's pattern says."""
     kv_heads, n = src_layout.kv_heads, sp.shape[0]
     templates: dict[tuple[int, int], _PairTemplate] = {}
-    patterns: dict[tuple[int, int, int], _PagePattern] = {}  # (head count, phase, length)
-    chunks: dict[tuple[int, int], _PieceChunk] = {}
+    patterns: dict[tuple[int, int, int], PagePattern] = {}  # (head count, phase, length)
+    chunks: dict[tuple[int, int], PieceChunk] = {}
     for d in range(dst_sharding.tp_size):
         dheads = dst_sharding.heads(d, kv_heads)
         for h0, nh, cands, src_h0 in _segments(dheads, src_sharding, kv_heads):
@@ -703,12 +651,12 @@ def _plan_pieces(sg: RankGeometry, dg: RankGeometry, src_sharding: Sharding, dst
             for j, s in enumerate(owners):
                 a, b = -(-j * n // r), -(-(j + 1) * n // r)  # chunk j of r, contiguous in list order
                 if (a, b) not in chunks:
-                    chunks[a, b] = _PieceChunk(sp, dp, a, b, tokens, sg, dg)
+                    chunks[a, b] = PieceChunk(sp, dp, a, b, tokens, sg, dg)
                 ch = chunks[a, b]
                 pats = []
                 for key in ch.keys:
                     if (nh, *key) not in patterns:
-                        patterns[(nh, *key)] = _PagePattern(key[0], key[1], sg, dg, nh)
+                        patterns[(nh, *key)] = PagePattern(key[0], key[1], sg, dg, nh)
                     pats.append(patterns[(nh, *key)])
                 assert (s, d) not in templates
                 templates[(s, d)] = _piece_template(ch, pats, src_h0 * sg.head_stride,
