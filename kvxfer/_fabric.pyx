@@ -68,7 +68,7 @@ def error_from(str call, int err):
     place where errno values become kvxfer exception classes."""
     err = -err if err < 0 else err
     text = fi_strerror(err).decode("utf-8", "replace")
-    if call == "fi_writemsg":                    # a transfer's completion error
+    if call in ("fi_writemsg", "fi_readmsg"):    # a transfer's completion error
         if err == _errno.ECANCELED:
             return PeerError(err, "transfer failed: the peer connection was lost or the engine closed "
                                   "(operation canceled)")
@@ -366,7 +366,9 @@ cdef class Rail:
 
     # -- registration ----------------------------------------------------------------------
     def mr_reg(self, uintptr_t ptr, size_t nbytes, int iface=FI_HMEM_SYSTEM, int device=0, int dmabuf_fd=-1,
-               bint remote=True):
+               int remote=KX_REMOTE_WRITE):
+        """``remote``: what peers may do, ``REMOTE_WRITE`` | ``REMOTE_READ`` (0: nothing; True
+        is ``REMOTE_WRITE``)."""
         return RegionHandle(self, ptr, nbytes, iface, device, dmabuf_fd, remote)
 
     # -- writes ----------------------------------------------------------------------------
@@ -781,7 +783,7 @@ cdef class RegionHandle:
 
 
     def __cinit__(self, Rail rail, uintptr_t ptr, size_t nbytes, int iface, int device, int dmabuf_fd,
-                  bint remote):
+                  int remote):
         cdef uint8_t raw[64]
         cdef size_t rawlen = 0
         cdef uint64_t raw_base = 0
@@ -1359,3 +1361,6 @@ cdef class WatchHandle:
             return True
         left = None if deadline is None else max(0.0, deadline - _time.monotonic())
         return _wait(self.rail.r, WAIT_TRANSFER, s.transfer, left)
+
+
+include "_read.pxi"
