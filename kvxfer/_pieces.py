@@ -104,3 +104,41 @@ class PieceChunk:
         if (c, r) not in self._dtab:
             self._dtab[c, r] = self._dp[self._dfirst[self.members[c]] + r] * self._pstride + self.dplane[self.members[c]]
         return self._dtab[c, r]
+
+    def expand(self, pats: list[PagePattern], src_shift: int,
+               dst_shift: int) -> tuple[np.ndarray, np.ndarray, int | np.ndarray, np.ndarray]:
+        """The writes of one pair: ``(src offsets, dst offsets, runs (one int where all are
+        equal), writes per block)``, block after block, each block's sorted by src offset.
+        ``pats``: the pattern of each of the chunk's classes for the pair's head count;
+        ``src_shift`` / ``dst_shift``: the pair's first head's offset on each side. One row
+        per block, as wide as the widest pattern (padding: run 0, dropped after)."""
+        widths = [q.src.shape[0] for q in pats]
+        m, nb = max(widths), self.nb
+        S = np.empty((nb, m), np.int64)
+        D = np.empty((nb, m), np.int64)
+        R = np.zeros((nb, m), np.int64) if len(set(widths)) > 1 else None
+        for c, q in enumerate(pats):
+            bc = self.members[c]
+            w = widths[c]
+            S[bc, :w] = (self.sblk[bc] + src_shift)[:, None] + q.src
+            for r, cols in q.by_rel:
+                rows = bc[:, None] if isinstance(cols, np.ndarray) and not isinstance(bc, slice) else bc
+                D[rows, cols] = (self.dst_pages(c, r) + dst_shift)[:, None] + q.dst[cols]
+            if R is not None:
+                R[bc, :w] = q.run
+        runs: int | np.ndarray
+        if R is None:
+            allrun = np.concatenate([q.run for q in pats])
+            if (allrun == allrun[0]).all():
+                runs = int(allrun[0])
+            else:  # equal widths, different runs: each block its class's runs
+                cls = np.empty(nb, np.int64)
+                for c in range(len(pats)):
+                    cls[self.members[c]] = c
+                runs = np.stack([q.run for q in pats])[cls].ravel()
+            return S.ravel(), D.ravel(), runs, np.full(nb, m, np.int64)
+        keep = R > 0
+        runs = R[keep]
+        if (runs == runs[0]).all():
+            runs = int(runs[0])
+        return S[keep], D[keep], runs, keep.sum(axis=1)

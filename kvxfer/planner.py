@@ -522,55 +522,15 @@ def _num_tokens(num_tokens: Any, sp: np.ndarray, dp: np.ndarray, src: KVLayout, 
 
 def _piece_template(ch: PieceChunk, pats: list[PagePattern], src_shift: int, dst_shift: int,
                     sg: RankGeometry) -> _PairTemplate:
-    """Layer-0 writes for one pair when pages do not align: one row per block of the chunk,
-    its class's pattern shifted to the block (rows as wide as the widest pattern, padding of
-    run 0 dropped after), so the writes come out sorted by (group, src offset) as on the page
-    path, then runs contiguous on both sides merged."""
+    """Layer-0 writes for one pair when pages do not align: the chunk's blocks expanded by
+    their classes' patterns (already sorted by (group, src offset) as on the page path, but
+    for a packed source), then runs contiguous on both sides merged."""
     if ch.nb == 0:
         return _PairTemplate(_EMPTY_I32, _EMPTY_I64, _EMPTY_I32, _EMPTY_I64, _EMPTY_I64, [])
-    widths = [q.src.shape[0] for q in pats]
-    m, nb = max(widths), ch.nb
-    S = np.empty((nb, m), np.int64)
-    D = np.empty((nb, m), np.int64)
-    R = np.zeros((nb, m), np.int64) if len(set(widths)) > 1 else None
-    for c, q in enumerate(pats):
-        bc = ch.members[c]
-        w = widths[c]
-        S[bc, :w] = (ch.sblk[bc] + src_shift)[:, None] + q.src
-        for r, cols in q.by_rel:
-            rows = bc[:, None] if isinstance(cols, np.ndarray) and not isinstance(bc, slice) else bc
-            D[rows, cols] = (ch.dst_pages(c, r) + dst_shift)[:, None] + q.dst[cols]
-        if R is not None:
-            R[bc, :w] = q.run
-    runs: int | np.ndarray
-    if R is None:
-        so, do = S.ravel(), D.ravel()
-        allrun = np.concatenate([q.run for q in pats])
-        if (allrun == allrun[0]).all():
-            runs = int(allrun[0])
-        else:
-            runs = np.stack([q.run for q in pats])[_block_classes(ch, len(pats))].ravel()
-        gpos = ch.gb * m
-    else:
-        keep = R > 0
-        so, do, runs = S[keep], D[keep], R[keep]
-        if (runs == runs[0]).all():
-            runs = int(runs[0])
-        sizes = keep.sum(axis=1)
-        gpos = (np.cumsum(sizes) - sizes)[ch.gb]
-        if sg.packed and sg.planes > 1:
-            return _sort_coalesce(so, do, np.repeat(ch.grp, sizes), runs, sg.region_size)
+    so, do, runs, sizes = ch.expand(pats, src_shift, dst_shift)
     if sg.packed and sg.planes > 1:  # K and V rows interleave: sort the writes themselves
-        return _sort_coalesce(so, do, np.repeat(ch.grp, m), runs, sg.region_size)
-    return _coalesce(so, do, gpos, ch.gval, runs)
-
-
-def _block_classes(ch: PieceChunk, k: int) -> np.ndarray:
-    """Each block's class index (patterns of equal widths but different runs)."""
-    out = np.empty(ch.nb, np.int64)
-    for c in range(k):
-        out[ch.members[c]] = c
-    return out
+        return _sort_coalesce(so, do, np.repeat(ch.grp, sizes), runs, sg.region_size)
+    return _coalesce(so, do, (np.cumsum(sizes) - sizes)[ch.gb], ch.gval, runs)
 
 
 def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst_sharding: Sharding,
