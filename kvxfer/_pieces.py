@@ -1,11 +1,13 @@
 """Where a source page's tokens land when the two sides' page sizes differ: the planner's
 token path in pieces (a leaf over :mod:`kvxfer.layout`; numpy only).
 
-A source page of ``ps`` tokens that starts ``phase`` tokens into a destination page of ``pd``
-tokens is cut where destination pages end; how its tokens travel depends only on ``phase``
-and on how many tokens it holds (``length``, short for the last page), so the planner builds
-one :class:`PagePattern` per (head count, phase, length) class, at most ``lcm(ps, pd) / ps``
-classes plus the last page, and shifts it to every page of the class. A :class:`PieceChunk`
+A source page of ``ps`` tokens whose first moved token sits ``phase`` tokens into a
+destination page of ``pd`` tokens is cut where destination pages end; how its tokens travel
+depends only on ``phase``, on the slot of its first moved token (``skip``, 0 but for the first
+page of a plan that starts mid-page) and on how many it moves (``length``, short for the last
+page), so the planner builds one :class:`PagePattern` per (head count, phase, skip, length)
+class, at most ``lcm(ps, pd) / ps`` classes plus the first and the last page, and shifts it to
+every page of the class. A :class:`PieceChunk`
 holds what every (source rank, destination rank) pair dealt one chunk of the source page list
 shares: its blocks (page, plane) in (group, src offset) order, each block's class, and the
 destination page offsets the classes reach.
@@ -23,17 +25,19 @@ __all__ = ["PagePattern", "PieceChunk"]
 class PagePattern:
     """The writes of one source page's tokens relative to that page (``src``), to the first
     destination page they reach (``dst``, plus ``rel`` pages further on), each ``run`` bytes,
-    sorted by source offset: one per (phase, length) class of source pages."""
+    sorted by source offset: one per (phase, skip, length) class of source pages, where the
+    page's tokens moved are its slots ``[skip, skip + length)`` and the first of them sits
+    ``phase`` tokens into a destination page."""
 
     __slots__ = ("src", "dst", "rel", "run", "by_rel")
 
-    def __init__(self, phase: int, length: int, sg: RankGeometry, dg: RankGeometry, nh: int) -> None:
-        ps, pd, c = sg.page_size, dg.page_size, sg.chunk
-        # pieces: cut where a destination page ends (the page starts `phase` tokens into one)
+    def __init__(self, phase: int, skip: int, length: int, sg: RankGeometry, dg: RankGeometry, nh: int) -> None:
+        pd, c = dg.page_size, sg.chunk
+        # pieces: cut where a destination page ends
         start = np.union1d([0], np.arange((-phase) % pd, length, pd, dtype=np.int64))
         count = np.diff(np.append(start, length))
         dtok = phase + start
-        src = start * sg.token_stride
+        src = (skip + start) * sg.token_stride
         dst = (dtok % pd) * dg.token_stride
         rel = dtok // pd
         # fold an axis whose stride is the run on both sides (as `_inner` does in a page)
@@ -67,18 +71,21 @@ class PieceChunk:
     block's page class (where the page starts in a destination page, how many tokens it
     holds), and the destination page offsets each class's pattern reaches."""
 
-    def __init__(self, sp: np.ndarray, dp: np.ndarray, a: int, b: int, tokens: int,
+    def __init__(self, sp: np.ndarray, dp: np.ndarray, a: int, b: int, first: int, tokens: int,
                  sg: RankGeometry, dg: RankGeometry) -> None:
         ps, pd, n = sg.page_size, dg.page_size, b - a
-        self.nb, self.keys = sg.planes * n, []
+        self.nb: int = sg.planes * n
+        self.keys: list[tuple[int, int, int]] = []
         if n == 0:  # more replicas than pages
             return
         o = np.argsort(sp[a:b], kind="stable")
         t0 = (a + o) * ps  # first token of each page, in source page order
-        phase, length = t0 % pd, np.minimum(tokens - t0, ps)
-        key = phase * (ps + 1) + length
+        skip = np.maximum(first - t0, 0)  # tokens [first, tokens) move
+        t1 = t0 + skip
+        phase, length = t1 % pd, np.minimum(tokens - t0, ps) - skip
+        key = (phase * ps + skip) * (ps + 1) + length
         keys = np.unique(key)
-        self.keys = [(k // (ps + 1), k % (ps + 1)) for k in keys.tolist()]
+        self.keys = [(k // (ps + 1) // ps, k // (ps + 1) % ps, k % (ps + 1)) for k in keys.tolist()]
         cls = np.searchsorted(keys, key) if len(keys) > 1 else np.zeros(n, np.int64)
         planes = sg.planes
         spo = sp[a:b][o] * sg.page_stride
@@ -94,7 +101,7 @@ class PieceChunk:
         self.grp = grp
         self.members: list[slice | np.ndarray] = (
             [slice(None)] if len(self.keys) == 1 else [np.flatnonzero(bcls == c) for c in range(len(self.keys))])
-        self._dfirst = (t0 // pd)[page]
+        self._dfirst = (t1 // pd)[page]
         self._dp, self._pstride = dp, dg.page_stride
         self._dtab: dict[tuple[int, int], np.ndarray] = {}
 

@@ -88,7 +88,9 @@ exactly, each page list is `ceil(T / page_size)` of its own side's pages long (`
 otherwise), nothing past token `T` is read or written (the last page of each side in part).
 Without `num_tokens` the sizes must be equal and whole pages move (`LayoutError` naming
 `num_tokens` otherwise); `num_tokens` with equal sizes moves exactly `T` tokens too, and is the
-page path when `T` fills the pages.
+page path when `T` fills the pages. `first_token=a` leaves tokens before `a` out: a chunk
+`[a, b)` of a streamed prefill is `plan(..., src_pages[:ceil(b/ps)], dst_pages[:ceil(b/pd)],
+num_tokens=b, first_token=a)`, and consecutive chunks write every byte once between them.
 
 The token path keeps the page path's structure. Replicas get contiguous chunks of the *source*
 page list (balanced within one source page per segment, plus the short last page). Blocks
@@ -213,12 +215,13 @@ class TransferPlan:
     def __init__(self, *, src_tp: int, dst_tp: int, layers: tuple[int, ...], num_pages: int,
                  src_geometry: RankGeometry, dst_geometry: RankGeometry,
                  src_order: str, dst_order: str, templates: dict[tuple[int, int], _PairTemplate],
-                 num_tokens: int = 0) -> None:
+                 num_tokens: int = 0, first_token: int = 0) -> None:
         self.src_tp = src_tp
         self.dst_tp = dst_tp
         self.layers = layers
         self.num_pages = num_pages  #: source pages
-        self.num_tokens = num_tokens  #: tokens moved (whole pages: num_pages * page_size)
+        self.num_tokens = num_tokens  #: tokens [first_token, num_tokens) move (whole pages: num_pages * page_size)
+        self.first_token = first_token
         self.src_geometry = src_geometry
         self.dst_geometry = dst_geometry
         self.src_order = src_order
@@ -307,7 +310,7 @@ class TransferPlan:
         return TransferPlan(src_tp=self.src_tp, dst_tp=self.dst_tp, layers=(layer,), num_pages=self.num_pages,
                             src_geometry=self.src_geometry, dst_geometry=self.dst_geometry,
                             src_order=self.src_order, dst_order=self.dst_order, templates=self._t,
-                            num_tokens=self.num_tokens)
+                            num_tokens=self.num_tokens, first_token=self.first_token)
 
     # -- printing -------------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -536,7 +539,7 @@ def _piece_template(ch: PieceChunk, pats: list[PagePattern], src_shift: int, dst
 def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst_sharding: Sharding,
          src_pages: Sequence[int] | np.ndarray, dst_pages: Sequence[int] | np.ndarray,
          layers: Iterable[int] | None = None, seed: int | np.random.Generator | None = None,
-         num_tokens: int | None = None) -> TransferPlan:
+         num_tokens: int | None = None, first_token: int = 0) -> TransferPlan:
     """Plan the RDMA writes that move ``src_pages`` (prefill side) into ``dst_pages`` (decode
     side): ``src_pages[i]`` on every source rank becomes ``dst_pages[i]`` on every destination
     rank, each destination rank receiving exactly the heads its sharding gives it.
@@ -546,8 +549,11 @@ def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst
     needed where the page sizes differ) moves exactly those tokens, token ``t`` from slot
     ``t % page_size`` of ``src_pages[t // page_size]`` to its place in each side's own pages,
     each page list ``ceil(num_tokens / page_size)`` long; without it whole pages move,
-    ``src_pages[i]`` to ``dst_pages[i]``. Raises :class:`LayoutError` for layouts or shardings
-    that cannot meet, :class:`PlanError` for bad page or layer lists or token counts.
+    ``src_pages[i]`` to ``dst_pages[i]``. ``first_token`` (with ``num_tokens``) leaves the
+    tokens before it out: a chunk of a streamed prefill moves tokens ``[first_token,
+    num_tokens)``, the page lists covering ``[0, num_tokens)``. Raises :class:`LayoutError` for
+    layouts or shardings that cannot meet, :class:`PlanError` for bad page or layer lists or
+    token counts.
     """
     if not isinstance(src_layout, KVLayout) or not isinstance(dst_layout, KVLayout):
         raise LayoutError("src_layout and dst_layout must be KVLayout")
@@ -557,13 +563,17 @@ def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst
     sp = _pages(src_pages, src_layout, "src_pages")
     dp = _pages(dst_pages, dst_layout, "dst_pages")
     tokens = _num_tokens(num_tokens, sp, dp, src_layout, dst_layout)
+    if first_token != 0 and (tokens is None or not is_int(first_token) or not 0 <= first_token <= tokens):
+        raise PlanError(f"first_token must be an int in [0, num_tokens] and needs num_tokens, got {first_token!r}")
+    first = int(first_token)
     if dp.shape[0] > 1 and np.unique(dp).shape[0] != dp.shape[0]:
         raise PlanError("dst_pages repeat a page: it would be written twice")
     lay = _layers(layers, src_layout.num_layers)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     kv_heads, n = src_layout.kv_heads, sp.shape[0]
-    if tokens is not None and (sg.page_size != dg.page_size or tokens != n * sg.page_size):
-        return _plan_pieces(sg, dg, src_sharding, dst_sharding, src_layout, dst_layout, sp, dp, tokens, lay, rng)
+    if tokens is not None and (sg.page_size != dg.page_size or tokens != n * sg.page_size or first):
+        return _plan_pieces(sg, dg, src_sharding, dst_sharding, src_layout, dst_layout, sp, dp, first, tokens,
+                            lay, rng)
 
     templates: dict[tuple[int, int], _PairTemplate] = {}
     by_src: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # chunk -> pages in src order
@@ -594,14 +604,15 @@ def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst
 
 
 def _plan_pieces(sg: RankGeometry, dg: RankGeometry, src_sharding: Sharding, dst_sharding: Sharding,
-                 src_layout: KVLayout, dst_layout: KVLayout, sp: np.ndarray, dp: np.ndarray, tokens: int,
-                 lay: tuple[int, ...], rng: np.random.Generator) -> TransferPlan:
+                 src_layout: KVLayout, dst_layout: KVLayout, sp: np.ndarray, dp: np.ndarray, first: int,
+                 tokens: int, lay: tuple[int, ...], rng: np.random.Generator) -> TransferPlan:
     """``plan`` at token granularity: replicas get contiguous chunks of the source page list
     as on the page path (each within one source page of its share), and each source page's
     tokens go as its (phase, length) class's pattern says."""
     kv_heads, n = src_layout.kv_heads, sp.shape[0]
+    lo = first // sg.page_size if first < tokens else n  # the source pages holding tokens to move
     templates: dict[tuple[int, int], _PairTemplate] = {}
-    patterns: dict[tuple[int, int, int], PagePattern] = {}  # (head count, phase, length)
+    patterns: dict[tuple[int, int, int, int], PagePattern] = {}  # (head count, phase, skip, length)
     chunks: dict[tuple[int, int], PieceChunk] = {}
     for d in range(dst_sharding.tp_size):
         dheads = dst_sharding.heads(d, kv_heads)
@@ -609,18 +620,20 @@ def _plan_pieces(sg: RankGeometry, dg: RankGeometry, src_sharding: Sharding, dst
             r = len(cands)
             owners = [int(c) for c in (rng.permutation(np.asarray(cands)) if r > 1 else cands)]
             for j, s in enumerate(owners):
-                a, b = -(-j * n // r), -(-(j + 1) * n // r)  # chunk j of r, contiguous in list order
+                # chunk j of r, contiguous in list order
+                a, b = lo + -(-j * (n - lo) // r), lo + -(-(j + 1) * (n - lo) // r)
                 if (a, b) not in chunks:
-                    chunks[a, b] = PieceChunk(sp, dp, a, b, tokens, sg, dg)
+                    chunks[a, b] = PieceChunk(sp, dp, a, b, first, tokens, sg, dg)
                 ch = chunks[a, b]
                 pats = []
                 for key in ch.keys:
                     if (nh, *key) not in patterns:
-                        patterns[(nh, *key)] = PagePattern(key[0], key[1], sg, dg, nh)
+                        patterns[(nh, *key)] = PagePattern(*key, sg, dg, nh)
                     pats.append(patterns[(nh, *key)])
                 assert (s, d) not in templates
                 templates[(s, d)] = _piece_template(ch, pats, src_h0 * sg.head_stride,
                                                     (h0 - dheads.start) * dg.head_stride, sg)
     return TransferPlan(src_tp=src_sharding.tp_size, dst_tp=dst_sharding.tp_size, layers=lay,
                         num_pages=n, src_geometry=sg, dst_geometry=dg, src_order=src_layout.order,
-                        dst_order=dst_layout.order, templates=templates, num_tokens=tokens)
+                        dst_order=dst_layout.order, templates=templates, num_tokens=tokens,
+                        first_token=first)

@@ -53,23 +53,24 @@ def token_configs(draw, equal_sizes: bool = False):
     return src, dst, src_pages, dst_pages, tokens, layers, seed
 
 
-def check_tokens(src, dst, src_pages, dst_pages, tokens, layers, seed) -> TransferPlan:
-    """Plan with ``num_tokens``, run it as byte copies, and check token ``t`` of every planned
-    (layer, plane) and head landed at slot ``t % page_size`` of ``dst_pages[t // page_size]``
-    on every destination rank holding that head, once, and nothing else was touched."""
+def check_tokens(src, dst, src_pages, dst_pages, tokens, layers, seed, first=0) -> TransferPlan:
+    """Plan tokens ``[first, tokens)``, run it as byte copies, and check token ``t`` of every
+    planned (layer, plane) and head landed at slot ``t % page_size`` of ``dst_pages[t //
+    page_size]`` on every destination rank holding that head, once, and nothing else was
+    touched."""
     (sl, ss), (dl, ds) = src, dst
-    p = plan(sl, ss, dl, ds, src_pages, dst_pages, layers=layers, seed=seed, num_tokens=tokens)
+    p = plan(sl, ss, dl, ds, src_pages, dst_pages, layers=layers, seed=seed, num_tokens=tokens, first_token=first)
     rng = np.random.default_rng(seed)
     planes = 1 if sl.kv == "mla" else 2
     H, cb = sl.kv_heads, sl.head_dim * sl.np_dtype.itemsize
-    tok = np.arange(tokens)
+    tok = np.arange(first, tokens)
     sp, dp = np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64)
     s_page, s_slot = sp[tok // sl.page_size], tok % sl.page_size
     d_page, d_slot = dp[tok // dl.page_size], tok % dl.page_size
-    logical = rng.integers(0, 256, (sl.num_layers, planes, tokens, H, cb), dtype=np.uint8)
+    logical = rng.integers(0, 256, (sl.num_layers, planes, tok.shape[0], H, cb), dtype=np.uint8)
     # tokens read from one source slot (a repeated source page) carry that slot's bytes
-    _, first, inverse = np.unique(s_page * sl.page_size + s_slot, return_index=True, return_inverse=True)
-    logical = logical[:, :, first[inverse.ravel()]]
+    _, once, inverse = np.unique(s_page * sl.page_size + s_slot, return_index=True, return_inverse=True)
+    logical = logical[:, :, once[inverse.ravel()]]
 
     src_mem = [RankMemory(sl, ss, r, rng=rng) for r in range(ss.tp_size)]
     for m in src_mem:
@@ -81,7 +82,7 @@ def check_tokens(src, dst, src_pages, dst_pages, tokens, layers, seed) -> Transf
     counts = execute(p, src_mem, dst_mem)
 
     planned = list(range(sl.num_layers)) if layers is None else list(layers)
-    assert p.layers == tuple(planned) and p.num_tokens == tokens
+    assert p.layers == tuple(planned) and p.num_tokens == tokens and p.first_token == first
     for d, m in enumerate(dst_mem):
         want = RankMemory(dl, ds, d, fill=0)
         for layer in planned:
@@ -94,7 +95,7 @@ def check_tokens(src, dst, src_pages, dst_pages, tokens, layers, seed) -> Transf
             for k in range(planes):
                 np.testing.assert_array_equal(m.page_view(layer, k)[d_page, :, d_slot], logical[layer, k][:, m.heads])
         assert p.expected_writes[d] == sum(len(p.writes(s, d)) for s in range(ss.tp_size))
-    assert p.num_bytes == len(planned) * planes * tokens * cb * sum(len(m.heads) for m in dst_mem)
+    assert p.num_bytes == len(planned) * planes * (tokens - first) * cb * sum(len(m.heads) for m in dst_mem)
     _check_coalesced(p)
     return p
 
@@ -121,6 +122,38 @@ def test_differing_page_sizes_move_every_token_once(cfg):
     check_tokens(*cfg)
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(token_configs(), st.data())
+def test_a_plan_from_a_first_token_moves_the_rest(cfg, data):
+    """A chunk of a streamed prefill: tokens [first, num_tokens), the first page in part."""
+    first = data.draw(st.integers(0, cfg[4]))
+    check_tokens(*cfg, first=first)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(token_configs(), st.data())
+def test_chunks_move_every_token_once(cfg, data):
+    """Consecutive chunks [0, c1), [c1, c2), ... planned apart (each with the pages known so
+    far) together write every destination byte of the request exactly once."""
+    (sl, ss), (dl, ds), src_pages, dst_pages, tokens, layers, seed = cfg
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, tokens - 1), max_size=4)) if tokens > 1 else []))
+    bounds = [0, *cuts, tokens]
+    rng = np.random.default_rng(seed)
+    src_mem = [RankMemory(sl, ss, r, rng=rng) for r in range(ss.tp_size)]
+    dst_mem = [RankMemory(dl, ds, r, fill=0) for r in range(ds.tp_size)]
+    total = [[np.zeros(len(r), np.int64) for r in m.regions] for m in dst_mem]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        sp, dp = src_pages[:_ceil(b, sl.page_size)], dst_pages[:_ceil(b, dl.page_size)]
+        p = plan(sl, ss, dl, ds, sp, dp, layers=layers, seed=seed, num_tokens=b, first_token=a)
+        for d, c in enumerate(execute(p, src_mem, dst_mem)):
+            for r in range(len(c)):
+                total[d][r] += c[r]
+    whole = plan(sl, ss, dl, ds, src_pages, dst_pages, layers=layers, seed=seed, num_tokens=tokens)
+    for d, c in enumerate(execute(whole, src_mem, [RankMemory(dl, ds, r, fill=0) for r in range(ds.tp_size)])):
+        for r in range(len(c)):
+            np.testing.assert_array_equal(total[d][r], c[r])
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(token_configs(equal_sizes=True))
 def test_equal_page_sizes_with_a_partial_last_page(cfg):
@@ -139,7 +172,7 @@ def test_token_path_equals_page_path_on_whole_pages(cfg):
     n = len(src_pages)
     pages = plan(sl, ss, dl, ds, src_pages, dst_pages, layers=layers, seed=seed)
     toks = P._plan_pieces(sl.resolve(ss), dl.resolve(ds), ss, ds, sl, dl, np.asarray(src_pages, np.int64),
-                          np.asarray(dst_pages, np.int64), n * sl.page_size, pages.layers,
+                          np.asarray(dst_pages, np.int64), 0, n * sl.page_size, pages.layers,
                           np.random.default_rng(seed))
     for s in range(ss.tp_size):
         for d in range(ds.tp_size):
@@ -217,6 +250,9 @@ def test_gqa_replicated_sources_with_differing_pages():
     (dict(num_tokens=-1), PlanError, "num_tokens"),
     (dict(num_tokens=64.0), PlanError, "num_tokens"),
     (dict(num_tokens=True), PlanError, "num_tokens"),
+    (dict(num_tokens=64, first_token=65), PlanError, "first_token"),
+    (dict(num_tokens=64, first_token=-1), PlanError, "first_token"),
+    (dict(first_token=3), LayoutError, "num_tokens"),
 ])
 def test_token_counts_checked(kw, err, match):
     with pytest.raises(err, match=match):
