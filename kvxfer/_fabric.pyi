@@ -213,3 +213,6 @@ REMOTE_READ: int
 
 def read(rail: Rail, peer: int, gen: int, region: RegionHandle, remote_base: int, key: int, remote_len: int,
          local_off: _U64, remote_off: _U64, length: _U64, iov: int, max_read: int) -> TransferHandle: ...
+def read_groups(rail: Rail, peer: int, gen: int, regions: list[RegionHandle], remote_base: _U64, key: _U64,
+                remote_len: _U64, pair: npt.NDArray[np.int64], local_off: _U64, remote_off: _U64, length: _U64,
+                starts: npt.NDArray[np.int64], iov: int, max_read: int) -> TransferSet: ...

@@ -62,3 +62,91 @@ def read(Rail rail, fi_addr_t peer, uint32_t gen, RegionHandle region, uint64_t 
     if len(rail.pending) > max(64, 2 * rail.pruned):
         rail.prune()
     return t
+
+
+def read_groups(Rail rail, fi_addr_t peer, uint32_t gen, list regions, const uint64_t[::1] remote_base,
+                const uint64_t[::1] key, const uint64_t[::1] remote_len, const int64_t[::1] pair,
+                const uint64_t[::1] local_off, const uint64_t[::1] remote_off, const uint64_t[::1] length,
+                const int64_t[::1] starts, size_t iov, uint64_t max_read):
+    """Many reads from one peer in one GIL-free loop, ``Rail.write_groups``'s mirror: group g
+    reads triples ``[starts[g], starts[g+1])`` into ``regions[pair[g]]`` (RegionHandles of
+    ``rail``) from the peer's region at ``remote_base[pair[g]]`` with ``key[pair[g]]``, of
+    ``remote_len[pair[g]]`` bytes: one ``kx_read`` (one native transfer) per group, seen as one
+    TransferSet. Every triple of every group is checked against both its regions before the
+    first is posted: OutOfBoundsError, nothing posted."""
+    cdef kx_rail *r = rail._rail()
+    cdef Py_ssize_t ng = pair.shape[0], npairs = len(regions), g, p, i
+    cdef int ret = 0
+    cdef Py_ssize_t posted = 0
+    cdef RegionHandle m
+    if starts.shape[0] != ng + 1 or remote_base.shape[0] < npairs or key.shape[0] < npairs \
+            or remote_len.shape[0] < npairs:
+        raise InvalidArgumentError("read_groups: group tables differ in length")
+    if ng and (starts[0] < 0 or starts[ng] > length.shape[0] or local_off.shape[0] < starts[ng]
+               or remote_off.shape[0] < starts[ng]):
+        raise InvalidArgumentError("read_groups: group bounds exceed the triples")
+    for g in range(ng):
+        if starts[g + 1] < starts[g] or not 0 <= pair[g] < npairs:
+            raise InvalidArgumentError("read_groups: bad group bounds or pair index")
+    cdef TransferSet t = TransferSet.__new__(TransferSet)
+    t.rail = rail
+    t.regions = tuple([regions[pair[g]] for g in range(ng)])
+    for g in range(ng):
+        m = <RegionHandle?>t.regions[g]
+        if m.rail is not rail or m.mr == NULL:
+            raise ClosedError("local registration is closed or belongs to another rail")
+        p = pair[g]
+        for i in range(starts[g], starts[g + 1]):
+            if (length[i] > m.nbytes or local_off[i] > m.nbytes - length[i]
+                    or length[i] > remote_len[p] or remote_off[i] > remote_len[p] - length[i]):
+                raise OutOfBoundsError(f"read_groups: group {g}, read {i - starts[g]}: {length[i]} bytes at local "
+                                       f"{local_off[i]} / remote {remote_off[i]} leave the regions "
+                                       f"({m.nbytes} / {remote_len[p]} bytes)")
+    if ng == 0:
+        return t
+    t.xs = <kx_transfer **>calloc(ng, sizeof(kx_transfer *))
+    cdef void **descs = <void **>malloc(ng * sizeof(void *))
+    cdef char **bases = <char **>malloc(ng * sizeof(char *))
+    cdef uint64_t *lens = <uint64_t *>malloc(ng * sizeof(uint64_t))
+    if t.xs == NULL or descs == NULL or bases == NULL or lens == NULL:
+        free(descs)
+        free(bases)
+        free(lens)
+        raise MemoryError()
+    try:
+        for g in range(ng):
+            m = <RegionHandle>t.regions[g]
+            descs[g] = m.desc
+            bases[g] = <char *>m.ptr
+            lens[g] = m.nbytes
+        for g in range(ng):          # RegionHandle.close refuses while a post is under way
+            (<RegionHandle>t.regions[g]).busy += 1
+        with nogil:
+            kx_posting_begin(r)          # one burst: the progress thread waits it out once
+            for g in range(ng):
+                p = pair[g]
+                ret = kx_read(r, peer, gen, bases[g], descs[g], lens[g], remote_base[p], key[p], remote_len[p],
+                              &local_off[0] + starts[g], &remote_off[0] + starts[g], &length[0] + starts[g],
+                              <size_t>(starts[g + 1] - starts[g]), iov, max_read, &t.xs[g])
+                if ret:
+                    break
+                posted += 1
+            kx_posting_end(r)
+        # recorded before any Python code can run (as Rail.write_groups)
+        t.n = posted
+        if not t.done or t.linked:
+            rail.pending_sets.append(t)
+        for g in range(ng):
+            (<RegionHandle>t.regions[g]).busy -= 1
+    finally:
+        free(descs)
+        free(bases)
+        free(lens)
+    if ret:
+        t.cancel()                   # what was posted completes; nothing more goes out
+        if ret == -FI_EINVAL:
+            raise InvalidArgumentError(f"read_groups: iov={iov} / max_read={max_read} are not this provider's limits")
+        check(ret, "kx_read")
+    if len(rail.pending_sets) > max(64, 2 * rail.pruned_sets):
+        rail.prune()
+    return t

@@ -160,3 +160,49 @@ def test_what_the_provider_checks_of_a_read(provider):
     finally:
         reader.close()
         target.close()
+
+
+def test_read_groups_from_two_regions_byte_exact(sides, provider):
+    """read_groups: groups of triples into two local regions from two of the peer's, one
+    GIL-free loop, one TransferSet; every byte where the groups say."""
+    reader, target, peer, gen = sides
+    target.buf[:] = np.random.default_rng(3).integers(0, 256, NBYTES, dtype=np.uint8)
+    other = np.random.default_rng(4).integers(0, 256, NBYTES // 2, dtype=np.uint8)
+    oreg = target.rail.mr_reg(other.ctypes.data, other.nbytes, remote=_fabric.REMOTE_READ)
+    mine = np.zeros(NBYTES // 4, np.uint8)
+    mreg = reader.rail.mr_reg(mine.ctypes.data, mine.nbytes, remote=0)
+    try:
+        obase = other.ctypes.data if target.rail.mr_mode & _fabric.MR_VIRT_ADDR else 0
+        # pair 0: reader.region <- target.region; pair 1: mreg <- oreg
+        lo = np.array([0, 8192, 100, 5000, 60_000], np.uint64)
+        ro = np.array([4096, 0, 7, 300_000, 1], np.uint64)
+        ln = np.array([4096, 100, 900, 2000, 3000], np.uint64)
+        starts = np.array([0, 2, 5], np.int64)
+        pair = np.array([0, 1], np.int64)
+        t = _fabric.read_groups(reader.rail, peer, gen, [reader.region, mreg],
+                                np.array([target.base, obase], np.uint64),
+                                np.array([target.region.key, oreg.key], np.uint64),
+                                np.array([NBYTES, other.nbytes], np.uint64), pair, lo, ro, ln, starts, 4, 1 << 20)
+        assert t.wait(10.0) and t.errno == 0 and t.groups == 2
+        for i in range(2):
+            np.testing.assert_array_equal(reader.buf[lo[i]:lo[i] + ln[i]], target.buf[ro[i]:ro[i] + ln[i]])
+        for i in range(2, 5):
+            np.testing.assert_array_equal(mine[lo[i]:lo[i] + ln[i]], other[ro[i]:ro[i] + ln[i]])
+        # a triple past the second remote region refuses the whole call: nothing posted
+        mine[:] = 0
+        reader.buf[:] = 0
+        bad = ln.copy()
+        bad[4] = other.nbytes
+        with pytest.raises(OutOfBoundsError, match="group 1"):
+            _fabric.read_groups(reader.rail, peer, gen, [reader.region, mreg],
+                                np.array([target.base, obase], np.uint64),
+                                np.array([target.region.key, oreg.key], np.uint64),
+                                np.array([NBYTES, other.nbytes], np.uint64), pair, lo, ro, bad, starts, 4, 1 << 20)
+        assert (reader.buf == 0).all() and (mine == 0).all()
+    finally:
+        reader.rail.drain(1.0)
+        target.rail.drain(1.0)
+        reader.rail.close_endpoint()
+        target.rail.close_endpoint()
+        mreg.close()
+        oreg.close()
