@@ -207,7 +207,7 @@ def check_groups(src_off: _U64, dst_off: _U64, length: _U64, starts: _I64, pair:
 
 def count_messages(src_off: _U64, dst_off: _U64, length: _U64, iov: int, max_write: int, pack_min: int = ...) -> int: ...
 
-# reads (kvxfer/_read.pxi)
+# reads (kvxfer/_fabric_read.pxi)
 REMOTE_WRITE: int
 REMOTE_READ: int
 

@@ -151,7 +151,7 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         int64_t bytes = 0;
         for (int k = 0; k < np; k++)
             bytes += (int64_t)x->piece_len[k];
-        /* never post to a peer known closed, exited or stalled (liveness.c says why) */
+        /* never post to a peer known closed, exited or stalled (peers.c says why) */
         int gone = kx_peer_enter(r, x->peer, x->gen);
         if (gone) {
             kx_transfer_fail(r, x, gone);
@@ -304,7 +304,7 @@ int kx_pump_queue(kx_rail *r)
         if (!x)
             return finished;
         int64_t before = x->posted;
-        int walk_ended = x->read ? kx_pump_read(r, x, INT64_MAX)
+        int walk_ended = x->pump ? x->pump(r, x, INT64_MAX)     /* a read (read.c) */
                                  : kx_pump(r, x, x->direct ? KX_DIRECT_ROUND : INT64_MAX);
         if (!walk_ended)
             return finished + (x->posted != before);
@@ -337,7 +337,6 @@ kx_transfer *kx_transfer_new(const uint64_t *src_off, const uint64_t *dst_off, c
             x->ops[k].owner = x;
         }
     }
-    x->read = kind == KX_OP_READ;
     x->shared_op.kind = kind;
     x->shared_op.owner = x;
     x->refs = 2;  /* owner + in-flight */

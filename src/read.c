@@ -9,7 +9,8 @@
  * carries no CQ data, the target's CQ sees nothing, and completion is the reader's own CQ
  * entry per message (progress.c completes KX_OP_READ like a write; its transfer is done when
  * every posted message completed, with the first error kept). A transfer is one kind: a
- * kx_transfer with `read` set, walked by kx_pump_read instead of kx_pump.
+ * kx_transfer whose `pump` is kx_pump_read, which the progress thread calls instead of kx_pump
+ * (post.c knows no read: this unit sits above it).
  *
  * Before anything is posted, every triple is checked against both regions (`local_len`,
  * `remote_len`; overflow included) and the limits against the rail's provider: a read that
@@ -19,7 +20,7 @@
  *
  * Posting never blocks on the transport, as for writes: the calling thread posts up to a
  * byte budget or until the provider says -FI_EAGAIN, then queues the rest behind the rail's
- * other transfers for the progress thread (kx_pump_queue dispatches on `read`). Reads always
+ * other transfers for the progress thread (kx_pump_queue calls the transfer's `pump`). Reads always
  * go over RMA: a shm peer's memfd mapping (direct.c) is for writes only. */
 #include "internal.h"
 
@@ -44,7 +45,7 @@ static int kx_read_bounds_ok(const uint64_t *local_off, const uint64_t *remote_o
 /* Post messages of the read x until its walk ends (returns 1), the provider is full or
  * `budget` bytes have been posted (0), or a post fails or x is cancelled (1, with x->error
  * set: nothing more is posted). kx_pump's accounting, without the direct path. */
-int kx_pump_read(kx_rail *r, kx_transfer *x, int64_t budget)
+static int kx_pump_read(kx_rail *r, kx_transfer *x, int64_t budget)
 {
     struct iovec iov[KX_MAX_IOV];
     void *desc[KX_MAX_IOV];
@@ -138,6 +139,7 @@ int kx_read(kx_rail *r, fi_addr_t peer, uint32_t gen, char *local_base, void *de
     x->dst_base = remote_base;
     x->key = key;
     x->flags = FI_COMPLETION;
+    x->pump = kx_pump_read;       /* the progress thread posts what the caller leaves */
 
     pthread_mutex_lock(&r->hub->lock);
     kx_transfer_link_locked(r, x);

@@ -1,4 +1,4 @@
-"""One-sided reads at the native layer (src/read.c through kvxfer/_read.pxi): two rails in
+"""One-sided reads at the native layer (src/read.c through kvxfer/_fabric_read.pxi): two rails in
 this process on each provider, scattered reads byte-exact, the message rule's rules 1-2 with
 iov and max_read limits, reads refused outside either region with nothing posted, and the
 target's registration access honoured where the provider enforces it (tcp; shm's CMA copy

@@ -1,4 +1,4 @@
-# _read.pxi: one-sided reads (src/read.c, kx_read), included at the end of _fabric.pyx.
+# _fabric_read.pxi: one-sided reads (src/read.c, kx_read), included at the end of _fabric.pyx.
 #
 # A rail reads a peer's registered region into one of its own registrations: the pull road,
 # where the decoder reads the prefiller's finished pages. Module-level functions over the
