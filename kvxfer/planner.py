@@ -637,3 +637,133 @@ def _plan_pieces(sg: RankGeometry, dg: RankGeometry, src_sharding: Sharding, dst
                         num_pages=n, src_geometry=sg, dst_geometry=dg, src_order=src_layout.order,
                         dst_order=dst_layout.order, templates=templates, num_tokens=tokens,
                         first_token=first)
+
+
+# -- per-page templates and the writing ranks (the messenger's fast road) -------------------
+#
+# When no replica has to be chosen (the source sharding neither replicates nor has fewer heads
+# than ranks) a page's writes do not depend on the other pages: planning one page once per
+# peer and shifting it by each page's offset (``page * page_stride`` on both sides) gives the
+# writes ``plan`` gives, in its order within a region pair (layer, then source page, then
+# entry), so the engine still coalesces contiguous pages. A prefill rank process plans only
+# its own source ranks; a decoder learns from ``writing_ranks`` which source ranks write to
+# its ranks, without planning pages.
+
+def request_seed(request_id: bytes) -> int:
+    """The replica seed of a request: a hash of its encoded id, so load spreads over the
+    replicas and every process (each prefill rank, the decoder) draws the same owners."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(bytes(request_id), digest_size=8).digest(), "little")
+
+
+def chooses_replicas(src_layout: KVLayout, src_sharding: Sharding) -> bool:
+    """Whether a plan from this source draws owners per request (replicated or GQA/MLA with
+    fewer heads than ranks): then it depends on the pages and the seed, not one template."""
+    return bool(src_sharding.replicated or src_layout.kv_heads < src_sharding.tp_size)
+
+
+def writing_ranks(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst_sharding: Sharding,
+                  dst_ranks: Iterable[int], num_pages: int, seed: int | None = None) -> tuple[int, ...]:
+    """The source ranks that ``plan(..., seed=seed)`` of ``num_pages`` pages has write to any
+    of ``dst_ranks``: the same draw as ``plan`` (candidates per segment, chunk j of r to the
+    j-th of a permutation), without building a template. Twin of ``plan``'s owner rule."""
+    kv_heads, n = src_layout.kv_heads, int(num_pages)
+    want = set(int(d) for d in dst_ranks)
+    segs = [(d, [int(c) for c in cands]) for d in range(dst_sharding.tp_size)
+            for _, _, cands, _ in _segments(dst_sharding.heads(d, kv_heads), src_sharding, kv_heads)]
+    out: set[int] = set()
+    if all(len(c) <= n for _, c in segs):          # every chunk has a page: every candidate writes
+        for d, cands in segs:
+            if d in want:
+                out.update(cands)
+        return tuple(sorted(out))
+    rng = np.random.default_rng(seed)
+    for d, cands in segs:
+        r = len(cands)
+        owners = [int(c) for c in rng.permutation(np.asarray(cands))] if r > 1 else cands
+        if d in want:
+            out.update(s for j, s in enumerate(owners) if -(-j * n // r) < -(-(j + 1) * n // r))
+    return tuple(sorted(out))
+
+
+class PageTemplate:
+    """The writes of source page 0 -> destination page 0 from ``src_ranks`` to ``dst_ranks``,
+    shifted per page: ``rows`` per (rank pair, region pair) as ``(s, d, src region, dst region,
+    so, do, ln, layer)``; ``pairs`` per rank pair as ``(s, d, [(src region, dst region)], so,
+    do, ln, counts, key)`` with the region pairs' writes concatenated (``counts`` per region
+    pair) and ``key`` = region pair index x layers + layer. Only for a source where
+    ``chooses_replicas`` is False."""
+
+    def __init__(self, src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout,
+                 dst_sharding: Sharding, src_ranks: Iterable[int], dst_ranks: Iterable[int]) -> None:
+        if chooses_replicas(src_layout, src_sharding):
+            raise PlanError("a source that chooses replicas per request has no per-page template")
+        p1 = plan(src_layout, src_sharding, dst_layout, dst_sharding, [0], [0])
+        self.src_stride = p1.src_geometry.page_stride
+        self.dst_stride = p1.dst_geometry.page_stride
+        srcs, dsts = set(src_ranks), set(dst_ranks)
+        rows = []
+        for s, d in p1.pairs:
+            if s not in srcs or d not in dsts:
+                continue
+            w = p1.writes(s, d)
+            key = w.src_region.astype(np.int64) * (1 << 32) + w.dst_region
+            for k in dict.fromkeys(key.tolist()):
+                sel = key == k
+                rows.append((s, d, k >> 32, k & 0xFFFFFFFF, w.src_offset[sel], w.dst_offset[sel], w.length[sel],
+                             w.layer[sel]))
+        self.rows = rows
+        nl = max(1, src_layout.num_layers)
+        by_pair: dict[tuple[int, int], list] = {}
+        for row in rows:
+            by_pair.setdefault((row[0], row[1]), []).append(row)
+        self.pairs = []
+        for (s, d), rs in by_pair.items():
+            self.pairs.append((s, d, [(r[2], r[3]) for r in rs],
+                               np.concatenate([r[4] for r in rs]).astype(np.uint64),
+                               np.concatenate([r[5] for r in rs]).astype(np.uint64),
+                               np.concatenate([r[6] for r in rs]).astype(np.uint64),
+                               np.array([len(r[6]) for r in rs], np.int64),
+                               np.concatenate([i * nl + r[7].astype(np.int64) for i, r in enumerate(rs)])))
+        self._orders: dict[tuple[int, int], np.ndarray] = {}     # (pair, pages) -> the planner's order
+
+    @staticmethod
+    def by_source(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Both page lists ordered by source page (as ``plan`` orders them)."""
+        if len(src_pages) > 1:
+            order = np.argsort(src_pages, kind="stable")
+            return src_pages[order], dst_pages[order]
+        return src_pages, dst_pages
+
+    def pair_writes(self, i: int, sp: np.ndarray, dp: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Rank pair ``i``'s writes for pages ordered by ``by_source``: ``(so, do, ln, counts)``
+        in the planner's order within each region pair (region pair, layer, page, entry)."""
+        _, _, _, so, do, ln, counts, key = self.pairs[i]
+        n = len(sp)
+        if n == 1:
+            return so + int(sp[0]) * self.src_stride, do + int(dp[0]) * self.dst_stride, ln, counts
+        idx = self._orders.get((i, n))
+        if idx is None:
+            m = len(so)
+            idx = np.lexsort((np.tile(np.arange(m), n), np.repeat(np.arange(n), m), np.tile(key, n)))
+            if len(self._orders) < 64:
+                self._orders[(i, n)] = idx
+        a = (so[None, :] + (sp * self.src_stride)[:, None].astype(np.uint64)).ravel()[idx]
+        b = (do[None, :] + (dp * self.dst_stride)[:, None].astype(np.uint64)).ravel()[idx]
+        return a, b, np.tile(ln, n)[idx], counts * n
+
+    def layer_writes(self, sp: np.ndarray, dp: np.ndarray, num_layers: int) -> list[list]:
+        """The writes of these pages (ordered by ``by_source``) per layer: ``[layer] -> [(s, d,
+        src region, dst region, so, do, ln)]``, page then entry within a layer."""
+        out: list[list] = [[] for _ in range(num_layers)]
+        soff = sp * self.src_stride
+        doff = dp * self.dst_stride
+        for s, d, sr, dr, so, do, ln, lay in self.rows:
+            for layer in np.unique(lay).tolist():
+                sel = lay == layer
+                a, b, c = so[sel], do[sel], ln[sel]
+                out[layer].append((s, d, sr, dr, (a[None, :] + soff[:, None]).ravel(),
+                                   (b[None, :] + doff[:, None]).ravel(),
+                                   np.broadcast_to(c, (len(sp), len(c))).ravel()))
+        return out

@@ -37,14 +37,19 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import numpy as np
 
-from kvxfer.errors import InvalidArgumentError, KvxferError, UnsupportedError
+from kvxfer.errors import ClosedError, InvalidArgumentError, KvxferError, PlanError, UnsupportedError
+from kvxfer.messenger import _args
 from kvxfer.messenger._codec import MAX_PAGES
+from kvxfer.messenger._node import Node
+from kvxfer.messenger.prefill import Prefiller
+from kvxfer.messenger.send import Request, Send, StreamState
 
-__all__ = ["LayerCounter", "Pass", "pages_completed"]
+__all__ = ["LayerCounter", "Pass", "Streamer", "pages_completed"]
 
 _pass_ids = itertools.count(1)
 
@@ -194,8 +199,8 @@ class Pass:
     """One scheduled forward pass: layer ``l`` is done when the counter reaches
     ``base + l + 1``; ``end = base + num_layers``."""
 
-    def __init__(self, m: Any, base: int, end: int, sends: list) -> None:
-        self._m = m
+    def __init__(self, streamer: "Streamer", base: int, end: int, sends: list) -> None:
+        self._streamer = streamer
         self.id = next(_pass_ids)
         self.base = base
         self.end = end
@@ -205,7 +210,7 @@ class Pass:
     @property
     def layers_done(self) -> int:
         """Layers of this pass the counter says are computed."""
-        return max(0, min(self.end, self._m.layer_counter.value) - self.base)
+        return max(0, min(self.end, self._streamer.counter().value) - self.base)
 
     def abandon(self) -> int:
         """The model gave this pass up: disarm its writes not yet posted, abort its Sends
@@ -213,21 +218,159 @@ class Pass:
         layers on the counter: raised to ``end`` now if it reached ``base``, else once it
         gets there (a pass scheduled ahead: the running pass's layers still fire only when
         computed). Returns how many armed writes were disarmed."""
-        return self._m._abandon_pass(self)
+        return self._streamer.abandon(self)
 
     def __repr__(self) -> str:
         return f"<Pass {self.id} layers at {self.base}+1..{self.end}, {len(self.sends)} send(s)>"
 
 
-class _Stream:
-    """A streaming Send's progress: source pages known so far, next token, last pass."""
+class Streamer:
+    """One messenger's streaming room: its layer counter and watcher (made on first use),
+    streaming Sends, ``schedule`` (every chunk checked before anything is armed) and
+    ``Pass.abandon``."""
 
-    __slots__ = ("src_pages", "next_token", "end", "context", "context_armed", "passes")
+    def __init__(self, node: Node, prefill: Prefiller, num_layers: int, page_size: int, num_pages: int,
+                 device: Optional[int], poll_us: float, cpus: Optional[tuple], rt_priority: int) -> None:
+        self.node = node
+        self.prefill = prefill
+        self.num_layers = num_layers
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self._opts = (device, poll_us, cpus, rt_priority)
+        self._counter: Optional[LayerCounter] = None
+        self.watcher: Any = None
+        self._release: Optional[Callable[[], None]] = None
 
-    def __init__(self, src_pages: Optional[np.ndarray]) -> None:
-        self.src_pages = src_pages
-        self.next_token = 0
-        self.end: Optional[int] = None          # the last pass's end, once the last chunk is scheduled
-        self.context: Optional[tuple] = None    # (data,) once finish() came
-        self.context_armed = False
-        self.passes: list[int] = []
+    def counter(self) -> LayerCounter:
+        """The layer counter (made, with its native watcher thread, on first use)."""
+        with self.node.lock:
+            if self._counter is None:
+                if self.node.closed:
+                    raise ClosedError("messenger is closed")
+                device, poll_us, cpus, rt = self._opts
+                word, dptr = 0, None
+                if device is not None:
+                    from kvxfer.messenger import _cudabump
+
+                    word, dptr, self._release = _cudabump.alloc_mapped_word(device)
+                self.watcher = self.node.engine.watcher(word=word, poll_us=poll_us, cpus=cpus, keep=None,
+                                                        rt_priority=rt)
+                self._counter = LayerCounter(self.watcher, self.num_layers, dptr, device)
+            return self._counter
+
+    @property
+    def skipping(self) -> bool:
+        """Abandoned passes wait for the counter to reach their base (the messenger thread
+        polls faster and applies them)."""
+        lc = self._counter
+        return lc is not None and bool(lc._skips)
+
+    def tick(self) -> None:
+        """Messenger thread: apply the skips a kernel's bumps made due."""
+        lc = self._counter
+        if lc is not None and lc._skips:
+            try:
+                lc._apply_skips()
+            except KvxferError:
+                pass
+
+    def stream(self, request: Any, src_pages: Any) -> Send:
+        if not isinstance(request, Request):
+            raise InvalidArgumentError("request must come from this messenger's requests()")
+        sp = None if src_pages is None else _args.src_prefix(src_pages, len(request.dst_pages), self.num_pages)
+        self.counter()                          # the watcher exists before anything is armed
+        return self.prefill.attach(request, StreamState(sp, self.watcher))
+
+    def schedule(self, chunks: Iterable[Any]) -> Pass:
+        try:
+            chunks = list(chunks)
+        except TypeError:
+            raise InvalidArgumentError(f"chunks must be an iterable of chunks, got {type(chunks).__name__}") from None
+        lc = self.counter()
+        work = []
+        seen: set[int] = set()
+        for ch in chunks:
+            if not isinstance(ch, tuple) or len(ch) not in (3, 4):
+                raise InvalidArgumentError(f"a chunk is (send, start_token, end_token[, src_pages]), got {ch!r}")
+            send, start, end = ch[:3]
+            if not isinstance(send, Send) or send.request.room is not self.prefill or not send.streaming:
+                raise InvalidArgumentError("a chunk's send must come from this messenger's stream()")
+            if id(send) in seen:
+                raise InvalidArgumentError(f"request {send.request.request_id!r} has two chunks in one pass")
+            seen.add(id(send))
+            for name, v in (("start_token", start), ("end_token", end)):
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise InvalidArgumentError(f"{name} must be an int, got {v!r}")
+            start, end = int(start), int(end)
+            req = send.request
+            if send.stopped:
+                continue                       # left between passes (aborted, failed)
+            if send.last_chunk:
+                raise InvalidArgumentError(f"request {req.request_id!r}'s last chunk was already scheduled")
+            if start != send.next_token or not start < end <= req.num_tokens:
+                raise InvalidArgumentError(f"chunk [{start}, {end}) of request {req.request_id!r} must start at "
+                                           f"{send.next_token} and end after it, at most at {req.num_tokens}")
+            sp = send.src_pages
+            if len(ch) == 4:
+                new = _args.src_prefix(ch[3], len(req.dst_pages), self.num_pages)
+                if sp is not None and not np.array_equal(new[:len(sp)], sp[:len(new)]):
+                    raise PlanError(f"request {req.request_id!r}'s source pages changed between chunks")
+                if sp is None or len(new) > len(sp):
+                    sp = new
+            idx = pages_completed(req.num_tokens, self.page_size, start, end)
+            if len(idx) and (sp is None or int(idx[-1]) >= len(sp)):
+                raise PlanError(f"chunk [{start}, {end}) of request {req.request_id!r} completes page "
+                                f"{int(idx[-1])} but only {0 if sp is None else len(sp)} source pages are known")
+            layers = self.prefill.layer_batches(req.peer, req, req.dst_pages[idx], sp[idx]) if len(idx) else None
+            work.append((send, end, sp, layers))
+        base, end_ = lc._take_pass()
+        p = Pass(self, base, end_, [w[0] for w in work])
+        for send, end, sp, layers in work:
+            send.arm_chunk(p.id, p.end, end, sp, lambda s=send, layers=layers: self._arm(p, s, layers))
+        return p
+
+    def _arm(self, p: Pass, s: Send, layers: Optional[list]) -> list:
+        """The watch entries of one chunk: one native arming loop per region pair, its layers
+        as groups (under the Send's lock, from ``Send.arm_chunk``)."""
+        if layers is None:
+            return []
+        pf, pg, w = self.prefill, s.request.peer, self.watcher
+        nrails = self.node.engine.rails
+        by_pair: dict = {}
+        for lay, batches in enumerate(layers):
+            for src, dst, sr, dr, so, do, ln in batches:
+                by_pair.setdefault((src, dst, sr, dr), []).append((p.base + lay + 1, so, do, ln))
+        out: list = []
+        for (src, dst, sr, dr), groups in by_pair.items():
+            starts = np.zeros(len(groups) + 1, np.int64)
+            np.cumsum([len(g[3]) for g in groups], out=starts[1:])
+            out.extend(w.arm_groups(
+                [g[0] for g in groups], pf.local[src][sr], pg.peer, pg.remote[dst][dr],
+                np.concatenate([g[1] for g in groups]), np.concatenate([g[2] for g in groups]),
+                np.concatenate([g[3] for g in groups]), starts, imm=s.request.imm, tag=p.id,
+                rail=pf.rails.get(src, src % nrails)))
+        return out
+
+    def abandon(self, p: Pass) -> int:
+        if p.abandoned:
+            return 0
+        p.abandoned = True
+        n = 0
+        for s in p.sends:                   # aborting first: the reaper never sees them "done"
+            n += s.armed_in(p.base, p.end)
+            if not s.done:
+                s.request_abort(by_prefiller=True)
+        self.watcher.disarm_tag(p.id)
+        # skip the pass's layers on the counter, but never before it reached p.base: a pass
+        # scheduled ahead is abandoned while the one before it still runs, whose remaining
+        # layers must fire when computed (LayerCounter._skip_pass)
+        self._counter._skip_pass(p.base, p.end)
+        return n
+
+    def close(self, timeout: float) -> None:
+        """Armed writes never post after this."""
+        if self.watcher is not None:
+            self.watcher.close(max(0.1, timeout))
+            if self._release is not None:
+                self._release()
+                self._release = None

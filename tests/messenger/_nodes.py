@@ -101,7 +101,7 @@ def _prefill(conn, spec):
         layout, sh = spec["layout"], spec["sharding"]
         ref = _ref()
         eng = _engine(spec["provider"])
-        ranks = list(range(sh.tp_size))
+        ranks = spec.get("ranks") or list(range(sh.tp_size))    # a subset: a per-rank prefill process
         bufs = None
         if spec.get("workers"):
             from kvxfer.messenger import collect
@@ -127,7 +127,7 @@ def _prefill(conn, spec):
             mems = {r: ref.RankMemory(layout, sh, r, fill=0) for r in ranks}
             for mem in mems.values():
                 scatter(mem, cache)
-            kv = {r: mems[r].regions for r in ranks}
+            kv = {r: _as_engine_tensors(mems[r].regions) for r in ranks}
         m = kvxfer.Messenger(eng, layout, sh, kv, peer_timeout=spec.get("peer_timeout", 10.0),
                              secret=spec.get("secret"))
         if bufs is not None:
@@ -240,7 +240,10 @@ def _decode(conn, spec):
             cmd, *args = conn.recv()
             if cmd == "connect":
                 name, blob = args
-                peers[name] = m.connect(blob, timeout=20)
+                if isinstance(blob, list):        # a per-rank prefill instance: one blob per rank
+                    peers[name] = [m.connect(b, timeout=20) for b in blob]
+                else:
+                    peers[name] = m.connect(blob, timeout=20)
                 conn.send(("ok", None))
             elif cmd == "run":
                 conn.send(("ok", _run(m, peers, mems, layout, **args[0])))
@@ -270,6 +273,9 @@ def _decode(conn, spec):
                         r.wait(max(0.0, timeout - (time.monotonic() - t0)))
                     except kvxfer.errors.KvxferError:
                         pass
+                    # a failed request is fenced once every leg is (the live prefill ranks' ABORTED)
+                    while r.done and not r.fenced and time.monotonic() - t0 < timeout:
+                        time.sleep(0.005)
                     out.append((r.state, type(r.error).__name__ if r.error else None, r.fenced))
                 conn.send(("ok", {"results": out, "elapsed": time.monotonic() - t0, "stats": m.stats()}))
             elif cmd == "states":
@@ -288,6 +294,16 @@ def _decode(conn, spec):
             pass
     finally:
         _close(m, eng)
+
+
+def _as_engine_tensors(regions: list) -> list:
+    """A rank's regions as its engine allocates them: torch CPU tensors over the same memory
+    where torch is installed (registered through DLPack), the numpy arrays otherwise."""
+    try:
+        import torch
+    except ImportError:
+        return regions
+    return [torch.from_numpy(r) for r in regions]
 
 
 def _close(m, eng) -> None:
@@ -471,8 +487,10 @@ def hostile_request(d, pg, imm: int = 2**31 - 5):
     import kvxfer
     from kvxfer.messenger import _codec as C
 
-    r = kvxfer.messenger.Receive(d, pg, "hostile", b"", np.array([0]), 1, imm, -1, None)
+    from kvxfer.messenger.decode import Leg, Receive
+
+    r = Receive(d._decode, [Leg(pg, imm, -1)], "hostile", np.array([0]), 1, -1, None)
     with d._lock:
-        d._receives[imm] = r
+        d._decode.receives[imm] = r
     d._send(pg, C.REQUEST, imm=imm, num_tokens=1, slot=-1, request_id="hostile", pages=np.array([40]))
     return r

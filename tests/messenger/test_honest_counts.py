@@ -1,7 +1,7 @@
 """An honest prefiller never trips the decoder's protocol checks (docs/messenger.md, "Counts a
 decoder will not believe"): whatever the supported layouts, shardings, engine options and
 page lists, the count an honest ``Messenger.send`` or stream announces lies in
-``[least, Messenger._most_writes]``, an ABORTED never claims more than was announced (or than
+``[least, Decoder.most_writes]``, an ABORTED never claims more than was announced (or than
 that bound), and its fence fills: the peer is never torn down
 (``peers_broke_protocol``, ``drop_bad_count`` stay 0).
 
@@ -139,7 +139,7 @@ def run_case(provider, c):
         if mode in ("send", "abort", "prefiller_abort"):
             s = p.send(q, c["src_pages"])
             if mode == "abort":
-                _wait(lambda: r._announced is not None, "the ANNOUNCE")
+                _wait(lambda: r.legs[0].announced is not None, "the ANNOUNCE")
                 assert r.abort(10)               # before finish(): the context is never posted
                 s.finish(ctx)
             elif mode == "prefiller_abort":
@@ -159,7 +159,7 @@ def run_case(provider, c):
                 if i == last and mode in ("abort_streamed", "abandon"):
                     # the ANNOUNCE (every pass's writes and the context) went; the model
                     # stops inside the last pass: the abort's count is what was posted
-                    _wait(lambda: r._announced is not None, "the ANNOUNCE")
+                    _wait(lambda: r.legs[0].announced is not None, "the ANNOUNCE")
                     if c["layers_done"]:
                         lc.bump(c["layers_done"])
                     if mode == "abandon":
@@ -179,7 +179,7 @@ def run_case(provider, c):
         assert st_.get("peers_broke_protocol", 0) == 0 and st_.get("drop_bad_count", 0) == 0, st_
         assert pg.alive
         least = 2 if c["context"] else 1
-        return r._announced, r._fence_target, d._most_writes(r), least, s
+        return r.legs[0].announced, r.legs[0].fence_target, d._decode.most_writes(r), least, s
     finally:
         for o in (d, p, eb, ea):
             if o is not None:
@@ -196,7 +196,7 @@ def test_an_honest_prefiller_stays_within_the_bounds(provider, data):
     announced, fence, most, least, s = run_case(provider, c)
     if announced is not None:
         assert least <= announced <= most, (announced, least, most)
-        assert announced == s._count
+        assert announced == s.num_writes
     if fence is not None:
         assert fence <= (announced if announced is not None else most), (fence, announced, most)
 
@@ -205,7 +205,7 @@ def test_an_honest_prefiller_stays_within_the_bounds(provider, data):
 @pytest.mark.parametrize("mode", ["send", "abort"])
 def test_the_largest_request_of_one_byte_pieces(provider, share, mode):
     """The bound is tight: 16,000 scattered pages of one byte per (layer, plane), each piece
-    its own message (rule 3), plus the context, is exactly ``_most_writes``; an honest
+    its own message (rule 3), plus the context, is exactly ``Decoder.most_writes``; an honest
     prefiller announces it (or, aborted, fences on what it posted) and stays up."""
     if share and provider != "shm":
         pytest.skip("host shares are shm's")
@@ -247,14 +247,14 @@ def test_a_large_request_aborted_mid_flight_fences_in_time(provider, rails):
             r = d.receive(pg, f"r{i}", list(range(32)), 32 * 16)
             (q,) = p.requests(timeout=10)
             s = p.send(q, np.random.default_rng(i).permutation(32))
-            _wait(lambda: r._announced is not None, "the ANNOUNCE")
+            _wait(lambda: r.legs[0].announced is not None, "the ANNOUNCE")
             assert (r.abort(10) if i % 2 else s.abort(10))
             s.finish(b"ctx")
             _wait(lambda: r.done, "the fence")
             assert r.fenced and r.state in ("aborted", "failed", "done"), (r.state, r.error)
-            if r._fence_target is not None:
-                assert r._fence_target <= r._announced
-                lags.append(time.monotonic() - r._fence_since)
+            if r.legs[0].fence_target is not None:
+                assert r.legs[0].fence_target <= r.legs[0].announced
+                lags.append(time.monotonic() - r.legs[0].fence_since)
             r.release()
         st_ = d.stats()
         assert st_.get("peers_broke_protocol", 0) == 0 and st_.get("drop_bad_count", 0) == 0, st_

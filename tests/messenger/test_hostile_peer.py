@@ -116,7 +116,7 @@ def test_a_second_aborted_does_not_lower_the_fence(pair):
     _settle(d, "recv_ABORTED")
     p._send(back, C.ABORTED, imm=r.imm, count=0, flags=0)
     _settle(d, "recv_ABORTED", 2)
-    assert not r.done and not r.fenced and r._fence_target == 5
+    assert not r.done and not r.fenced and r.legs[0].fence_target == 5
     assert _page_busy(d, pg, 6)
     assert d.stats().get("drop_duplicate_aborted") == 1
 
@@ -362,4 +362,4 @@ def test_any_sequence_of_authentic_nonsense(big_pair, seq):
     assert bool(d._busy_pages[page]) is not fenced
     assert not d.stats().get("drop_internal_error")
     if not final:
-        r._m._finish_receive(r, "failed", PeerError("test over"), fenced=False)   # leave it quarantined
+        d._decode.fail(r, PeerError("test over"), cause=r.legs[0])   # leave it quarantined

@@ -168,8 +168,8 @@ def test_abort_racing_send_is_answered(pair):
     p, d, pg, src, dst, _ = pair
     r = d.receive(pg, "req", [1], 3)
     (q,) = _requests(p, 1).values()
-    lock = _PausingLock(p._lock, "_on_abort")
-    p._lock = lock
+    lock = _PausingLock(p._node.lock, "on_abort")
+    p._node.lock = lock
     try:
         res = {}
         t = threading.Thread(target=lambda: res.setdefault("abort", r.abort(timeout=15)))
@@ -181,7 +181,7 @@ def test_abort_racing_send_is_answered(pair):
         t.join(30)
     finally:
         lock.resume.set()
-        p._lock = lock._l
+        p._node.lock = lock._l
     assert res["abort"] is True and r.state == "aborted" and r.fenced
     assert p.stats().get("sent_ABORTED") == 1
     assert (np.concatenate(dst) == 0xEE).all()
@@ -195,13 +195,13 @@ def test_receive_racing_peer_death_is_refused(pair):
     raises PeerError and nothing is left pending."""
     p, d, pg, src, dst, _ = pair
     returned = threading.Event()
-    forget = d._forget_peer
+    forget = d._peers_room.disconnect
 
-    def slow_forget(g):                              # the teardown waits for receive() to return
+    def slow_forget(peer):                           # the teardown waits for receive() to return
         returned.wait(20)
-        forget(g)
+        forget(peer)
 
-    d._forget_peer = slow_forget
+    d._peers_room.disconnect = slow_forget
 
     class SlowPages:                                 # the caller's thread preempted in receive()
         def __array__(self, dtype=None, copy=None):
@@ -307,14 +307,14 @@ def test_connect_retry_after_timeout(pair, provider):
     d2 = _messenger(e2, _regions(0xEE))
     extra.append(d2)
     timed_out = threading.Event()
-    orig = p._on_hello
+    orig = p._peers_room.on_hello
 
     def late_hello(m, g):                            # the prefiller is slow to read the HELLO
         if m.src == d2.uid and not timed_out.is_set():
             timed_out.wait(20)
         return orig(m, g)
 
-    p._on_hello = late_hello
+    p._peers_room.on_hello = late_hello
     with pytest.raises(PeerError, match="did not answer"):
         d2.connect(p.handshake(), timeout=0.2)
     timed_out.set()
@@ -379,7 +379,7 @@ def test_stream_announce_precedes_aborted(pair):
         e.wait(10)
     order = []
     aborted_sent = threading.Event()
-    orig = p._send
+    orig = p._peers_room.send
     aborter = threading.Thread(target=lambda: s.abort(20))
 
     def send(g, t, timeout=5.0, **fields):
@@ -391,14 +391,14 @@ def test_stream_announce_precedes_aborted(pair):
         if t == C.ABORTED:
             aborted_sent.set()
 
-    p._send = send
+    p._peers_room.send = send
     try:
         p.schedule([(s, 4, 8)])                      # the last chunk: ANNOUNCE
         aborter.join(30)
         assert s.wait(20) == "aborted"
         _until(aborted_sent.is_set, "the ABORTED went (right after the Send settled)")
     finally:
-        p._send = orig
+        p._peers_room.send = orig
     assert order.index("ANNOUNCE") < order.index("ABORTED"), order
     with pytest.raises(PeerError):
         r.wait(20)

@@ -1,0 +1,664 @@
+"""The decode side of the protocol: a ``Receive`` and its legs, REQUEST out, ANNOUNCE /
+ABORTED / REJECT in, and the fence.
+
+A ``Receive`` asks one prefill instance for a request's KV. The instance is one peer (a node
+holding every source rank) or several (one per prefill rank process): the REQUEST goes to
+every peer that has to write (``kvxfer.planner.writing_ranks``), each on its own **leg** with
+its own imm, so every peer's writes are counted apart. Each leg's peer announces its own exact
+count; the Receive is done once every leg's count was credited (the context is one of the
+writes of exactly one leg: the peer holding the lowest writing source rank). Abort, timeout and
+failure span the legs: every leg not yet fenced is sent ABORT and fences on its own ABORTED
+count; a leg whose peer died is fenced once the peer is torn down. The pages are reused only
+when every leg is fenced.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+from kvxfer.errors import (
+    ClosedError,
+    InvalidArgumentError,
+    KvxferError,
+    LayoutError,
+    PeerError,
+    TimeoutError,
+)
+from kvxfer.layout import KVLayout, Sharding
+from kvxfer.messenger import _args
+from kvxfer.messenger import _codec as C
+from kvxfer.messenger._node import FINAL, Node
+from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
+from kvxfer.planner import request_seed, writing_ranks
+
+__all__ = ["Receive", "Leg", "Decoder", "IMM_LIMIT"]
+
+#: imm values the messenger allocates: [1, 2**31); the upper half stays free for the caller.
+IMM_LIMIT = 2**31
+
+
+class _Holder:
+    """Exports a read-only buffer and keeps its owner (a Receive) alive while viewed."""
+
+    __slots__ = ("_arr", "_owner")
+
+    def __init__(self, arr: np.ndarray, owner: Any) -> None:
+        self._arr = arr
+        self._owner = owner
+
+    def __buffer__(self, flags: int) -> memoryview:
+        return memoryview(self._arr).toreadonly()
+
+
+class Leg:
+    """One prefill peer's part of a Receive (read-only outside this module): its imm, the
+    context slot it writes (-1: none), what it announced, and its fence."""
+
+    __slots__ = ("peer", "imm", "slot", "announced", "counter", "fence_target", "fence_counter",
+                 "fence_since", "fence_ok", "abort_sent", "complete", "fenced")
+
+    def __init__(self, peer: PeerGroup, imm: int, slot: int) -> None:
+        self.peer = peer
+        self.imm = imm
+        self.slot = slot
+        self.announced: Optional[int] = None
+        self.counter: Any = None
+        self.fence_target: Optional[int] = None
+        self.fence_counter: Any = None
+        self.fence_since = 0.0           # when the ABORTED set the fence (monotonic)
+        self.fence_ok = False            # fenced by the prefiller's ABORTED, not by a teardown
+        self.abort_sent = False
+        self.complete = False            # every announced write credited
+        self.fenced = False              # nothing of this leg can land any more
+
+    def __repr__(self) -> str:
+        return f"<Leg {self.peer.uid:016x} imm={self.imm} announced={self.announced} fenced={self.fenced}>"
+
+
+class Receive:
+    """A request this node (the decoder) made: its pages fill, then it is ``"done"``.
+
+    ``state``: ``"pending"`` (request sent), ``"transferring"`` (a prefill peer announced its
+    writes), then one of ``"done"``, ``"failed"`` (``error`` says why), ``"aborted"``.
+    ``done`` is True in any of the last three (as for a future). ``fenced`` is True once no
+    write of this request can land any more (always after done and after a successful abort;
+    after a failure once every leg was fenced or its peer torn down): until then the
+    messenger refuses its pages to new requests. ``legs``: one per prefill peer written to.
+    """
+
+    def __init__(self, dec: "Decoder", legs: list[Leg], rid: Any, pages: np.ndarray, num_tokens: int,
+                 slot: int, deadline: Optional[float]) -> None:
+        self._dec = dec
+        self.legs: tuple[Leg, ...] = tuple(legs)
+        self.peer: PeerGroup = legs[0].peer          #: the first leg's peer
+        self.peers: tuple[PeerGroup, ...] = tuple(leg.peer for leg in legs)
+        self.imm: int = legs[0].imm                  #: the first leg's imm
+        self.request_id = rid
+        self.dst_pages = pages
+        self.num_tokens = num_tokens
+        self._slot = slot
+        self._slot_cell = [slot]
+        self._deadline = deadline
+        self._state = "pending"
+        self.error: Optional[BaseException] = None
+        self.fenced = False
+        self._event = threading.Event()
+        self._armed = threading.Event()     # every leg's counter exists (ANNOUNCEs handled) or final
+        self._callbacks: list[Callable[[Receive], Any]] = []
+        self._aborting = False              # ABORT goes (went) to every leg not fenced
+        self._fail_now = False              # final at once (a peer died, a REJECT), fenced later
+        self._released = False
+        self._hot = False
+        self.t_start = time.monotonic()
+        self.t_done: Optional[float] = None
+
+    # -- public -----------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def done(self) -> bool:
+        return self._state in FINAL
+
+    def wait(self, timeout: Optional[float] = None) -> str:
+        """Block until final; return ``"done"`` or ``"aborted"``, raise ``error`` if failed,
+        ``TimeoutError`` if ``timeout`` seconds pass first (the request goes on)."""
+        timeout = _args.timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._event.is_set():
+            self._wait_counters(deadline)
+        if not self._event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"request {self.request_id!r} is still {self._state} after {timeout} s")
+        if self._state == "failed" and self.error is not None:
+            raise self.error
+        return self._state
+
+    @property
+    def arrived(self) -> int:
+        """Messages of this request credited so far (0 until a prefill peer announced its
+        count): progress, e.g. layers landing while a stream runs."""
+        n = 0
+        for leg in self.legs:
+            c = leg.counter
+            if c is not None:
+                n += c.count if c.done else c.arrived
+        return n
+
+    @property
+    def expected(self) -> Optional[int]:
+        """The announced message count, every leg's together (None before the last ANNOUNCE)."""
+        counts = [leg.announced for leg in self.legs]
+        return None if any(c is None for c in counts) else sum(counts)
+
+    def _wait_counters(self, deadline: Optional[float]) -> None:
+        """The caller's thread waits on the engine's counters itself (native, GIL-free waits
+        woken by the progress thread) once the ANNOUNCEs armed them, and completes the
+        request: no hop through the engine's callback dispatcher. That callback still runs
+        (for callers that never wait); completing twice is a no-op."""
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._armed.wait(left):
+            return
+        for leg in self.legs:
+            c = leg.counter
+            while c is not None and not self._event.is_set():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                try:
+                    c.wait(0.2 if left is None else min(left, 0.2))     # slices: a failure sets _event
+                except TimeoutError:
+                    continue
+                except KvxferError:                  # discarded (abort, failure) or engine closed
+                    return
+                if c.state != "done":
+                    return
+                self._dec.on_counter(self, leg)
+                break
+
+    def add_done_callback(self, fn: Callable[["Receive"], Any]) -> None:
+        """``fn(receive)`` once final, on the messenger's dispatcher thread."""
+        _args.callback(fn)
+        with self._dec.node.lock:
+            if self._state not in FINAL:
+                self._callbacks.append(fn)
+                return
+        self._dec.node.dispatch(fn, self)
+
+    @property
+    def context(self) -> Optional[memoryview]:
+        """A read-only view of the context the prefiller wrote (None before done, or
+        without context slots). Valid until ``release()``; the view keeps the Receive alive."""
+        if self._state != "done" or self._slot < 0 or self._released:
+            return None
+        arr, stride, most = self._dec.ctx_array, self._dec.ctx_stride, self._dec.context_bytes
+        base = self._slot * stride
+        n = min(int(arr[base:base + 8].view("<u8")[0]), most)   # a hostile length cannot read past the slot
+        return memoryview(_Holder(arr[base + 8:base + 8 + n], self))
+
+    def abort(self, timeout: Optional[float] = None) -> bool:
+        """Stop the request with a fence. True once no write of it can land any more (every
+        prefill peer stopped, reported what it posted, and all of that was credited; or it
+        was already done); then the pages may be reused. False if a peer did not answer
+        within ``timeout`` (None: until it answers or is declared dead), or died: the pages
+        stay quarantined until ``fenced`` turns True (the dead peer torn down, the others'
+        writes fenced)."""
+        timeout = _args.timeout(timeout)
+        with self._dec.node.lock:
+            if self._state == "done":
+                return True
+            legs = self._dec.start_abort(self) if self._state not in FINAL else []
+        self._dec.send_aborts(legs)
+        if not self._event.wait(timeout):
+            return False
+        return self._state == "done" or all(leg.fence_ok or leg.complete for leg in self.legs)
+
+    def release(self) -> None:
+        """Give the context slot back (call once the context was read; also on collection)."""
+        self._dec.release(self)
+
+    def __repr__(self) -> str:
+        return (f"<Receive {self.request_id!r} {len(self.dst_pages)} pages {len(self.legs)} leg(s) "
+                f"imm={self.imm} {self._state}>")
+
+
+class Decoder:
+    """The decode room of one messenger: its receives, imms, context slots and busy pages."""
+
+    def __init__(self, node: Node, peers: Peers, layout: KVLayout, sharding: Sharding, ranks: tuple,
+                 context_slots: int, context_bytes: int) -> None:
+        self.node = node
+        self.peers = peers
+        self.layout = layout
+        self.sharding = sharding
+        self.ranks = ranks
+        self.context_slots = context_slots
+        self.context_bytes = context_bytes
+        self.ctx_stride = context_stride(context_bytes)
+        self.ctx_array = np.zeros(max(1, context_slots) * self.ctx_stride, np.uint8)
+        self.geometry = layout.resolve(sharding)
+        self.free_slots = deque(range(context_slots))
+        self.busy_pages = np.zeros(layout.num_pages, bool)     # pages of unfenced receives
+        self.receives: dict[int, Receive] = {}                  # any leg's imm -> Receive (not retired)
+        self.rids: dict[Any, Receive] = {}                      # request id -> Receive in flight
+        self.fencing: set[Receive] = set()
+        self._next_imm = 1 + int.from_bytes(os.urandom(3), "little")
+
+    # -- asking ---------------------------------------------------------------------------
+    def _groups(self, peers: Any) -> list[PeerGroup]:
+        """The prefill instance: one PeerGroup or a sequence of them, checked up front."""
+        if isinstance(peers, PeerGroup):
+            groups = [peers]
+        elif isinstance(peers, Sequence) and not isinstance(peers, (str, bytes)) and len(peers) > 0:
+            groups = list(peers)
+        else:
+            raise InvalidArgumentError("peer must be a PeerGroup or a non-empty sequence of them")
+        seen: set[int] = set()
+        for pg in groups:
+            if not isinstance(pg, PeerGroup) or pg.owner is not self.peers:
+                raise InvalidArgumentError("peer must come from this messenger's connect()")
+            if pg.uid in seen:
+                raise InvalidArgumentError(f"peer {pg.uid:016x} is named twice")
+            seen.add(pg.uid)
+        first = groups[0]
+        for pg in groups[1:]:
+            if pg.layout != first.layout or pg.sharding != first.sharding:
+                raise LayoutError(f"peers {first.uid:016x} and {pg.uid:016x} are not one prefill instance: "
+                                  "their layouts or shardings differ")
+        held: dict[int, int] = {}
+        for pg in groups:
+            for r in pg.ranks:
+                if r in held:
+                    raise InvalidArgumentError(f"source rank {r} is held by two of the peers")
+                held[r] = pg.uid
+        for pg in groups:
+            if not pg.alive:
+                raise PeerError(f"peer {pg.uid:016x} is dead") from pg.error
+        return groups
+
+    def receive(self, peers: Any, request_id: Any, dst_pages: Any, num_tokens: Any, timeout: Any,
+                hot: bool) -> Receive:
+        groups = self._groups(peers)
+        timeout = _args.timeout(timeout)
+        pages = _args.dst_pages(dst_pages, self.layout.num_pages, C.MAX_PAGES)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise InvalidArgumentError(f"num_tokens must be an int, got {num_tokens!r}")
+        if not 0 < int(num_tokens) <= len(pages) * self.layout.page_size:
+            raise InvalidArgumentError(f"num_tokens {num_tokens} does not fit {len(pages)} page(s) of "
+                                       f"{self.layout.page_size} tokens")
+        rid_bytes = C.encode_request_id(request_id)
+        if isinstance(request_id, bytearray):
+            request_id = bytes(request_id)        # a key of the in-flight table; the prefiller sees bytes
+        first = groups[0]
+        writers = writing_ranks(first.layout, first.sharding, self.layout, self.sharding, self.ranks, len(pages),
+                                seed=request_seed(rid_bytes))
+        by_rank = {r: pg for pg in groups for r in pg.ranks}
+        missing = [s for s in writers if s not in by_rank]
+        if missing:
+            raise LayoutError(f"source rank(s) {missing} of TP{first.sharding.tp_size} must write this request "
+                              "but none of the peers holds them")
+        lowest: dict[int, tuple[int, PeerGroup]] = {}     # peer uid -> (its lowest writing rank, peer)
+        for s in sorted(writers):
+            lowest.setdefault(by_rank[s].uid, (s, by_rank[s]))
+        legs_of = [pg for _, pg in sorted(lowest.values(), key=lambda x: x[0])]
+        pages.flags.writeable = False
+        node = self.node
+        with node.lock:
+            if node.closed:
+                raise ClosedError("messenger is closed")
+            # again under the lock: a teardown marks the peer dead and collects its receives
+            # under it, so a Receive is either refused here or failed by the teardown
+            for pg in legs_of:
+                if not pg.alive:
+                    raise PeerError(f"peer {pg.uid:016x} is dead") from pg.error
+            if request_id in self.rids:
+                raise InvalidArgumentError(f"request id {request_id!r} is already in flight")
+            busy = self.busy_pages[pages]
+            if busy.any():
+                raise InvalidArgumentError(f"page {int(pages[busy][0])} still belongs to an unfinished or "
+                                           "quarantined request")
+            if self.context_slots and not self.free_slots:
+                raise InvalidArgumentError(f"all {self.context_slots} context slots are in use: release() "
+                                           "finished receives")
+            slot = self.free_slots.popleft() if self.context_slots else -1
+            legs = []
+            for i, pg in enumerate(legs_of):       # the first leg holds the lowest writing rank: the context
+                legs.append(Leg(pg, self._alloc_imm(legs), slot if i == 0 else -1))
+            deadline = None if timeout is None else time.monotonic() + timeout
+            r = Receive(self, legs, request_id, pages, int(num_tokens), slot, deadline)
+            if hot:
+                node.engine.hold_awake(True)
+                r._hot = True
+            self.busy_pages[pages] = True
+            for leg in legs:
+                self.receives[leg.imm] = r
+            self.rids[request_id] = r
+            node.count("receives")
+        if slot >= 0:
+            weakref.finalize(r, self.free_cell, r._slot_cell)
+        for i, leg in enumerate(r.legs):
+            try:
+                self.peers.send(leg.peer, C.REQUEST, imm=leg.imm, num_tokens=int(num_tokens), slot=leg.slot,
+                                request_id=request_id, pages=pages)
+            except KvxferError as exc:
+                err = PeerError(f"could not send the request to peer {leg.peer.uid:016x}: {exc}")
+                self._unsent(r, i, err)
+                raise err from exc
+        return r
+
+    def _unsent(self, r: Receive, i: int, err: PeerError) -> None:
+        """The REQUEST of leg ``i`` could not go: legs from ``i`` on never write (fenced);
+        the legs before it are aborted with the fence."""
+        node = self.node
+        with node.lock:
+            r.error = err
+            r._fail_now = True
+            for leg in r.legs[i:]:
+                leg.abort_sent = True
+                self._fence_leg(leg)
+            legs = self.start_abort(r) if i else []
+            final = self._progress(r)
+        self.send_aborts(legs)
+        if not i:
+            r._released = True
+            self.free_cell(r._slot_cell)
+        self._finished(r, final)
+
+    def _alloc_imm(self, taken: list) -> int:
+        while True:
+            imm = self._next_imm
+            self._next_imm = imm + 1 if imm + 1 < IMM_LIMIT else 1
+            if imm not in self.receives and all(leg.imm != imm for leg in taken):
+                return imm
+
+    def free_cell(self, cell: list) -> None:
+        """Give a context slot back, once (``cell`` is shared with the Receive's finalizer)."""
+        with self.node.lock:
+            if cell[0] >= 0:
+                self.free_slots.append(cell[0])
+                cell[0] = -1
+
+    def release(self, r: Receive) -> None:
+        with self.node.lock:
+            if r._released or r._state not in FINAL or not r.fenced:
+                return
+            r._released = True
+        self.free_cell(r._slot_cell)
+
+    # -- transitions (under node.lock unless said) ---------------------------------------
+    def start_abort(self, r: Receive, skip: Optional[Leg] = None) -> list[Leg]:
+        """``r`` is aborting: the legs an ABORT must go to now (marked sent), but ``skip``
+        (a leg whose peer stopped by itself)."""
+        r._aborting = True
+        out = [leg for leg in r.legs if not leg.fenced and not leg.abort_sent and leg is not skip]
+        for leg in out:
+            leg.abort_sent = True
+        return out
+
+    def send_aborts(self, legs: list[Leg]) -> None:
+        """Outside the lock: ABORT each leg's peer (resent until it goes, while it lives)."""
+        for leg in legs:
+            if leg.peer.alive:
+                self.peers.try_send(leg.peer, C.ABORT, imm=leg.imm, retry=True)
+
+    def _fence_leg(self, leg: Leg) -> None:
+        """No write of ``leg`` can land any more: retire its imm."""
+        if leg.fenced:
+            return
+        leg.fenced = True
+        self.receives.pop(leg.imm, None)
+        if not leg.complete:
+            # every write that could carry the imm has landed (fence) or never will (the
+            # peer is torn down): retire it, so nothing of it is credited to a later request
+            try:
+                self.node.engine.discard(leg.imm)
+            except KvxferError:
+                pass
+
+    def _progress(self, r: Receive) -> Optional[list]:
+        """Settle what the legs now allow: the final state (once), then the pages once every
+        leg is fenced. Returns the callbacks to run if ``r`` just became final, else None."""
+        cbs = None
+        if r._state not in FINAL:
+            state = None
+            if all(leg.complete for leg in r.legs):
+                state = "done"
+            elif r._fail_now:
+                state = "failed"
+            elif r._aborting and all(leg.fenced for leg in r.legs):
+                state = "failed" if r.error is not None else "aborted"
+            if state is not None:
+                r._state = state
+                r.t_done = time.monotonic()
+                if r._hot:
+                    r._hot = False
+                    try:
+                        self.node.engine.hold_awake(False)
+                    except KvxferError:
+                        pass
+                self.rids.pop(r.request_id, None)
+                cbs, r._callbacks = r._callbacks, []
+                self.node.count("receive_" + state)
+        if not r.fenced and all(leg.fenced for leg in r.legs):
+            r.fenced = True
+            self.busy_pages[r.dst_pages] = False
+            self.fencing.discard(r)
+        elif r.fenced or not any(leg.fence_target is not None and not leg.fenced for leg in r.legs):
+            self.fencing.discard(r)
+        return cbs
+
+    def _finished(self, r: Receive, cbs: Optional[list]) -> None:
+        """Outside the lock: wake waiters and run callbacks of a Receive that became final."""
+        if cbs is None:
+            return
+        r._event.set()
+        r._armed.set()
+        for fn in cbs:
+            self.node.dispatch(fn, r)
+
+    def fail(self, r: Receive, err: BaseException, *, fence: Callable[[Leg], bool] = lambda leg: False,
+             cause: Optional[Leg] = None) -> None:
+        """``r`` fails now with ``err`` (once); the legs ``fence`` names are fenced; every other
+        leg still open but ``cause`` (the leg whose peer failed it) is aborted with the fence:
+        the pages wait for those."""
+        with self.node.lock:
+            if r.error is None:
+                r.error = err
+            if r._state not in FINAL:
+                r._fail_now = True
+            for leg in r.legs:
+                if fence(leg):
+                    self._fence_leg(leg)
+            legs = [leg for leg in r.legs if not leg.fenced and not leg.abort_sent and leg is not cause]
+            if legs:
+                r._aborting = True
+                for leg in legs:
+                    leg.abort_sent = True
+            cbs = self._progress(r)
+        self.send_aborts(legs)
+        self._finished(r, cbs)
+
+    def on_counter(self, r: Receive, leg: Leg) -> None:
+        """Every announced message of ``leg`` was credited (engine dispatcher or a waiter)."""
+        with self.node.lock:
+            if leg.complete or leg.fenced:
+                return
+            leg.complete = True
+            self._fence_leg(leg)
+            cbs = self._progress(r)
+        self._finished(r, cbs)
+
+    def most_writes(self, r: Receive) -> int:
+        """More messages than any leg of ``r``'s pages can take (each carries >= 1 byte)."""
+        g = self.geometry
+        return len(self.ranks) * len(r.dst_pages) * g.num_layers * g.planes * g.page_stride + 1
+
+    # -- incoming -------------------------------------------------------------------------
+    def _leg_of(self, pg: PeerGroup, imm: int) -> tuple[Optional[Receive], Optional[Leg]]:
+        with self.node.lock:
+            r = self.receives.get(imm)
+        leg = None if r is None else next((x for x in r.legs if x.imm == imm and x.peer is pg), None)
+        if leg is None:
+            self.node.count("drop_unknown_request")
+            return None, None
+        return r, leg
+
+    def on_announce(self, pg: PeerGroup, m: C.Control) -> None:
+        r, leg = self._leg_of(pg, m.imm)
+        if leg is None:
+            return
+        node = self.node
+        with node.lock:
+            if leg.announced is not None:
+                node.count("drop_duplicate_announce")
+                return
+            if leg.fence_target is not None or leg.fenced or (r._state in FINAL and not r._aborting):
+                # after the ABORTED (the fence counts what it says was posted): an expectation
+                # now would collide with the fence's and leave the pages quarantined
+                node.count("drop_late_announce")
+                return
+            least = 2 if leg.slot >= 0 else 1    # a page, and the context
+            most = self.most_writes(r)
+            bad = not least <= m.count <= most
+            if bad:
+                node.count("drop_bad_count")
+            else:
+                leg.announced = m.count
+            if r._state == "pending":
+                r._state = "transferring"
+        if bad:     # writes may still land, none counted: only a teardown frees the pages
+            self.peers.broke_protocol(pg, f"it announced {m.count} writes for request {r.request_id!r}, not "
+                                          f"{least} to {most}")
+            return
+        try:
+            # everything already landed (small requests: the data overtakes the ANNOUNCE): no
+            # callback, so the engine's dispatcher thread is not woken for nothing. Banked
+            # arrivals only grow (nothing but this messenger discards the imm), so the
+            # expectation completes at once.
+            eng = node.engine
+            landed = eng.banked(leg.imm) >= m.count
+            c = eng.expect(leg.imm, int(m.count),
+                           callback=None if landed else (lambda _c, r=r, leg=leg: self.on_counter(r, leg)))
+        except KvxferError as exc:
+            self.fail(r, exc)
+            return
+        leg.counter = c
+        if all(x.counter is not None for x in r.legs):
+            r._armed.set()                 # a caller in Receive.wait now waits natively
+        if c.done:                         # everything had landed already: no thread hop
+            self.on_counter(r, leg)
+
+    def on_aborted(self, pg: PeerGroup, m: C.Control) -> None:
+        r, leg = self._leg_of(pg, m.imm)
+        if leg is None:
+            return
+        target = (leg.announced or 0) if m.flags & C.ABORTED_UNKNOWN else m.count   # UNKNOWN: it forgot it
+        node = self.node
+        others: list[Leg] = []
+        with node.lock:
+            if leg.fenced or (r._state in FINAL and not r._aborting):
+                return
+            if leg.fence_target is not None:      # a repeated ABORTED: the first count stands
+                node.count("drop_duplicate_aborted")
+                return
+            most = leg.announced if leg.announced is not None else self.most_writes(r)
+            trusted = target <= most              # not more than it announced, or than can exist
+            if not trusted:
+                node.count("drop_bad_count")
+            else:
+                if m.flags & C.ABORTED_BY_PREFILLER and r.error is None:
+                    r.error = PeerError(f"the prefiller gave up on request {r.request_id!r}")
+                leg.fence_target = target
+                leg.fence_since = time.monotonic()
+                if leg.counter is None and target > 0:
+                    try:
+                        leg.fence_counter = node.engine.expect(leg.imm, target)
+                    except KvxferError:
+                        pass
+                self.fencing.add(r)
+                others = self.start_abort(r, leg)     # the instance stops: the other legs fence too
+        if not trusted:          # no fence can be trusted: only a teardown frees the pages
+            self.peers.broke_protocol(pg, f"it reported more writes posted for request {r.request_id!r} "
+                                          f"than {most}")
+            return
+        self.send_aborts(others)
+        self.check_fence(r, leg)
+
+    def on_reject(self, pg: PeerGroup, m: C.Control) -> None:
+        r, leg = self._leg_of(pg, m.imm)
+        if r is None or r._state in FINAL:
+            return
+        # fenced only if nothing was announced or fenced: else writes may land
+        quiet = leg.announced is None and leg.fence_target is None
+        self.fail(r, InvalidArgumentError(f"the prefiller rejected the request: {m.reason}"),
+                  fence=lambda x: x is leg and quiet, cause=leg)
+
+    def check_fence(self, r: Receive, leg: Leg, now: Optional[float] = None) -> None:
+        target = leg.fence_target or 0
+        c = leg.fence_counter or leg.counter
+        got = c.arrived if c is not None else 0
+        if c is not None and c.done:
+            got = max(got, c.count)
+        if got >= target:
+            with self.node.lock:
+                leg.fence_ok = True
+                self._fence_leg(leg)
+                cbs = self._progress(r)
+            self._finished(r, cbs)
+        elif now is not None and now - leg.fence_since > self.node.peer_timeout and leg.peer.alive:
+            # writes the peer says it posted have not landed in peer_timeout: they never will
+            # (or land whenever they like); only a teardown makes the pages safe to reuse
+            self.peers.broke_protocol(leg.peer, f"{target - got} of the {target} writes it reported posted for "
+                                                f"request {r.request_id!r} did not land within "
+                                                f"{self.node.peer_timeout} s")
+
+    # -- the messenger thread -----------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Timeouts (abort with the fence) and fences waiting for their writes."""
+        node = self.node
+        aborts: list[Leg] = []
+        with node.lock:
+            live = list(dict.fromkeys(self.receives.values()))
+            expired = [r for r in live if r._deadline is not None and now >= r._deadline
+                       and r._state not in FINAL and not r._aborting]
+            for r in expired:
+                r.error = TimeoutError(f"request {r.request_id!r} not done within its timeout")
+                aborts += self.start_abort(r)
+            fencing = list(self.fencing)
+        self.send_aborts(aborts)
+        for r in expired:
+            # nobody can answer an ABORT on a dead leg: fail now, fenced once the peer is torn down
+            if any(not leg.peer.alive for leg in r.legs):
+                self.fail(r, r.error, fence=lambda leg: leg.peer.torn_down)
+        for r in fencing:
+            for leg in r.legs:
+                if leg.fence_target is not None and not leg.fenced:
+                    self.check_fence(r, leg, now)
+
+    @property
+    def busy(self) -> bool:
+        """Fences wait: the messenger thread polls faster."""
+        return bool(self.fencing)
+
+    def peer_gone(self, pg: PeerGroup, err: KvxferError) -> None:
+        """After ``pg``'s teardown: every Receive with a leg on it fails (also one a timeout
+        failed meanwhile); that leg is fenced, the others are aborted with the fence."""
+        with self.node.lock:
+            recvs = [r for r in dict.fromkeys(self.receives.values()) if any(leg.peer is pg for leg in r.legs)]
+        for r in recvs:
+            self.fail(r, err, fence=lambda leg: leg.peer is pg)
+
+    def close(self, err: BaseException) -> None:
+        """The messenger closes: nothing is left pending (fenced where the peer is torn down)."""
+        with self.node.lock:
+            left = [r for r in dict.fromkeys(self.receives.values()) if r._state not in FINAL]
+        for r in left:
+            self.fail(r, err, fence=lambda leg: leg.peer.torn_down)

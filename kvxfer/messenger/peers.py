@@ -1,0 +1,317 @@
+"""The peers of one messenger: handshakes, HELLO, control-message sending and resends,
+heartbeats, silence, and the teardown of a peer that died or left.
+
+``Peers`` is the table (uid -> ``PeerGroup``), the dead set and the seq counters kept for a
+retried connect. It never decides what a peer's death means for requests: ``gone`` marks the
+peer dead and calls the messenger's ``on_gone(pg, err, notify)``, which fails both roles'
+requests around ``teardown``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Optional
+
+from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, PeerError
+from kvxfer.layout import KVLayout, Sharding
+from kvxfer.messenger import _codec as C
+from kvxfer.messenger._node import Node
+from kvxfer.planner import plan as _plan
+
+__all__ = ["PeerGroup", "Peers", "context_stride"]
+
+
+def context_stride(context_bytes: int) -> int:
+    """Bytes between context slots: an 8-byte length, the data, rounded up to 64."""
+    return (8 + int(context_bytes) + 63) // 64 * 64
+
+
+class PeerGroup:
+    """A connected messenger (its TP ranks, regions and engine parameters).
+
+    ``state``: ``"connecting"``, ``"up"``, ``"dead"``. ``torn_down`` is True once its engine
+    connection was disconnected after its death: nothing of it lands any more."""
+
+    def __init__(self, owner: "Peers", hs: C.Handshake, peer: Any, remote: dict, ctx: Any) -> None:
+        self.owner = owner
+        self.handshake = hs
+        self.uid: int = hs.uid
+        self.layout: KVLayout = hs.layout
+        self.sharding: Sharding = hs.sharding
+        self.ranks: tuple[int, ...] = hs.ranks
+        self.peer = peer                 #: the engine ``Peer``
+        self.remote = remote             #: rank -> list of RemoteRegion, by region id
+        self.context_region = ctx
+        self.state = "connecting"
+        self.error: Optional[KvxferError] = None
+        self.last_heard = time.monotonic()
+        self.last_sent = 0.0
+        self.send_seq = 0
+        self.recv_seq = 0
+        self.send_lock = threading.Lock()
+        self.resend: deque = deque()     # one-shot messages the engine refused: (type, fields, since)
+        self.torn_down = False
+        self.acked = threading.Event()
+        self.heartbeat = min(owner.node.peer_timeout, hs.peer_timeout) / 4
+        self.geometry = hs.layout.resolve(hs.sharding)
+        self.cache: dict[str, Any] = {}  # the prefill side's per-peer templates and region pairs
+
+    @property
+    def alive(self) -> bool:
+        return self.state != "dead"
+
+    def __repr__(self) -> str:
+        return (f"<PeerGroup {self.uid:016x} TP{self.sharding.tp_size} ranks {list(self.ranks)} "
+                f"{self.state}>")
+
+
+class Peers:
+    """The peer table of one messenger and everything sent on the control plane."""
+
+    def __init__(self, node: Node, layout: KVLayout, sharding: Sharding, context_slots: int,
+                 context_bytes: int, blob: Callable[[], bytes],
+                 on_gone: Callable[[PeerGroup, KvxferError, bool], None]) -> None:
+        self.node = node
+        self.layout = layout
+        self.sharding = sharding
+        self.context_slots = context_slots
+        self.context_bytes = context_bytes
+        self._blob = blob
+        self._on_gone = on_gone
+        self.table: dict[int, PeerGroup] = {}
+        self.dead: set[int] = set()
+        self._seqs: dict[int, tuple[int, int]] = {}     # uid -> seqs of a timed-out connect
+
+    def live(self) -> list[PeerGroup]:
+        with self.node.lock:
+            return [p for p in self.table.values() if p.alive]
+
+    def all(self) -> list[PeerGroup]:
+        with self.node.lock:
+            return list(self.table.values())
+
+    def get(self, uid: int) -> Optional[PeerGroup]:
+        with self.node.lock:
+            return self.table.get(uid)
+
+    # -- connecting ---------------------------------------------------------------------
+    def connect(self, blob: bytes, timeout: float) -> PeerGroup:
+        node = self.node
+        hs = C.safe_decode_handshake(blob, node.secret)
+        with node.lock:
+            if hs.uid in self.dead:
+                raise PeerError(f"peer {hs.uid:016x} was declared dead; a restarted peer has a new handshake")
+            pg = self.table.get(hs.uid)
+        if pg is None:
+            pg = self.make_group(hs)
+        if pg.state == "up":
+            return pg
+        self.send(pg, C.HELLO, blob=self._blob())
+        if not pg.acked.wait(timeout):
+            with node.lock:
+                if pg.state == "connecting":
+                    self.table.pop(pg.uid, None)
+                    # a retry's group goes on from these: its HELLO must be newer than this
+                    # one, which the peer may have accepted after our timeout
+                    self._seqs[pg.uid] = (pg.send_seq, pg.recv_seq)
+                    self.disconnect(pg.peer)
+            raise PeerError(f"peer {hs.uid:016x} did not answer the handshake within {timeout} s")
+        if pg.state == "dead":
+            raise pg.error or PeerError("peer died while connecting")
+        return pg
+
+    def make_group(self, hs: C.Handshake) -> PeerGroup:
+        node, eng = self.node, self.node.engine
+        if hs.uid == node.uid:
+            raise InvalidArgumentError("that handshake is this messenger's own")
+        if hs.provider != eng.provider:
+            raise DescriptorError(f"peer runs provider {hs.provider!r}, this engine {eng.provider!r}")
+        # the layouts and shardings must be able to meet (LayoutError otherwise): an empty plan
+        # checks both directions' geometry
+        _plan(self.layout, self.sharding, hs.layout, hs.sharding, [], [])
+        _plan(hs.layout, hs.sharding, self.layout, self.sharding, [], [])
+        if hs.context_slots and context_stride(hs.context_bytes) > eng.max_write + 64:
+            raise InvalidArgumentError("the peer's context slot does not fit one message of this engine")
+        if self.context_slots and self.context_bytes + 8 > hs.max_write:
+            raise InvalidArgumentError("this node's context does not fit one message of the peer's engine")
+        peer = eng.connect(hs.address)
+        with node.lock:         # one engine Peer per address: its teardown would take the other down
+            other = next((g for g in self.table.values() if g.peer is peer and g.uid != hs.uid), None)
+        if other is not None:
+            raise DescriptorError(f"the handshake names the address of peer {other.uid:016x}")
+        try:
+            remote = {r: [eng.remote(d) for d in descs] for r, descs in zip(hs.ranks, hs.regions)}
+            ctx = eng.remote(hs.context) if hs.context_slots else None
+            if ctx is not None and ctx.nbytes < hs.context_slots * context_stride(hs.context_bytes):
+                raise DescriptorError("the peer's context region is smaller than its slots")
+            sizes = hs.layout.region_sizes(hs.sharding)
+            for r, rr in remote.items():
+                if any(x.nbytes < s for x, s in zip(rr, sizes)):
+                    raise DescriptorError(f"the peer's rank {r} regions are smaller than its layout")
+        except BaseException:
+            self.disconnect(peer)
+            raise
+        pg = PeerGroup(self, hs, peer, remote, ctx)
+        with node.lock:
+            old = self.table.get(hs.uid)
+            if old is not None:
+                if old.peer is not peer:       # the engine shares one Peer per address
+                    self.disconnect(peer)
+                return old
+            seqs = self._seqs.pop(hs.uid, None)
+            if seqs is not None:
+                pg.send_seq, pg.recv_seq = seqs
+            self.table[hs.uid] = pg
+        return pg
+
+    def disconnect(self, peer: Any) -> None:
+        try:
+            self.node.engine.disconnect(peer)
+        except KvxferError:
+            pass
+
+    # -- sending ------------------------------------------------------------------------
+    def send(self, pg: PeerGroup, t: int, timeout: Optional[float] = 5.0, **fields: Any) -> None:
+        """Encode and send one control message to ``pg`` (``KvxferError`` if refused)."""
+        node = self.node
+        with pg.send_lock:
+            pg.send_seq += 1
+            data = C.Control(t, node.uid, pg.uid, pg.send_seq, **fields).encode(node.secret)
+            node.engine.send(pg.peer, data, timeout=timeout)
+            pg.last_sent = time.monotonic()
+        node.count("sent_" + C.MSG_TYPES[t])
+
+    def try_send(self, pg: PeerGroup, t: int, *, retry: bool = False, **fields: Any) -> bool:
+        """Send one control message. ``retry``: a one-shot message (HELLO_ACK, ABORT,
+        ABORTED, REJECT) that nothing else would repeat: if the engine does not take it
+        (backpressure), the messenger thread resends it, in order, while the peer lives."""
+        node = self.node
+        if retry:
+            with node.lock:
+                if pg.resend:               # behind the ones waiting: one-shots keep their order
+                    if pg.alive and not node.closed:
+                        pg.resend.append((t, fields, time.monotonic()))
+                    return False
+        try:
+            self.send(pg, t, timeout=1.0, **fields)
+            return True
+        except KvxferError:
+            with node.lock:
+                node.count("send_failed")
+                if retry and pg.alive and not node.closed:
+                    pg.resend.append((t, fields, time.monotonic()))
+            return False
+
+    def _resend_pending(self, pg: PeerGroup, now: float) -> None:
+        """Resend ``pg``'s refused one-shot messages, oldest first, until one is refused
+        again. A message refused for ``peer_timeout`` declares the peer dead (as silence
+        would): its requests fail rather than wait for a reply never sent."""
+        node = self.node
+        while True:
+            with node.lock:
+                if not pg.resend or not pg.alive:
+                    return
+                t, fields, since = pg.resend[0]
+            try:
+                self.send(pg, t, timeout=0.05, **fields)
+            except KvxferError as exc:
+                node.count("send_failed")
+                if now - since > node.peer_timeout:
+                    self.gone(pg, PeerError(f"peer {pg.uid:016x}: could not send {C.MSG_TYPES[t]} for "
+                                            f"{node.peer_timeout} s ({exc}): declared dead"), notify=False)
+                return
+            with node.lock:
+                if pg.resend and pg.resend[0][0] == t and pg.resend[0][1] is fields:
+                    pg.resend.popleft()
+            node.count("resent_" + C.MSG_TYPES[t])
+
+    def tick(self, now: float) -> None:
+        """Messenger thread: resends, silence (declared dead), heartbeats."""
+        pt = self.node.peer_timeout
+        for pg in self.all():
+            if pg.state == "dead":
+                continue
+            if pg.resend:
+                self._resend_pending(pg, now)
+                if pg.state == "dead":
+                    continue
+            if now - pg.last_heard > pt and pg.state == "up":
+                self.gone(pg, PeerError(f"peer {pg.uid:016x} silent for {pt} s: declared dead"), notify=False)
+            elif now - pg.last_sent >= pg.heartbeat and pg.state == "up":
+                self.try_send(pg, C.HEARTBEAT)
+
+    # -- death ----------------------------------------------------------------------------
+    def mark_dead(self, pg: PeerGroup, err: KvxferError) -> bool:
+        """``pg`` is dead from now on (False if it already was)."""
+        with self.node.lock:
+            if pg.state == "dead":
+                return False
+            pg.state = "dead"
+            pg.error = err
+            pg.resend.clear()
+            self.dead.add(pg.uid)
+            self.node.count("peers_dead")
+        pg.acked.set()
+        return True
+
+    def gone(self, pg: PeerGroup, err: KvxferError, *, notify: bool) -> None:
+        """``pg`` died (silence), left (BYE), broke the protocol or we close."""
+        self._on_gone(pg, err, notify)
+
+    def teardown(self, pg: PeerGroup, notify: bool) -> None:
+        """Say BYE if asked, then disconnect: on tcp no byte of ``pg`` is read (so lands) after."""
+        if notify:
+            self.try_send(pg, C.BYE)
+        self.disconnect(pg.peer)
+        with self.node.lock:
+            pg.torn_down = True
+
+    def broke_protocol(self, pg: PeerGroup, why: str) -> None:
+        """A peer whose counts cannot be believed: torn down (its requests fail with
+        ``PeerError``, fenced: after the teardown nothing of it lands), so no page stays
+        quarantined for as long as it keeps sending heartbeats."""
+        self.node.count("peers_broke_protocol")
+        self.gone(pg, PeerError(f"peer {pg.uid:016x} broke the protocol ({why}): torn down"), notify=True)
+
+    # -- incoming ---------------------------------------------------------------------------
+    def accept(self, pg: PeerGroup, m: C.Control) -> bool:
+        """A message from a known live peer: False (dropped) if it is a replay."""
+        if m.seq <= pg.recv_seq:
+            self.node.count("drop_replayed")
+            return False
+        pg.recv_seq = m.seq
+        pg.last_heard = time.monotonic()
+        return True
+
+    def on_hello(self, m: C.Control, pg: Optional[PeerGroup]) -> None:
+        node = self.node
+        if pg is not None and pg.state == "dead":
+            node.count("drop_dead_peer")     # its engine Peer is disconnected: never "up" again
+            return
+        if pg is None:
+            if m.src in self.dead:
+                node.count("drop_dead_peer")
+                return
+            try:
+                hs = C.safe_decode_handshake(m.blob, node.secret)
+                if hs.uid != m.src:
+                    raise DescriptorError("HELLO's sender is not the handshake's")
+                pg = self.make_group(hs)
+            except KvxferError:
+                node.count("drop_bad_handshake")
+                return
+            pg.recv_seq = m.seq
+            pg.last_heard = time.monotonic()
+        elif not self.accept(pg, m):
+            return
+        node.count("recv_HELLO")
+        pg.state = "up"
+        pg.acked.set()
+        self.try_send(pg, C.HELLO_ACK, retry=True)
+
+    def on_hello_ack(self, pg: PeerGroup) -> None:
+        pg.state = "up"
+        pg.acked.set()
