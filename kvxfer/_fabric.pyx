@@ -73,7 +73,7 @@ def error_from(str call, int err):
     place where errno values become kvxfer exception classes."""
     err = -err if err < 0 else err
     text = fi_strerror(err).decode("utf-8", "replace")
-    if call == "fi_writemsg":                    # a transfer's completion error
+    if call in ("fi_writemsg", "fi_readmsg"):    # a transfer's completion error
         if err == _errno.ECANCELED:
             return PeerError(err, "transfer failed: the peer connection was lost or the engine closed "
                                   "(operation canceled)")
@@ -139,3 +139,4 @@ include "_fabric_direct.pxi"
 include "_fabric_region.pxi"
 include "_fabric_transfer.pxi"
 include "_fabric_watcher.pxi"
+include "_fabric_read.pxi"

@@ -239,7 +239,9 @@ cdef class Rail:
 
     # -- registration ----------------------------------------------------------------------
     def mr_reg(self, uintptr_t ptr, size_t nbytes, int iface=FI_HMEM_SYSTEM, int device=0, int dmabuf_fd=-1,
-               bint remote=True):
+               int remote=KX_REMOTE_WRITE):
+        """``remote``: what peers may do, ``REMOTE_WRITE`` | ``REMOTE_READ`` (0: nothing; True
+        is ``REMOTE_WRITE``)."""
         return RegionHandle(self, ptr, nbytes, iface, device, dmabuf_fd, remote)
 
     # -- writes ----------------------------------------------------------------------------

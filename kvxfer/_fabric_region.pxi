@@ -19,7 +19,7 @@ cdef class RegionHandle:
 
 
     def __cinit__(self, Rail rail, uintptr_t ptr, size_t nbytes, int iface, int device, int dmabuf_fd,
-                  bint remote):
+                  int remote):
         cdef uint8_t raw[64]
         cdef size_t rawlen = 0
         cdef uint64_t raw_base = 0

@@ -33,7 +33,7 @@
 #define KX_RX_BUFS 32          /* posted receive buffers for control messages */
 #define KX_CQ_BATCH 64         /* CQ entries read at once */
 
-enum { KX_OP_WRITE = 1, KX_OP_SEND = 2, KX_OP_RECV = 3 };
+enum { KX_OP_WRITE = 1, KX_OP_SEND = 2, KX_OP_RECV = 3, KX_OP_READ = 4 };
 
 /* Every context handed to libfabric starts with this header; the fi_context2 scratch space
  * comes first because providers in FI_CONTEXT(2) mode own it until the completion is read. */
@@ -76,6 +76,9 @@ struct kx_transfer {
     kx_direct *direct;             /* direct write (direct.c): the peer region's mapping here, one reference until posting ends */
     char *direct_base;             /* ... its first byte */
     uint64_t copied;               /* direct: bytes of the built message in place (all: its 0-byte write is due) */
+    /* how the progress thread posts it: NULL for a write (post.c's pump), read.c's pump for a
+     * read (pieces go peer -> here by fi_readmsg); set by the unit that made it */
+    int (*pump)(struct kx_rail *r, struct kx_transfer *x, int64_t budget);
     int have_msg;                  /* a built message is waiting for queue space */
     int cancel;                    /* set by kx_transfer_cancel: post nothing more */
     int npieces;                   /* the built message: its pieces */
@@ -299,6 +302,11 @@ void kx_walk_init(kx_transfer *x, const uint64_t *src_off, const uint64_t *dst_o
                   size_t n, size_t iov, uint64_t max_write, uint64_t pack_min);
 int kx_walk_next(kx_transfer *x);    /* build the next message into x->piece_*; 0 at the end */
 int kx_pump_queue(kx_rail *r);
+/* a transfer over a private copy of the triples, its walk ready; `kind`: KX_OP_WRITE or KX_OP_READ */
+kx_transfer *kx_transfer_new(const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length,
+                             size_t n, size_t iov, uint64_t max_write, uint64_t pack_min, int need_ctx, int kind);
+void kx_transfer_fail(kx_rail *r, kx_transfer *x, int err);   /* first error wins; posts nothing more */
+
 
 /* ---- the peers: peers.c (the table), local.c (same-process cells), names.c, shmlock.c -- */
 #define KX_PEER_SCAN_NS 10000000LL   /* the progress thread looks at its peers every 10 ms */

@@ -116,7 +116,8 @@ static void kx_complete_locked(kx_rail *r, void *context, uint64_t flags, uint64
         return;
     }
     switch (op->kind) {
-    case KX_OP_WRITE: {
+    case KX_OP_WRITE:
+    case KX_OP_READ: {     /* a read completes here, on the reader's CQ, like a write */
         kx_transfer *x = (kx_transfer *)op->owner;
         int current = kx_peer_is(r, x->peer, x->gen);   /* not a removed peer's leftover */
         if (x->written_off > 0) {
