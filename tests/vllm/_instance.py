@@ -34,6 +34,39 @@ def _totals(w) -> dict:
     return w.totals.reduce()
 
 
+def _layout_check(eng, w) -> dict:
+    """Write random K and V of a few tokens into a scratch cache with the real attention layer's
+    ``impl.do_kv_cache_update`` (vLLM's CPU write path), then read them back at the offsets
+    of the connector's ``KVLayout``; also count what the row-wise K|V reading would get wrong."""
+    import numpy as np
+    import torch
+
+    from kvxfer.layout import KVLayout, Sharding
+
+    layer = eng.vllm_config.compilation_config.static_forward_context[w.cache.layer_names[0]]
+    lay = w.cache.layout
+    H, d, bs, n = lay.kv_heads, lay.head_dim, lay.page_size, 4
+    cache = torch.zeros(n, H, bs, 2 * d, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    slots = torch.tensor([0, 5, bs - 1, bs, 2 * bs + 7, 4 * bs - 1], dtype=torch.int64)
+    key = torch.randn(len(slots), H, d, generator=g)
+    value = torch.randn(len(slots), H, d, generator=g)
+    layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+    raw = cache.numpy().view(np.uint8).ravel()
+    geo = KVLayout.vllm_packed(1, H, d, bs, n, "float32", "HND").resolve(Sharding(1))
+    bad = wrong_rows = 0
+    for i, s in enumerate(slots.tolist()):
+        page, t = divmod(s, bs)
+        for h in range(H):
+            for plane, want in ((0, key[i, h]), (1, value[i, h])):
+                off = geo.offset(0, plane, page, h, t)
+                bad += not np.array_equal(raw[off:off + 4 * d].view(np.float32), want.numpy())
+                row = page * geo.page_stride + h * bs * 2 * d * 4 + t * 2 * d * 4 + plane * d * 4
+                wrong_rows += not np.array_equal(raw[row:row + 4 * d].view(np.float32), want.numpy())
+    return {"vectors": len(slots) * H * 2, "mismatches": bad, "row_form_mismatches": wrong_rows,
+            "written": int((cache != 0).sum())}
+
+
 def main() -> None:
     model, role, opts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     from vllm import LLM, SamplingParams
@@ -137,6 +170,8 @@ def main() -> None:
                     for t in w.cache.owner:
                         t[blocks] = torch.randn(t[blocks].shape, generator=g, dtype=t.dtype)
                 answer({"ok": True})
+            elif op == "layout_check":      # vLLM's own cache write against KVLayout's offsets
+                answer(dict(ok=True, **_layout_check(eng, worker_connector())))
             elif op == "exit":
                 answer({"ok": True})
                 break

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+# tests/ is on sys.path, so without vLLM installed this directory itself is found as a
+# namespace package "vllm" (no origin); an installed vLLM, a regular package, wins over it
+_spec = importlib.util.find_spec("vllm")
+HAVE_VLLM = _spec is not None and _spec.origin is not None
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(1200)
 BLOCK = 32
 PEER_TIMEOUT = 3.0
 EXTRA = {"provider": "tcp;ofi_rxm", "node": "127.0.0.1", "peer_timeout": PEER_TIMEOUT,
-         "unclaimed_timeout": 30, "load_timeout": 60}
+         "unclaimed_timeout": 10, "load_timeout": 60}
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -31,18 +31,28 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def pd(model, workdir, reference):
+def cluster(model, workdir, reference):
+    """P and D in-process engines (scheduler and worker in one process), and D2 in vLLM's
+    default layout (the engine core its own process; ``kv_load_failure_policy="fail"``), all
+    started at once with the reference."""
     p = Instance("prefill", model, "kv_producer", {"extra": EXTRA}, workdir)
     d = Instance("decode", model, "kv_consumer", {"extra": EXTRA}, workdir)
+    d2 = Instance("decode-default-layout", model, "kv_consumer", {"extra": EXTRA, "policy": "fail"}, workdir,
+                  env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     try:
-        for x in (reference, p, d):
+        for x in (reference, p, d, d2):
             x.wait_ready()
         # warm D up: its next blocks are not the ones P allocates for the same prompts
         d.call(op="generate", prompts=prompts(99, [70, 45, 33]), max_tokens=2)
-        yield p, d
+        yield p, d, d2
     finally:
-        p.close()
-        d.close()
+        for x in (p, d, d2):
+            x.close()
+
+
+@pytest.fixture
+def pd(cluster):
+    return cluster[:2]
 
 
 def _internal(ids: dict, rid: str):
@@ -59,6 +69,16 @@ def disaggregated(p, d, ps, max_tokens=8, spoil=False):
         p.call(op="spoil", ids=[x["remote_request_id"] for x in params])
     rd = d.call(op="generate", prompts=ps, max_tokens=max_tokens, params=params)
     return rp, rd, params
+
+
+def test_packed_layout_matches_vllms_own_cache_write(pd):
+    """The connector's ``KVLayout`` (packed, HND) finds every K and V vector vLLM's CPU write path
+    (the attention layer's ``do_kv_cache_update``) put into a cache, and the row-wise K|V reading
+    does not: a head's block is its K rows, then its V rows."""
+    p, _ = pd
+    r = p.call(op="layout_check")
+    assert r["mismatches"] == 0 and r["written"] == r["vectors"] * 32
+    assert r["row_form_mismatches"] > 0
 
 
 def test_decode_tokens_equal_one_instance_without_connector(pd, reference):
@@ -132,6 +152,57 @@ def test_client_abort_on_decoder_fences_then_frees(pd):
     assert after["stats"]["loads_aborted"] == before["stats"]["loads_aborted"] + 1
     assert pin["asked"] == []                                     # P withdrew it on the ABORT
     p.call(op="drain", timeout=60)                                 # the held request of rp is unclaimed
+
+
+def test_default_process_layout_decoder(cluster, reference):
+    """D2 runs vLLM's default layout (its engine core, scheduler and worker connector in a
+    child process that imports kvxfer itself): its tokens equal the reference's too."""
+    p, _, d2 = cluster
+    ps = prompts(9, [33, 90])
+    ref = reference.call(op="generate", prompts=ps, max_tokens=8)["outputs"]
+    _, rd, _ = disaggregated(p, d2, ps)
+    assert [o["tokens"] for o in rd["outputs"]] == [r["tokens"] for r in ref]
+
+
+def test_refused_load_fails_the_request_under_fail_policy(cluster):
+    """D2 (policy "fail") asks P for an id P never finished: P refuses it once unclaimed (an
+    aborted, fenced Send), D2's load fails, and vLLM ends the request with "error" instead of
+    computing it."""
+    p, _, d2 = cluster
+    rp = p.call(op="generate", prompts=prompts(12, [20]), max_tokens=1, params=[{"do_remote_decode": True}])
+    params = dict(rp["outputs"][0]["kv_transfer_params"], remote_request_id="unknown-on-p")
+    r = d2.call(op="generate", prompts=prompts(13, [50]), max_tokens=4, params=[params],
+                timeout=EXTRA["unclaimed_timeout"] + 60)
+    (o,) = r["outputs"]
+    assert o is not None and o["finish_reason"] == "error" and o["tokens"] == []
+    assert r["seconds"] < EXTRA["unclaimed_timeout"] + 20
+    assert p.call(op="inspect")["asked"] == []
+
+
+def test_kill_decoder_frees_the_prefillers_blocks(cluster):
+    """kill -9 of D2 (and its engine core) while its REQUEST waits at P and P holds a finished
+    request's blocks for it: P forgets the dead decoder's request within peer_timeout (plus a
+    margin), and frees the held blocks once unclaimed (P-first: P cannot know who would ask)."""
+    p, _, d2 = cluster
+    p.call(op="drain", timeout=60)
+    free = p.call(op="inspect")["free_blocks"]
+    rp = p.call(op="generate", prompts=prompts(10, [60]), max_tokens=1, params=[{"do_remote_decode": True}])
+    params = dict(rp["outputs"][0]["kv_transfer_params"], remote_request_id="d2-dies-first")
+    d2.send(op="generate", prompts=prompts(11, [40]), max_tokens=2, params=[params])
+    deadline = time.monotonic() + 60
+    while p.call(op="inspect")["asked"] != ["d2-dies-first"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert p.call(op="inspect")["asked"] == ["d2-dies-first"]
+    d2.kill()
+    t0 = time.monotonic()
+    while p.call(op="inspect")["asked"] and time.monotonic() - t0 < PEER_TIMEOUT + 10:
+        time.sleep(0.2)
+    assert p.call(op="inspect")["asked"] == [], "the dead decoder's request is still kept"
+    assert time.monotonic() - t0 < PEER_TIMEOUT + 10
+    assert not p.call(op="drain", timeout=EXTRA["unclaimed_timeout"] + 20)["busy"]
+    pin = p.call(op="inspect")
+    assert pin["held"] == [] and pin["free_blocks"] == free
+    assert pin["stats"]["sends_unclaimed"] >= 1
 
 
 def test_kill_prefiller_mid_request_recomputes(pd, reference):

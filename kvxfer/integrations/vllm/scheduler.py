@@ -27,6 +27,7 @@ class ConnectorScheduler:
         self._sends: dict[str, list[int]] = {}     # prefiller: held blocks to tell the worker
         self._held: set[str] = set()               # prefiller: held until finished_sending
         self.external: dict[str, int] = {}         # decoder: tokens loaded per request (tests)
+        self._local: dict[str, int] = {}           # decoder: the local prefix hit it was offered
 
     def set_handshakes(self, metadata: dict) -> None:
         self.handshakes = [metadata[k].blob for k in sorted(metadata)]
@@ -52,6 +53,8 @@ class ConnectorScheduler:
             return 0, False
         n = min(n, len(request.prompt_token_ids or ()))
         count = n - num_computed_tokens
+        # update_state_after_alloc comes before vLLM sets num_computed_tokens: keep the hit
+        self._local[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -60,8 +63,9 @@ class ConnectorScheduler:
             return
         rid, hs, _ = parse_consumer_params(p)
         (ids,) = blocks.get_block_ids()
-        # blocks: every block of the request; the load covers tokens [computed, computed + external)
-        computed = request.num_computed_tokens
+        # blocks: every block of the request, the local prefix hit's first; the load covers
+        # tokens [computed, computed + external) (computed is block-aligned: vLLM offers that)
+        computed = self._local.pop(request.request_id, 0)
         end = computed + num_external_tokens
         first = computed // self.block_size
         last = -(-end // self.block_size)
@@ -77,6 +81,7 @@ class ConnectorScheduler:
         rid = request.request_id
         p = request.kv_transfer_params
         if not self.producer:
+            self._local.pop(rid, None)
             if rid in self._loads or rid in self._loading:   # aborted while loading: fence, then free
                 self._aborts.add(rid)
             return False, None

@@ -63,6 +63,8 @@ class ConnectorWorker:
         self._asked_since: dict[str, float] = {}
         self._sending: dict[str, Any] = {}          # prefiller: request id -> Send in flight
         self._done_sending: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
         self._stats = KvxferConnectorStats()
         self.totals = KvxferConnectorStats()        #: the same counters since start, never reset
         #: the last requests' block ids, for operators and tests: loads (decoder: where the KV
@@ -87,6 +89,9 @@ class ConnectorWorker:
             self.engine, self.cache.layout, self.cache.sharding, {self.tp_rank: self.cache.regions},
             peer_timeout=o.peer_timeout, secret=o.secret,
             on_request=self._on_request if self.producer else None)
+        if self.producer:
+            self._thread = threading.Thread(target=self._housekeeping, name="kvxfer-vllm-asked", daemon=True)
+            self._thread.start()
         log.info("kvxfer connector rank %d: %s, %d region(s), engine %s", self.tp_rank, self.cache.layout,
                  len(self.cache.regions), self.engine.provider)
 
@@ -151,16 +156,25 @@ class ConnectorWorker:
                     del self._held[rid]
                     self._done_sending.add(rid)
                     self._stats.record_send("unclaimed")
-            for rid in [r for r, q in self._asked.items() if q.aborted]:   # the decoder aborted it
-                del self._asked[rid]
-                self._asked_since.pop(rid, None)
-            stale = [r for r, t in self._asked_since.items() if now - t > self.options.unclaimed_timeout]
-        for rid in stale:                          # asked for a request this node never finished
+
+    def _housekeeping(self) -> None:
+        """A prefiller's REQUESTs wait outside vLLM's steps (the engine may be idle): forget those
+        the decoder aborted or whose decoder died, refuse those unclaimed for too long."""
+        while not self._stop.wait(0.5):
+            now = time.monotonic()
             with self._lock:
-                req = self._asked.pop(rid, None)
-                self._asked_since.pop(rid, None)
-            if req is not None:
-                self._refuse(req)
+                for rid in [r for r, q in self._asked.items() if q.aborted or not q.peer.alive]:
+                    del self._asked[rid]
+                    self._asked_since.pop(rid, None)
+                stale = [r for r, t in self._asked_since.items() if now - t > self.options.unclaimed_timeout]
+                reqs = [self._asked.pop(r) for r in stale]
+                for r in stale:
+                    del self._asked_since[r]
+            for req in reqs:                        # asked for a request this node never finished
+                try:
+                    self._refuse(req)
+                except KvxferError as exc:
+                    log.warning("kvxfer: cannot refuse %r: %s", req.request_id, exc)
 
     # -- decoder -----------------------------------------------------------------------
     def _peer(self, blob: bytes) -> Any:
@@ -258,6 +272,9 @@ class ConnectorWorker:
         return s
 
     def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
         if self.messenger is not None:
             try:
                 self.messenger.close()
