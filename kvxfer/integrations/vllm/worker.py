@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, UnsupportedError
 from kvxfer.integrations.vllm.layout import CacheRegions, cache_regions
 from kvxfer.integrations.vllm.params import KvxferHandshake, Load, Options, StepMeta
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
@@ -181,6 +181,13 @@ class ConnectorWorker:
         pg = self._peers.get(blob)
         if pg is None or not pg.alive:
             pg = self.messenger.connect(blob)
+            mine = self.cache.layout
+            if (pg.layout.kv, pg.layout.order, pg.layout.page_size) != (mine.kv, mine.order, mine.page_size):
+                # the CPU kernel keeps a block's K transposed: only whole (head, block) runs of
+                # two alike caches are exact, never a block split by tokens
+                raise UnsupportedError(f"the prefiller's cache ({pg.layout.kv} {pg.layout.order}, block "
+                                       f"{pg.layout.page_size}) is not this one's ({mine.kv} {mine.order}, "
+                                       f"block {mine.page_size})")
             self._peers[blob] = pg
         return pg
 
