@@ -104,7 +104,7 @@ def main() -> None:
     counter = 0
     while True:
         if pending():
-            r, _, _ = select.select([sys.stdin], [], [], 0)
+            r, _, _ = select.select([sys.stdin], [], [], 0.002)   # a step at most every 2 ms
             if not r:
                 eng.step()
                 continue
@@ -170,7 +170,7 @@ def main() -> None:
                     eng.step()
                 g = torch.Generator().manual_seed(1)
                 for rid in cmd["ids"]:
-                    blocks = w._held[rid][0]
+                    blocks = w._held[rid][1]
                     for t in w.cache.owner:
                         t[blocks] = torch.randn(t[blocks].shape, generator=g, dtype=t.dtype)
                 answer({"ok": True})

@@ -150,11 +150,39 @@ def test_client_abort_on_decoder_fences_then_frees(pd):
     assert r["outputs"] == [None]
     assert p.call(op="inspect")["asked"] == ["not-finished-on-p"]        # its REQUEST waits at P
     assert not d.call(op="drain", timeout=PEER_TIMEOUT * 3)["busy"]
-    after, pin = d.call(op="inspect"), p.call(op="inspect")
+    after = d.call(op="inspect")
     assert after["free_blocks"] == before["free_blocks"]
     assert after["stats"]["loads_aborted"] == before["stats"]["loads_aborted"] + 1
-    assert pin["asked"] == []                                     # P withdrew it on the ABORT
+    deadline = time.monotonic() + 5                                # P withdrew it on the ABORT and
+    while p.call(op="inspect")["asked"] and time.monotonic() < deadline:   # forgets it within 0.5 s
+        time.sleep(0.1)
+    assert p.call(op="inspect")["asked"] == []
     p.call(op="drain", timeout=60)                                 # the held request of rp is unclaimed
+
+
+def test_decoder_first_is_written_when_the_prefill_ends(pd, reference):
+    """D first: the proxy gives D the request before P has it (P's handshake from an earlier
+    answer, a key of its own as ``remote_request_id``, the prompt's length); D allocates and
+    its REQUEST waits at P; P, given the same key as ``kvxfer_request_key``, writes the moment
+    its request finishes, with no client round trip in between. Tokens equal the reference's."""
+    p, d = pd
+    (prompt,) = prompts(14, [77])
+    ref = reference.call(op="generate", prompts=[prompt], max_tokens=8)["outputs"]
+    hs = p.call(op="generate", prompts=prompts(15, [8]), max_tokens=1,
+                params=[{"do_remote_decode": True}])["outputs"][0]["kv_transfer_params"]["remote_handshakes"]
+    d.send(op="generate", prompts=[prompt], max_tokens=8, params=[{
+        "do_remote_prefill": True, "kvxfer": 1, "remote_request_id": "d-first-1",
+        "remote_handshakes": hs, "remote_num_tokens": len(prompt)}])
+    deadline = time.monotonic() + 60
+    while "d-first-1" not in p.call(op="inspect")["asked"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "d-first-1" in p.call(op="inspect")["asked"]
+    rp = p.call(op="generate", prompts=[prompt], max_tokens=1,
+                params=[{"do_remote_decode": True, "kvxfer_request_key": "d-first-1"}])
+    assert rp["outputs"][0]["kv_transfer_params"]["remote_request_id"] == "d-first-1"
+    rd = d.answer(timeout=120)
+    assert rd["outputs"][0]["tokens"] == ref[0]["tokens"]
+    assert len(p.call(op="inspect")["sends"]["d-first-1"]) == 3
 
 
 def test_default_process_layout_decoder(cluster, reference):

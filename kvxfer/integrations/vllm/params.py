@@ -90,7 +90,7 @@ class StepMeta(KVConnectorMetadata):
 
     loads: dict[str, Load] = field(default_factory=dict)
     aborts: set[str] = field(default_factory=set)
-    sends: dict[str, list[int]] = field(default_factory=dict)
+    sends: dict[str, tuple[str, list[int]]] = field(default_factory=dict)   # id -> (key, blocks)
 
 
 def _b64(b: bytes) -> str:
@@ -98,7 +98,8 @@ def _b64(b: bytes) -> str:
 
 
 def producer_params(request_id: str, handshakes: list[bytes], num_tokens: int) -> dict[str, Any]:
-    """What a prefiller's ``request_finished`` returns: the decoder's ``kv_transfer_params``."""
+    """What a prefiller's ``request_finished`` returns: the decoder's ``kv_transfer_params``
+    (``request_id`` is the transfer key: the proxy's ``kvxfer_request_key`` or P's id)."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,

@@ -24,7 +24,7 @@ class ConnectorScheduler:
         self._loads: dict[str, Load] = {}          # decoder: loads to start next step
         self._loading: set[str] = set()            # decoder: loads started, not finished
         self._aborts: set[str] = set()
-        self._sends: dict[str, list[int]] = {}     # prefiller: held blocks to tell the worker
+        self._sends: dict[str, tuple[str, list[int]]] = {}   # prefiller: (key, held blocks) to tell the worker
         self._held: set[str] = set()               # prefiller: held until finished_sending
         self.external: dict[str, int] = {}         # decoder: tokens loaded per request (tests)
         self._local: dict[str, int] = {}           # decoder: the local prefix hit it was offered
@@ -90,9 +90,11 @@ class ConnectorScheduler:
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED) \
                 or not block_ids or not self.handshakes:
             return False, None
-        self._sends[rid] = list(block_ids)
+        # the REQUEST names it by the proxy's key when it gave one (D first), else by P's id
+        key = str(p.get("kvxfer_request_key") or rid)
+        self._sends[rid] = (key, list(block_ids))
         self._held.add(rid)
-        return True, producer_params(rid, self.handshakes, request.num_computed_tokens)
+        return True, producer_params(key, self.handshakes, request.num_computed_tokens)
 
     # -- every step ----------------------------------------------------------------------
     def build_meta(self) -> StepMeta:

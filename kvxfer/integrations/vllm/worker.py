@@ -58,10 +58,13 @@ class ConnectorWorker:
         self._lock = threading.Lock()
         self._peers: dict[bytes, Any] = {}          # handshake blob -> PeerGroup
         self._loading: dict[str, _Loading] = {}     # decoder: vLLM request id -> its load
-        self._held: dict[str, tuple[list[int], float]] = {}   # prefiller: request id -> (blocks, since)
-        self._asked: dict[str, Any] = {}            # prefiller: request id -> Request not yet matched
+        # prefiller, by transfer key (the REQUEST's id: vLLM's request id, or the proxy's
+        # kvxfer_request_key): held blocks (vLLM request id, blocks, since), REQUESTs not yet
+        # matched, Sends in flight (vLLM request id, Send)
+        self._held: dict[str, tuple[str, list[int], float]] = {}
+        self._asked: dict[str, Any] = {}
         self._asked_since: dict[str, float] = {}
-        self._sending: dict[str, Any] = {}          # prefiller: request id -> Send in flight
+        self._sending: dict[str, tuple[str, Any]] = {}
         self._done_sending: set[str] = set()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -101,29 +104,29 @@ class ConnectorWorker:
     # -- prefiller ---------------------------------------------------------------------
     def _on_request(self, req: Any) -> None:
         """A decoder's REQUEST (callback thread): write at once if the blocks are held."""
-        rid = str(req.request_id)
+        key = str(req.request_id)
         with self._lock:
-            held = self._held.get(rid)
-            if held is None or rid in self._sending:
-                self._asked[rid] = req
-                self._asked_since[rid] = time.monotonic()
+            held = self._held.get(key)
+            if held is None or key in self._sending:
+                self._asked[key] = req
+                self._asked_since[key] = time.monotonic()
                 return
-        self._send(rid, req, held[0])
+        self._send(key, req, held[0], held[1])
 
-    def _send(self, rid: str, req: Any, blocks: list[int]) -> None:
+    def _send(self, key: str, req: Any, rid: str, blocks: list[int]) -> None:
         n = len(req.dst_pages)
         src = blocks[len(blocks) - n:] if 0 < n <= len(blocks) else None
         try:
             if src is None:
-                raise KvxferError(f"decoder asks for {n} blocks of {rid!r}, which holds {len(blocks)}")
+                raise KvxferError(f"decoder asks for {n} blocks of {key!r}, which holds {len(blocks)}")
             s = self.messenger.send(req, src)
             s.finish()
-            _remember(self.recent_sends, rid, src)
+            _remember(self.recent_sends, key, src)
         except KvxferError as exc:
-            log.warning("kvxfer: cannot write %s: %s", rid, exc)
+            log.warning("kvxfer: cannot write %s: %s", key, exc)
             s = self._refuse(req)
         with self._lock:
-            self._sending[rid] = s
+            self._sending[key] = (rid, s)
 
     def _refuse(self, req: Any) -> Any:
         """Refuse a REQUEST with the fence (the decoder fails it and recomputes): a Send that
@@ -136,24 +139,24 @@ class ConnectorWorker:
         now = time.monotonic()
         ready = []
         with self._lock:
-            for rid, blocks in meta.sends.items():
-                self._held[rid] = (list(blocks), now)
-                req = self._asked.pop(rid, None)
-                self._asked_since.pop(rid, None)
-                if req is not None:
-                    ready.append((rid, req, self._held[rid][0]))
-        for rid, req, blocks in ready:
-            self._send(rid, req, blocks)
+            for rid, (key, blocks) in meta.sends.items():
+                self._held[key] = (rid, list(blocks), now)
+                req = self._asked.pop(key, None)
+                self._asked_since.pop(key, None)
+                if req is not None:                 # D asked first: write at once
+                    ready.append((key, req, rid, list(blocks)))
+        for key, req, rid, blocks in ready:
+            self._send(key, req, rid, blocks)
         with self._lock:
-            for rid, s in list(self._sending.items()):
+            for key, (rid, s) in list(self._sending.items()):
                 if s.done:
-                    del self._sending[rid]
-                    self._held.pop(rid, None)
+                    del self._sending[key]
+                    self._held.pop(key, None)
                     self._done_sending.add(rid)
                     self._stats.record_send("done" if s.state == "done" else "failed")
-            for rid, (_, since) in list(self._held.items()):
-                if rid not in self._sending and now - since > self.options.unclaimed_timeout:
-                    del self._held[rid]
+            for key, (rid, _, since) in list(self._held.items()):
+                if key not in self._sending and now - since > self.options.unclaimed_timeout:
+                    del self._held[key]
                     self._done_sending.add(rid)
                     self._stats.record_send("unclaimed")
 
