@@ -60,7 +60,7 @@ $(VLLM_VENV)/.stamp: | sysdeps
 test-vllm: $(VLLM_VENV)/.stamp | sysdeps
 	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --override $(VLLM_VENV)/overrides.txt \
 	  --reinstall-package kvxfer .
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=12 tests/vllm
 
 # the full counts of tests/stress (issue 12): 1,000 iterations per race and provider, fuzzing
 # with 20,000 examples per entry point, the soaks; prints the figures docs/reliability.md quotes

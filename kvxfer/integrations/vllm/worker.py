@@ -111,6 +111,7 @@ class ConnectorWorker:
                 self._asked[key] = req
                 self._asked_since[key] = time.monotonic()
                 return
+            self._sending[key] = (held[0], None)   # in flight from here: never expired as unclaimed
         self._send(key, req, held[0], held[1])
 
     def _send(self, key: str, req: Any, rid: str, blocks: list[int]) -> None:
@@ -145,11 +146,12 @@ class ConnectorWorker:
                 self._asked_since.pop(key, None)
                 if req is not None:                 # D asked first: write at once
                     ready.append((key, req, rid, list(blocks)))
+                    self._sending[key] = (rid, None)
         for key, req, rid, blocks in ready:
             self._send(key, req, rid, blocks)
         with self._lock:
             for key, (rid, s) in list(self._sending.items()):
-                if s.done:
+                if s is not None and s.done:        # None: being posted by another thread
                     del self._sending[key]
                     self._held.pop(key, None)
                     self._done_sending.add(rid)
