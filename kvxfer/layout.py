@@ -85,8 +85,12 @@ layer_major: regions_per_layer = 0, layer_stride = that per-layer size unless gi
 The packed form is vLLM 0.32's: its CPU backend gives one tensor per layer,
 `[blocks, kv_heads, block_size, 2 * head_size]` (HND), all layers views into one storage, and
 its kernel reads each head's `[block_size, 2 * head_size]` as `[2 * block_size, head_size]`:
-the block's `block_size` K rows, then its `block_size` V rows (checked against vLLM's own
-cache-write kernel in tests/vllm/test_layout.py): `KVLayout.vllm_packed(...,
+the block's K, then its `block_size` V rows (checked against vLLM's own cache write in
+tests/vllm/test_vllm_pd.py). Its `vec` kernels store that K block transposed,
+`[head_size, block_size]`, which this offset model (dim innermost) cannot name per token: a
+(head, block) K|V run is exact, so two such caches of one block size move whole blocks
+exactly (TP mismatch included, heads being outer), but a write that splits a block by
+tokens (another form, another block size) would misplace K: `KVLayout.vllm_packed(...,
 placement="layer_major", layer_stride=..., page_stride=...)` with the strides of vLLM's
 `kv_cache_config` (layer-major or block-major, both placements above). Its GPU backends pack
 K|V per (token, head) in the order `KVCacheLayout` names: NHD `[blocks, block_size, kv_heads,

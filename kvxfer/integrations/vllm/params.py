@@ -1,0 +1,130 @@
+"""What crosses between the connector's pieces: the ``kv_transfer_params`` a prefiller returns
+and a decoder is given (plain JSON), the scheduler-to-worker step metadata, and the options
+read from ``kv_connector_extra_config``."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+from kvxfer.errors import InvalidArgumentError
+
+#: the vLLM release this connector is written and tested against
+VLLM_VERSION = "0.32.0"
+#: the version of the ``kv_transfer_params`` this connector writes and reads
+PARAMS_VERSION = 1
+
+
+@dataclass
+class Options:
+    """``kv_connector_extra_config`` keys (all optional).
+
+    ``provider`` (libfabric provider, default ``tcp;ofi_rxm``), ``node`` (the address to bind;
+    default ``VLLM_HOST_IP``, else the provider's choice), ``peer_timeout`` (seconds of silence
+    before a peer is declared dead, default 10), ``load_timeout`` (a decoder gives up on a
+    load after this many seconds, fenced, default 60), ``unclaimed_timeout`` (a prefiller
+    frees the blocks of a finished request no decoder asked for after this many seconds,
+    default 60), ``secret`` (hex, >= 16 bytes: HMAC on every control message).
+    """
+
+    provider: str = "tcp;ofi_rxm"
+    node: Optional[str] = None
+    peer_timeout: float = 10.0
+    load_timeout: float = 60.0
+    unclaimed_timeout: float = 60.0
+    secret: Optional[bytes] = None
+
+    @classmethod
+    def from_config(cls, extra: Optional[dict]) -> "Options":
+        extra = dict(extra or {})
+        o = cls()
+        o.provider = str(extra.pop("provider", o.provider))
+        o.node = extra.pop("node", None) or os.environ.get("VLLM_HOST_IP") or None
+        for name in ("peer_timeout", "load_timeout", "unclaimed_timeout"):
+            v = extra.pop(name, getattr(o, name))
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(f"kv_connector_extra_config[{name!r}] must be seconds, got {v!r}") from None
+            if not 0 < v < 1e6:
+                raise InvalidArgumentError(f"kv_connector_extra_config[{name!r}] must be in (0, 1e6), got {v!r}")
+            setattr(o, name, v)
+        secret = extra.pop("secret", None)
+        if secret is not None:
+            try:
+                o.secret = bytes.fromhex(str(secret))
+            except ValueError:
+                raise InvalidArgumentError("kv_connector_extra_config['secret'] must be hex") from None
+        return o
+
+
+@dataclass
+class KvxferHandshake(KVConnectorHandshakeMetadata):
+    """One worker's messenger handshake, carried by vLLM from the worker to its scheduler."""
+
+    blob: bytes
+
+
+@dataclass
+class Load:
+    """A decoder's load: ask the prefiller ranks for ``remote_request_id`` into ``block_ids``."""
+
+    handshakes: list[bytes]
+    remote_request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class StepMeta(KVConnectorMetadata):
+    """Scheduler -> worker, one engine step: loads to start and aborts (decoder), finished
+    requests whose blocks are held for a decoder (prefiller)."""
+
+    loads: dict[str, Load] = field(default_factory=dict)
+    aborts: set[str] = field(default_factory=set)
+    sends: dict[str, tuple[str, list[int]]] = field(default_factory=dict)   # id -> (key, blocks)
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode("ascii")
+
+
+def producer_params(request_id: str, handshakes: list[bytes], num_tokens: int) -> dict[str, Any]:
+    """What a prefiller's ``request_finished`` returns: the decoder's ``kv_transfer_params``
+    (``request_id`` is the transfer key: the proxy's ``kvxfer_request_key`` or P's id)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "kvxfer": PARAMS_VERSION,
+        "remote_request_id": request_id,
+        "remote_handshakes": [_b64(h) for h in handshakes],
+        "remote_num_tokens": int(num_tokens),
+    }
+
+
+def parse_consumer_params(params: dict[str, Any]) -> tuple[str, list[bytes], int]:
+    """(remote request id, the prefiller ranks' handshakes, tokens it computed) from a
+    decoder's ``kv_transfer_params``; ``InvalidArgumentError`` if they are not this
+    connector's."""
+    if params.get("kvxfer") != PARAMS_VERSION:
+        raise InvalidArgumentError(f"kv_transfer_params are not kvxfer's version {PARAMS_VERSION}: "
+                                   f"kvxfer={params.get('kvxfer')!r}")
+    rid = params.get("remote_request_id")
+    hs = params.get("remote_handshakes")
+    n = params.get("remote_num_tokens")
+    if not isinstance(rid, str) or not isinstance(hs, list) or not hs or not isinstance(n, int) or n < 0:
+        raise InvalidArgumentError("kv_transfer_params need remote_request_id (str), remote_handshakes "
+                                   "(non-empty list) and remote_num_tokens (int >= 0)")
+    try:
+        blobs = [base64.b64decode(h, validate=True) for h in hs]
+    except (binascii.Error, TypeError, ValueError):
+        raise InvalidArgumentError("kv_transfer_params['remote_handshakes'] must be base64 strings") from None
+    return rid, blobs, n

@@ -1,0 +1,113 @@
+"""The connector's scheduler side: which requests load their prompt's KV from a prefiller
+(decoder), which finished requests hold their blocks for a decoder (prefiller), and the
+``kv_transfer_params`` that carry the prefiller's handshake to the decoder through the client."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from kvxfer.errors import InvalidArgumentError
+from kvxfer.integrations.vllm.params import Load, StepMeta, parse_consumer_params, producer_params
+
+log = logging.getLogger("kvxfer.integrations.vllm")
+
+
+class ConnectorScheduler:
+    """Scheduler-side state (see the module docstring). Holds no network resources."""
+
+    def __init__(self, vllm_config: Any, producer: bool) -> None:
+        self.vllm_config = vllm_config
+        self.producer = producer
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.handshakes: list[bytes] = []           # this instance's worker ranks, by TP rank
+        self._loads: dict[str, Load] = {}          # decoder: loads to start next step
+        self._loading: set[str] = set()            # decoder: loads started, not finished
+        self._aborts: set[str] = set()
+        self._sends: dict[str, tuple[str, list[int]]] = {}   # prefiller: (key, held blocks) to tell the worker
+        self._held: set[str] = set()               # prefiller: held until finished_sending
+        self.external: dict[str, int] = {}         # decoder: tokens loaded per request (tests)
+        self._local: dict[str, int] = {}           # decoder: the local prefix hit it was offered
+
+    def set_handshakes(self, metadata: dict) -> None:
+        self.handshakes = [metadata[k].blob for k in sorted(metadata)]
+
+    # -- decoder -----------------------------------------------------------------------
+    @staticmethod
+    def _remote(request: Any) -> Optional[dict]:
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_prefill") or p.get("kvxfer") is None:
+            return None
+        return p
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """A decoder loads every prompt token the prefiller computed beyond its own prefix
+        hit (block-aligned); vLLM recomputes the last one to sample from it."""
+        p = self._remote(request)
+        if p is None or self.producer:
+            return 0, False
+        try:
+            _, _, n = parse_consumer_params(p)
+        except InvalidArgumentError as exc:
+            log.warning("kvxfer: request %s: %s; computing it locally", request.request_id, exc)
+            return 0, False
+        n = min(n, len(request.prompt_token_ids or ()))
+        count = n - num_computed_tokens
+        # update_state_after_alloc comes before vLLM sets num_computed_tokens: keep the hit
+        self._local[request.request_id] = num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        p = self._remote(request)
+        if p is None or self.producer or num_external_tokens <= 0:
+            return
+        rid, hs, _ = parse_consumer_params(p)
+        (ids,) = blocks.get_block_ids()
+        # blocks: every block of the request, the local prefix hit's first; the load covers
+        # tokens [computed, computed + external) (computed is block-aligned: vLLM offers that)
+        computed = self._local.pop(request.request_id, 0)
+        end = computed + num_external_tokens
+        first = computed // self.block_size
+        last = -(-end // self.block_size)
+        dst = list(ids[first:last])
+        self._loads[request.request_id] = Load(hs, rid, dst, end - first * self.block_size)
+        self.external[request.request_id] = num_external_tokens
+        p["do_remote_prefill"] = False              # once: a preempted request recomputes
+
+    # -- prefiller ---------------------------------------------------------------------
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        p = request.kv_transfer_params
+        if not self.producer:
+            self._local.pop(rid, None)
+            if rid in self._loads or rid in self._loading:   # aborted while loading: fence, then free
+                self._aborts.add(rid)
+            return False, None
+        if not p or not p.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED) \
+                or not block_ids or not self.handshakes:
+            return False, None
+        # the REQUEST names it by the proxy's key when it gave one (D first), else by P's id
+        key = str(p.get("kvxfer_request_key") or rid)
+        self._sends[rid] = (key, list(block_ids))
+        self._held.add(rid)
+        return True, producer_params(key, self.handshakes, request.num_computed_tokens)
+
+    # -- every step ----------------------------------------------------------------------
+    def build_meta(self) -> StepMeta:
+        meta = StepMeta(loads=self._loads, aborts=self._aborts, sends=self._sends)
+        self._loading.update(self._loads)
+        self._loads, self._aborts, self._sends = {}, set(), {}
+        return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        for rid in output.finished_sending or ():
+            self._held.discard(rid)
+        for rid in output.finished_recving or ():
+            self._loading.discard(rid)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._held or self._sends)

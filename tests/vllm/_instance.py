@@ -1,0 +1,190 @@
+"""One vLLM instance in its own process (the KV-transfer group is process-global), driven by
+JSON lines on stdin and answering JSON lines on stdout: the tests' P, D and reference.
+
+``python _instance.py MODEL ROLE OPTIONS_JSON`` with ROLE ``kv_producer``, ``kv_consumer`` or
+``none``. While it has writes to push and no command is waiting, a producer keeps calling
+``llm_engine.step()`` (an offline ``LLM`` does not step on its own: docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import sys
+import time
+import traceback
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+OUT = sys.stdout
+sys.stdout = sys.stderr          # vLLM's prints stay off the answer channel
+
+
+def answer(obj: dict) -> None:
+    OUT.write(json.dumps(obj) + "\n")
+    OUT.flush()
+
+
+def _totals(w) -> dict:
+    w.stats()                          # moves what vLLM's stats hook has not taken into the totals
+    return w.totals.reduce()
+
+
+def _layout_check(eng, w) -> dict:
+    """Write random K and V of a few tokens into a scratch cache with the real attention layer's
+    ``impl.do_kv_cache_update`` (vLLM's CPU write path), then look for them through the
+    connector's ``KVLayout``: every (head, block) has its K block where the layout puts the K
+    plane and its V rows at the layout's per-token offsets; the K block is stored transposed
+    (``[head_size, block_size]``, the vec ISA's), so only whole blocks are exact for K."""
+    import numpy as np
+    import torch
+
+    from kvxfer.layout import KVLayout, Sharding
+
+    layer = eng.vllm_config.compilation_config.static_forward_context[w.cache.layer_names[0]]
+    lay = w.cache.layout
+    H, d, bs, n = lay.kv_heads, lay.head_dim, lay.page_size, 4
+    cache = torch.zeros(n, H, bs, 2 * d, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    slots = torch.tensor([0, 5, bs - 1, bs, 2 * bs + 7, 4 * bs - 1], dtype=torch.int64)
+    key = torch.randn(len(slots), H, d, generator=g)
+    value = torch.randn(len(slots), H, d, generator=g)
+    layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+    f = cache.numpy().ravel()
+    geo = KVLayout.vllm_packed(1, H, d, bs, n, "float32", "HND").resolve(Sharding(1))
+    k_bad = v_bad = k_rows = v_rows_form = 0
+    for i, s in enumerate(slots.tolist()):
+        page, t = divmod(s, bs)
+        for h in range(H):
+            kb = geo.offset(0, 0, page, h, 0) // 4
+            k_bad += not np.array_equal(f[kb:kb + bs * d].reshape(d, bs)[:, t], key[i, h].numpy())
+            k_rows += np.array_equal(f[kb + t * d:kb + (t + 1) * d], key[i, h].numpy())
+            vo = geo.offset(0, 1, page, h, t) // 4
+            v_bad += not np.array_equal(f[vo:vo + d], value[i, h].numpy())
+            row = (page * geo.page_stride + h * bs * 2 * d * 4 + t * 2 * d * 4 + d * 4) // 4
+            v_rows_form += np.array_equal(f[row:row + d], value[i, h].numpy())
+    return {"vectors": len(slots) * H, "k_block_mismatches": k_bad, "v_mismatches": v_bad,
+            "k_found_as_rows": k_rows, "v_found_row_wise": v_rows_form, "written": int((cache != 0).sum())}
+
+
+def main() -> None:
+    model, role, opts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = dict(enforce_eager=True, dtype="float32", block_size=32, max_model_len=1024, seed=0,
+              enable_prefix_caching=opts.get("prefix_caching", True))
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        kw["distributed_executor_backend"] = "uni"
+    if role != "none":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.integrations.vllm",
+            kv_role=role, kv_load_failure_policy=opts.get("policy", "recompute"),
+            kv_connector_extra_config=opts.get("extra", {}))
+    llm = LLM(model, **kw)
+    eng = llm.llm_engine
+    inproc = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+    def scheduler():
+        return eng.engine_core.engine_core.scheduler
+
+    def worker_connector():
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group().connector_worker
+
+    def pending() -> bool:
+        return role == "kv_producer" and inproc and scheduler().connector.has_pending_push_work()
+
+    answer({"ready": True, "pid": os.getpid()})
+    counter = 0
+    while True:
+        if pending():
+            r, _, _ = select.select([sys.stdin], [], [], 0.002)   # a step at most every 2 ms
+            if not r:
+                eng.step()
+                continue
+        line = sys.stdin.readline()
+        if not line:
+            break
+        cmd = json.loads(line)
+        try:
+            op = cmd["op"]
+            if op == "generate":            # several prompts at once, in one engine
+                ids = []
+                for i, toks in enumerate(cmd["prompts"]):
+                    counter += 1
+                    rid = cmd.get("ids", [None] * len(cmd["prompts"]))[i] or f"r{counter}"
+                    params = (cmd.get("params") or [None] * len(cmd["prompts"]))[i]
+                    sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0, ignore_eos=True,
+                                        extra_args={"kv_transfer_params": params} if params else None)
+                    eng.add_request(rid, {"prompt_token_ids": toks}, sp)
+                    ids.append(rid)
+                outs, steps, t0 = {}, 0, time.monotonic()
+                abort_at = cmd.get("abort_after_seconds")
+                abort_at = None if abort_at is None else t0 + abort_at
+                limit = t0 + cmd.get("timeout", 120)
+                while len(outs) < len(ids) and time.monotonic() < limit:
+                    for o in eng.step():
+                        if o.finished:
+                            outs[o.request_id] = o
+                    steps += 1
+                    if abort_at is not None and time.monotonic() >= abort_at:
+                        eng.abort_request(ids)
+                        break
+                res = []
+                for rid in ids:
+                    o = outs.get(rid)
+                    res.append(None if o is None else {
+                        "id": rid, "tokens": list(o.outputs[0].token_ids),
+                        "kv_transfer_params": o.kv_transfer_params, "num_cached_tokens": o.num_cached_tokens,
+                        "finish_reason": o.outputs[0].finish_reason})
+                answer({"ok": True, "outputs": res, "seconds": time.monotonic() - t0})
+            elif op == "drain":             # step until nothing is in flight (bounded)
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < cmd.get("timeout", 30):
+                    s = scheduler()
+                    busy = s.has_requests() or worker_connector().has_work()
+                    if not busy:
+                        break
+                    eng.step()
+                answer({"ok": True, "busy": busy, "seconds": time.monotonic() - t0})
+            elif op == "inspect":
+                s, w = scheduler(), worker_connector()
+                cs = s.connector.connector_scheduler
+                answer({"ok": True, "free_blocks": s.kv_cache_manager.block_pool.get_num_free_blocks(),
+                        "external": cs.external, "held": sorted(w._held), "asked": sorted(w._asked),
+                        "loads": dict(w.recent_loads), "sends": dict(w.recent_sends),
+                        "stats": _totals(w), "has_work": w.has_work(),
+                        "pending_push": cs.has_pending_push_work()})
+            elif op == "spoil":             # overwrite the blocks P holds for a request
+                import torch
+
+                w = worker_connector()
+                t0 = time.monotonic()          # the worker learns the held blocks at the next step
+                while any(r not in w._held for r in cmd["ids"]) and time.monotonic() - t0 < 30:
+                    eng.step()
+                g = torch.Generator().manual_seed(1)
+                for rid in cmd["ids"]:
+                    blocks = w._held[rid][1]
+                    for t in w.cache.owner:
+                        t[blocks] = torch.randn(t[blocks].shape, generator=g, dtype=t.dtype)
+                answer({"ok": True})
+            elif op == "layout_check":      # vLLM's own cache write against KVLayout's offsets
+                answer(dict(ok=True, **_layout_check(eng, worker_connector())))
+            elif op == "exit":
+                answer({"ok": True})
+                break
+            else:
+                answer({"ok": False, "error": f"unknown op {op}"})
+        except Exception:
+            answer({"ok": False, "error": traceback.format_exc()})
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
