@@ -293,3 +293,25 @@ def test_recv_counts_only_accepted_messages(provider):
         finally:
             d.close()
             p.close()
+
+
+def test_one_storage_with_layers_as_offsets(provider):
+    """A rank whose layers are views into one storage (as vLLM allocates them, padded between
+    layers) registers that storage once: a layer-major layout whose ``layer_stride`` is the
+    distance between layers names each layer as an offset inside the one region. TP2
+    per-rank -> TP1 one region per layer, byte-exact."""
+    # a rank's layer: K and V of 8 pages x 2 heads x 4 tokens x 8 dims fp16 = 2 KiB, every 8 KiB
+    sl = KVLayout(3, 4, 8, 4, 8, "float16", "HND", "stacked", "layer_major", layer_stride=8192)
+    inst = Instance(provider, sl, Sharding(2), KVLayout.vllm(3, 4, 8, 4, 16, "float16"), Sharding(1))
+    try:
+        for r, p in enumerate(inst.pre):
+            assert len(p._local[r].regions) == 1           # one registration for every layer
+            assert len(inst.src[r].regions) == 1
+        r = inst.d.receive(inst.pgs, "views", [3, 9], 8)
+        qs = inst.requests(1)
+        for i in (0, 1):
+            inst.pre[i].send(qs[i][0], [6, 2]).finish()
+        assert r.wait(10) == "done"
+        inst.check(np.array([3, 9]), np.array([6, 2]))
+    finally:
+        inst.close()
