@@ -151,7 +151,7 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         int64_t bytes = 0;
         for (int k = 0; k < np; k++)
             bytes += (int64_t)x->piece_len[k];
-        /* never post to a peer known closed, exited or stalled (liveness.c says why) */
+        /* never post to a peer known closed, exited or stalled (peers.c says why) */
         int gone = kx_peer_enter(r, x->peer, x->gen);
         if (gone) {
             kx_transfer_fail(r, x, gone);

@@ -117,7 +117,7 @@ int kx_getname(kx_rail *r, void *buf, size_t *len);
 /* *out: the peer's AV index; *gen: the generation of that slot (a post names both, so a
  * post meant for a removed peer never reaches the next one libfabric puts in its slot) */
 int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out, uint32_t *gen);
-/* liveness (src/liveness.c): how long a peer may leave operations outstanding with none
+/* liveness (src/peers.c): how long a peer may leave operations outstanding with none
  * completing before it is dead (0: never); FI_DELIVERY_COMPLETE on writes; 0 while `peer`
  * may be posted to, else the errno posts to it fail with */
 void kx_set_peer_timeout(kx_rail *r, int64_t ns);
