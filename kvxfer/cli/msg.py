@@ -12,6 +12,11 @@ _prefill``) that answers every request with ``send(...).finish()``. Per provider
   done, p50/p99; beside it the engine's own write round trip (an 8-byte write with imm
   echoed back, as ``kvxfer-bench lat``) between the same two processes in the same run.
 
+``--per-rank``: TP 2 -> 1 instead, the prefill side once as one node process holding both
+ranks and once as two rank processes (``Messenger(..., ranks=[r])``, the shape of vLLM and
+SGLang) that the decoder receives from together; small requests/s and the minimal request's
+p50 of both, in the same run.
+
 Uses the public API only (``kvxfer.Engine``, ``kvxfer.Messenger``).
 """
 
@@ -74,6 +79,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--serve", choices=("inline", "requests"), default="inline",
                    help="prefill side: answer on the messenger thread (on_request, inline_requests=True; "
                         "default) or from a server thread that takes requests()")
+    p.add_argument("--per-rank", action="store_true",
+                   help="TP 2 -> 1: a node-mode prefill process against two per-rank prefill processes")
     p.add_argument("--json", metavar="FILE", type=writable_file, help="write the results as JSON")
     p.set_defaults(func=run_msg)
 
@@ -113,8 +120,11 @@ def _prefill_main(argv: list[str]) -> int:
     ap.add_argument("--provider", required=True)
     ap.add_argument("--progress", default="block")
     ap.add_argument("--serve", default="inline")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--rank", type=int, default=-1, help="the one rank this process holds (-1: all)")
     args = ap.parse_args(argv)
-    sh = Sharding(1)
+    sh = Sharding(args.tp)
+    ranks = list(range(args.tp)) if args.rank < 0 else [args.rank]
     layouts = _layouts(args)
     engines, ms = [], {}
     node = None if args.provider.startswith("shm") else LOOPBACK
@@ -123,8 +133,8 @@ def _prefill_main(argv: list[str]) -> int:
     for name, lay in layouts.items():
         e = kvxfer.Engine(args.provider, node, progress=args.progress)
         engines.append(e)
-        kv = [np.full(s, 7, np.uint8) for s in lay.region_sizes(sh)]
-        ms[name] = kvxfer.Messenger(e, lay, sh, {0: kv}, peer_timeout=30,
+        kv = {r: [np.full(s, 7, np.uint8) for s in lay.region_sizes(sh)] for r in ranks}
+        ms[name] = kvxfer.Messenger(e, lay, sh, kv, peer_timeout=30,
                                     on_request=(lambda req, name=name: answer_in(name, req)) if inline else None,
                                     inline_requests=inline)
     pong = kvxfer.Engine(args.provider, node, progress=args.progress)
@@ -185,9 +195,9 @@ def _pct(a: list[float], q: float) -> float:
 
 
 class _Prefill:
-    def __init__(self, args: Any, provider: str) -> None:
+    def __init__(self, args: Any, provider: str, tp: int = 1, rank: int = -1) -> None:
         cmd = [sys.executable, "-m", "kvxfer.cli.msg", "_prefill", "--provider", provider, "--progress", args.progress,
-               "--placement", args.placement, "--serve", args.serve]
+               "--placement", args.placement, "--serve", args.serve, "--tp", str(tp), "--rank", str(rank)]
         for name in ("layers", "kv_heads", "head_dim", "page_size", "pages"):
             cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -214,7 +224,17 @@ class _Prefill:
             self.p.wait()
 
 
-def _throughput(m: Any, pg: Any, args: Any, pre: _Prefill) -> dict:
+def _prefill_cpu(pres: list) -> dict:
+    out = {"progress": 0.0, "python": 0.0}
+    for pre in pres:
+        c = pre.ask(cmd="cpu")["cpu"]
+        out["progress"] += c["progress"]
+        out["python"] += c["python"]
+    return out
+
+
+def _throughput(m: Any, pg: Any, args: Any, pre: Any) -> dict:
+    pres = pre if isinstance(pre, list) else [pre]
     n, window, pages = args.requests, args.window, args.pages
     warm = min(500, n)
     for i in range(warm):                       # warm-up: plans, staging, sleeping threads
@@ -222,7 +242,7 @@ def _throughput(m: Any, pg: Any, args: Any, pre: _Prefill) -> dict:
     live: list = []
     free = list(range(pages))
     c0 = _cpu()
-    p0 = pre.ask(cmd="cpu")["cpu"]
+    p0 = _prefill_cpu(pres)
     t0 = time.perf_counter()
     for i in range(n):
         if len(live) >= window or not free:
@@ -236,7 +256,7 @@ def _throughput(m: Any, pg: Any, args: Any, pre: _Prefill) -> dict:
         r.release()
     wall = time.perf_counter() - t0
     c1 = _cpu()
-    p1 = pre.ask(cmd="cpu")["cpu"]
+    p1 = _prefill_cpu(pres)
 
     def per(a, b, k):
         return (b[k] - a[k]) / n * 1e6
@@ -291,6 +311,8 @@ def run_msg(args: argparse.Namespace) -> int:
     from kvxfer.errors import KvxferError
 
     providers = args.provider or ["shm", "tcp;ofi_rxm"]
+    if args.per_rank:
+        return _run_per_rank(args, providers)
     layouts = _layouts(args)
     sh = Sharding(1)
     results = []
@@ -352,6 +374,72 @@ def run_msg(args: argparse.Namespace) -> int:
                 pre.close()
             for e in engines:
                 e.close()
+    if args.json and not write_json(args.json, {"argv": sys.argv, "results": results}, "kvxfer-bench msg"):
+        status = 1
+    return status
+
+
+def _run_per_rank(args: argparse.Namespace, providers: list) -> int:
+    """``--per-rank``: TP 2 -> 1, node mode against per-rank prefill, same run."""
+    import kvxfer
+    from kvxfer import Sharding
+    from kvxfer.errors import KvxferError
+
+    args.kv_heads = max(2, args.kv_heads)          # TP 2 without replicas
+    args.placement = "per_layer"
+    layouts = _layouts(args)
+    sh = Sharding(1)
+    results, status = [], 0
+    print(f"kvxfer-bench msg --per-rank: TP 2 -> 1, {args.requests} requests of 1 page x {args.layers} layers, "
+          f"window {args.window}; latency: {args.latency_iters} requests of 1 page x 1 layer")
+    print(f"{'provider':<12} {'prefill':<22} {'req/s':>9} {'minimal p50 us':>15} {'p99 us':>8}  "
+          f"CPU us/request: {'decode':>7} {'prefill':>8}")
+    for prov in providers:
+        node = None if prov.startswith("shm") else LOOPBACK
+        res: dict = {"provider": prov}
+        for mode in ("node", "per_rank"):
+            pres, engines, ms = [], [], []
+            try:
+                pres = [_Prefill(args, prov, 2)] if mode == "node" else [_Prefill(args, prov, 2, r) for r in (0, 1)]
+                out: dict = {}
+                for name, lay in layouts.items():
+                    e = kvxfer.Engine(prov, node, progress=args.progress)
+                    engines.append(e)
+                    kv = [np.zeros(s, np.uint8) for s in lay.region_sizes(sh)]
+                    slots = args.window + 8 if args.context else 0
+                    m = kvxfer.Messenger(e, lay, sh, {0: kv}, context_slots=slots, context_bytes=args.context,
+                                         peer_timeout=30)
+                    ms.append(m)
+                    pgs = [m.connect(bytes.fromhex(p.info["blobs"][name])) for p in pres]
+                    peer = pgs[0] if mode == "node" else pgs
+                    if name == "minimal":
+                        lat = _latency(m, peer, args.latency_iters)
+                        out["minimal_p50_us"] = _pct(lat, 50) * 1e6
+                        out["minimal_p99_us"] = _pct(lat, 99) * 1e6
+                    else:
+                        out.update(_throughput(m, peer, args, pres))
+                res[mode] = out
+                label = "node (1 process, TP2)" if mode == "node" else "per-rank (2 processes)"
+                print(f"{prov:<12} {label:<22} {out['req_per_s']:>9.0f} {out['minimal_p50_us']:>15.0f} "
+                      f"{out['minimal_p99_us']:>8.0f}  {'':>15} {out['decoder_cpu_us']:>7.0f} "
+                      f"{out['prefill_cpu_us']:>8.0f}")
+            except (KvxferError, RuntimeError, OSError, ValueError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                print(f"kvxfer-bench msg: provider {prov!r} ({mode}) failed: {why}", file=sys.stderr)
+                res[mode] = {"error": why}
+                status = 1
+            finally:
+                for m in ms:
+                    m.close()
+                for p in pres:
+                    p.close()
+                for e in engines:
+                    e.close()
+        if "req_per_s" in res.get("node", {}) and "req_per_s" in res.get("per_rank", {}):
+            a, b = res["node"], res["per_rank"]
+            print(f"{prov:<12} per-rank / node: req/s {b['req_per_s'] / a['req_per_s']:.2f}, "
+                  f"minimal p50 {b['minimal_p50_us'] / a['minimal_p50_us']:.2f}")
+        results.append(res)
     if args.json and not write_json(args.json, {"argv": sys.argv, "results": results}, "kvxfer-bench msg"):
         status = 1
     return status

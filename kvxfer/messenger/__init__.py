@@ -1,7 +1,7 @@
 """The KV messenger: handshakes, requests, exact completion, abort fences, dead peers.
 
-``Messenger`` (one per node) is the entry point; ``publish``/``collect`` hand TP workers'
-KV buffers to the node's messenger process; ``register_layout``/``post_plan`` are the two
+``Messenger`` (one per node, or one per TP rank process holding only its rank) is the entry
+point; ``publish``/``collect`` hand TP workers' KV buffers to a node's messenger process; ``register_layout``/``post_plan`` are the two
 helpers for engines that drive kvxfer without the messenger. See docs/messenger.md.
 """
 

@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -253,40 +253,9 @@ class Decoder:
         self._next_imm = 1 + int.from_bytes(os.urandom(3), "little")
 
     # -- asking ---------------------------------------------------------------------------
-    def _groups(self, peers: Any) -> list[PeerGroup]:
-        """The prefill instance: one PeerGroup or a sequence of them, checked up front."""
-        if isinstance(peers, PeerGroup):
-            groups = [peers]
-        elif isinstance(peers, Sequence) and not isinstance(peers, (str, bytes)) and len(peers) > 0:
-            groups = list(peers)
-        else:
-            raise InvalidArgumentError("peer must be a PeerGroup or a non-empty sequence of them")
-        seen: set[int] = set()
-        for pg in groups:
-            if not isinstance(pg, PeerGroup) or pg.owner is not self.peers:
-                raise InvalidArgumentError("peer must come from this messenger's connect()")
-            if pg.uid in seen:
-                raise InvalidArgumentError(f"peer {pg.uid:016x} is named twice")
-            seen.add(pg.uid)
-        first = groups[0]
-        for pg in groups[1:]:
-            if pg.layout != first.layout or pg.sharding != first.sharding:
-                raise LayoutError(f"peers {first.uid:016x} and {pg.uid:016x} are not one prefill instance: "
-                                  "their layouts or shardings differ")
-        held: dict[int, int] = {}
-        for pg in groups:
-            for r in pg.ranks:
-                if r in held:
-                    raise InvalidArgumentError(f"source rank {r} is held by two of the peers")
-                held[r] = pg.uid
-        for pg in groups:
-            if not pg.alive:
-                raise PeerError(f"peer {pg.uid:016x} is dead") from pg.error
-        return groups
-
     def receive(self, peers: Any, request_id: Any, dst_pages: Any, num_tokens: Any, timeout: Any,
                 hot: bool) -> Receive:
-        groups = self._groups(peers)
+        groups = self.peers.instance(peers)
         timeout = _args.timeout(timeout)
         pages = _args.dst_pages(dst_pages, self.layout.num_pages, C.MAX_PAGES)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):

@@ -2,7 +2,7 @@
 heartbeats, silence, and the teardown of a peer that died or left.
 
 ``Peers`` is the table (uid -> ``PeerGroup``), the dead set and the seq counters kept for a
-retried connect. It never decides what a peer's death means for requests: ``gone`` marks the
+retried connect; ``instance`` checks which groups form one prefill instance (per-rank). It never decides what a peer's death means for requests: ``gone`` marks the
 peer dead and calls the messenger's ``on_gone(pg, err, notify)``, which fails both roles'
 requests around ``teardown``.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, PeerError
+from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, LayoutError, PeerError
 from kvxfer.layout import KVLayout, Sharding
 from kvxfer.messenger import _codec as C
 from kvxfer.messenger._node import Node
@@ -96,6 +96,39 @@ class Peers:
     def get(self, uid: int) -> Optional[PeerGroup]:
         with self.node.lock:
             return self.table.get(uid)
+
+    def instance(self, peers: Any) -> list[PeerGroup]:
+        """A prefill instance a decoder receives from: one PeerGroup or a sequence of them, all
+        of this table, none twice, of one layout and sharding, no source rank held twice, all
+        alive (checked up front: nothing is sent on a refusal)."""
+        if isinstance(peers, PeerGroup):
+            groups = [peers]
+        elif isinstance(peers, Sequence) and not isinstance(peers, (str, bytes)) and len(peers) > 0:
+            groups = list(peers)
+        else:
+            raise InvalidArgumentError("peer must be a PeerGroup or a non-empty sequence of them")
+        seen: set[int] = set()
+        for pg in groups:
+            if not isinstance(pg, PeerGroup) or pg.owner is not self:
+                raise InvalidArgumentError("peer must come from this messenger's connect()")
+            if pg.uid in seen:
+                raise InvalidArgumentError(f"peer {pg.uid:016x} is named twice")
+            seen.add(pg.uid)
+        first = groups[0]
+        for pg in groups[1:]:
+            if pg.layout != first.layout or pg.sharding != first.sharding:
+                raise LayoutError(f"peers {first.uid:016x} and {pg.uid:016x} are not one prefill instance: "
+                                  "their layouts or shardings differ")
+        held: dict[int, int] = {}
+        for pg in groups:
+            for r in pg.ranks:
+                if r in held:
+                    raise InvalidArgumentError(f"source rank {r} is held by two of the peers")
+                held[r] = pg.uid
+        for pg in groups:
+            if not pg.alive:
+                raise PeerError(f"peer {pg.uid:016x} is dead") from pg.error
+        return groups
 
     # -- connecting ---------------------------------------------------------------------
     def connect(self, blob: bytes, timeout: float) -> PeerGroup:
