@@ -66,6 +66,8 @@ test-vllm: $(VLLM_VENV)/.stamp | sysdeps
 	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --override $(VLLM_VENV)/overrides.txt \
 	  --reinstall-package kvxfer .
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=12 tests/vllm
+	@# the venv has torch: torch's TCPStore as a rendezvous store (skipped in make test, which has no torch)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/rendezvous -k tcpstore
 
 # the full counts of tests/stress (issue 12): 1,000 iterations per race and provider, fuzzing
 # with 20,000 examples per entry point, the soaks; prints the figures docs/reliability.md quotes

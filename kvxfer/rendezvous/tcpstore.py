@@ -34,38 +34,51 @@ class TCPStoreStore(Store):
             from torch.distributed import TCPStore
         except ImportError:
             raise UnsupportedError("tcpstore:// needs torch (torch.distributed): pip install 'kvxfer[torch]'") from None
+        self._TCPStore = TCPStore
+        self._host, self._port = host, port
         self._index = self._full(".index")
-        try:
-            self._s: Any = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.op_timeout),
-                                    wait_for_workers=False)
-        except (RuntimeError, OSError, ValueError) as exc:
-            raise RendezvousError(f"{url}: cannot reach the TCPStore: {exc}") from exc
+        self._s: Any = None
+        self._client()                              # fail now, at open(), if nothing answers
 
-    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+    def _client(self) -> Any:
+        """The TCPStore client, made again after a failure: a client whose server went away
+        keeps its broken socket for good, so a restarted server would never be seen again."""
+        if self._s is None:
+            try:
+                self._s = self._TCPStore(self._host, self._port, is_master=False,
+                                         timeout=datetime.timedelta(seconds=self.op_timeout), wait_for_workers=False)
+            except (RuntimeError, OSError, ValueError) as exc:
+                raise RendezvousError(f"{self.url}: cannot reach the TCPStore: {exc}") from exc
+        return self._s
+
+    def _call(self, what: str, *args: Any) -> Any:
         try:
-            return fn(*args)
+            return getattr(self._client(), what)(*args)
+        except RendezvousError:
+            raise
         except (RuntimeError, OSError, ValueError) as exc:   # torch raises DistStoreError (a RuntimeError)
+            self._s = None                                    # reconnect at the next call
             raise RendezvousError(f"{self.url}: {what} failed: {type(exc).__name__}: {exc}") from exc
 
     def _put(self, key: str, value: bytes, ttl: Optional[float]) -> None:
-        known = self._call("check", self._s.check, [key])
-        self._call("set", self._s.set, key, pack_entry(value, ttl))
+        known = self._call("check", [key])
+        self._call("set", key, pack_entry(value, ttl))
         if not known:
-            self._call("append", self._s.append, self._index, (key + "\n").encode())
+            self._call("append", self._index, (key + "\n").encode())
 
     def _get(self, key: str) -> Optional[bytes]:
-        if not self._call("check", self._s.check, [key]):
+        if not self._call("check", [key]):
             return None
-        return unpack_entry(bytes(self._call("get", self._s.get, key)))
+        return unpack_entry(bytes(self._call("get", key)))
 
     def _delete(self, key: str) -> bool:
         live = self._get(key) is not None
-        return bool(self._call("delete_key", self._s.delete_key, key)) and live
+        return bool(self._call("delete_key", key)) and live
 
     def _list(self, prefix: str) -> dict[str, bytes]:
-        if not self._call("check", self._s.check, [self._index]):
+        if not self._call("check", [self._index]):
             return {}
-        names = bytes(self._call("get", self._s.get, self._index)).decode(errors="replace").split("\n")
+        names = bytes(self._call("get", self._index)).decode(errors="replace").split("\n")
         out = {}
         for k in sorted(set(n for n in names if n.startswith(prefix))):
             v = self._get(k)
