@@ -320,6 +320,22 @@ class Messenger:
         timeout = self.peer_timeout if timeout is None else _args.timeout(timeout)
         return self._peers_room.connect(blob, timeout)
 
+    def drop_peer(self, peer: PeerGroup, error: Optional[KvxferError] = None) -> None:
+        """Declare ``peer`` dead now, as ``peer_timeout`` of silence would: its requests fail on
+        both roles with ``error`` (a ``PeerError`` naming the peer by default), it is told BYE
+        and disconnected, and its receives are fenced by that teardown. For a failure signal
+        the messenger cannot see itself, such as a rendezvous lease that expired
+        (kvxfer.rendezvous). Idempotent (a dead group stays as it died); any thread."""
+        self._check_open()
+        if not isinstance(peer, PeerGroup) or peer.owner is not self._peers_room:
+            raise InvalidArgumentError(f"drop_peer takes one of this messenger's peer groups, got {peer!r}")
+        if error is None:
+            error = PeerError(f"peer {peer.uid:016x} dropped")
+        elif not isinstance(error, KvxferError):
+            raise InvalidArgumentError(f"drop_peer's error must be a kvxfer error, got {error!r}")
+        if peer.alive:
+            self._peers_room.gone(peer, error, notify=True)
+
     def receive(self, peer: PeerGroup | Sequence[PeerGroup], request_id: Any, dst_pages: Any, num_tokens: int, *,
                 timeout: Optional[float] = None, hot: bool = False) -> Receive:
         """Ask a prefill instance for ``request_id``'s KV into ``dst_pages`` (indices of this

@@ -29,6 +29,9 @@ def context_stride(context_bytes: int) -> int:
     return (8 + int(context_bytes) + 63) // 64 * 64
 
 
+HEARTBEAT_SEND_S = 0.05   # the most a heartbeat may wait for the engine to take it
+
+
 class PeerGroup:
     """A connected messenger (its TP ranks, regions and engine parameters).
 
@@ -218,7 +221,7 @@ class Peers:
             pg.last_sent = time.monotonic()
         node.count("sent_" + C.MSG_TYPES[t])
 
-    def try_send(self, pg: PeerGroup, t: int, *, retry: bool = False, **fields: Any) -> bool:
+    def try_send(self, pg: PeerGroup, t: int, *, retry: bool = False, timeout: float = 1.0, **fields: Any) -> bool:
         """Send one control message. ``retry``: a one-shot message (HELLO_ACK, ABORT,
         ABORTED, REJECT) that nothing else would repeat: if the engine does not take it
         (backpressure), the messenger thread resends it, in order, while the peer lives."""
@@ -230,7 +233,7 @@ class Peers:
                         pg.resend.append((t, fields, time.monotonic()))
                     return False
         try:
-            self.send(pg, t, timeout=1.0, **fields)
+            self.send(pg, t, timeout=timeout, **fields)
             return True
         except KvxferError:
             with node.lock:
@@ -275,7 +278,10 @@ class Peers:
             if now - pg.last_heard > pt and pg.state == "up":
                 self.gone(pg, PeerError(f"peer {pg.uid:016x} silent for {pt} s: declared dead"), notify=False)
             elif now - pg.last_sent >= pg.heartbeat and pg.state == "up":
-                self.try_send(pg, C.HEARTBEAT)
+                # briefly: a heartbeat the engine refuses (a peer that died and cannot take it)
+                # must not hold this thread, or every other peer's heartbeat goes late and a
+                # live peer is declared dead beside a killed one (the next tick tries again)
+                self.try_send(pg, C.HEARTBEAT, timeout=HEARTBEAT_SEND_S)
 
     # -- death ----------------------------------------------------------------------------
     def mark_dead(self, pg: PeerGroup, err: KvxferError) -> bool:

@@ -3,10 +3,10 @@ handshake under ``role/instance/rank``; a ``Directory`` lists and watches one ro
 instances and connects to them lazily, with lease expiry as a second failure signal.
 
 Only the messenger's public API is used: ``Messenger.handshake()``, ``.ranks``,
-``.connect(blob)`` and ``PeerGroup.alive``. To declare a peer dead when its lease expires,
-the directory calls ``Messenger.drop_peer(group, error)`` where the messenger has it; where it
-does not, the instance is only marked ``"gone"`` (no new request is routed to it) and the
-messenger's heartbeats end its requests (within ``peer_timeout``).
+``.connect(blob)``, ``.drop_peer(group, error)`` and ``PeerGroup.alive``. When an instance's
+lease expires the instance is marked ``"gone"`` (no new request is routed to it) and the
+directory declares its groups dead with ``Messenger.drop_peer``: their requests fail at once,
+fenced by the teardown, instead of waiting for ``peer_timeout`` of silence.
 
 Store failures stay off the data path: a Directory keeps the last instance list it read,
 groups already connected go on, and only a lookup that needs the store (connecting to an
@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Optional
 
-from kvxfer.errors import InvalidArgumentError, PeerError, RendezvousError
+from kvxfer.errors import InvalidArgumentError, KvxferError, PeerError, RendezvousError
 from kvxfer.rendezvous.store import Lease, Store, Watch, check_key, check_seconds
 
 
@@ -128,7 +128,7 @@ class Directory:
         self._inst: dict[str, Instance] = {}
         self._later: list[Instance] = []     # gone, not yet told (_flush)
         self.counts = {"appeared": 0, "replaced": 0, "expired": 0, "dropped": 0, "connects": 0}
-        self._watch: Watch = store.watch(role + "/", self._event, interval=interval)
+        self._watch: Watch = store.watch(role + "/", self._event, interval=interval, on_poll=self._tick)
 
     # -- what the watch sees -------------------------------------------------------------
     def _event(self, key: str, value: Optional[bytes]) -> None:
@@ -161,6 +161,13 @@ class Directory:
         if changed is not None:
             self._notify(changed)
 
+    def _tick(self) -> None:
+        """Every successful poll: an entry that went stays absent without any further event,
+        so its grace runs out here, not only when someone asks for ``names()``."""
+        with self._lock:
+            self._sweep()
+        self._flush()
+
     def _sweep(self) -> None:
         now = time.monotonic()
         for inst in list(self._inst.values()):
@@ -183,13 +190,12 @@ class Directory:
                 if not self._later:
                     return
                 inst = self._later.pop(0)
-            drop = getattr(self.m, "drop_peer", None)
             for g in inst.groups:
-                if drop is not None and g.alive:
+                if g.alive:
                     try:
-                        drop(g, inst.error)
+                        self.m.drop_peer(g, inst.error)
                         self.counts["dropped"] += 1
-                    except Exception:
+                    except KvxferError:       # the messenger closed meanwhile
                         pass
             self._notify(inst)
 

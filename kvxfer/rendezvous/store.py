@@ -127,7 +127,7 @@ class Watch:
     last poll's failure (None once one succeeds again); ``polls`` counts successful polls."""
 
     def __init__(self, store: "Store", prefix: str, callback: Callable[[str, Optional[bytes]], object],
-                 interval: float) -> None:
+                 interval: float, on_poll: Optional[Callable[[], object]] = None) -> None:
         self.store = store
         self.prefix = prefix
         self.interval = interval
@@ -135,6 +135,7 @@ class Watch:
         self.callback_errors = 0
         self.polls = 0
         self._cb = callback
+        self._on_poll = on_poll
         self._view: dict[str, bytes] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -168,6 +169,11 @@ class Watch:
         for k in old:
             if k not in now:
                 self._call(k, None)
+        if self._on_poll is not None:
+            try:
+                self._on_poll()
+            except Exception:      # as for the callback: counted, the watch goes on
+                self.callback_errors += 1
 
     def _call(self, key: str, value: Optional[bytes]) -> None:
         try:
@@ -264,13 +270,17 @@ class Store:
         return lease
 
     def watch(self, prefix: str, callback: Callable[[str, Optional[bytes]], object], *,
-              interval: float = 0.25) -> Watch:
+              interval: float = 0.25, on_poll: Optional[Callable[[], object]] = None) -> Watch:
         """Report changes under ``prefix`` to ``callback(key, value or None)`` (polls every
-        ``interval`` s on one thread; close the Watch, or the store, to stop)."""
+        ``interval`` s on one thread; close the Watch, or the store, to stop); ``on_poll()``
+        after every successful poll, changes or not (what has to notice time passing)."""
         self._check_open()
         if not callable(callback):
             raise ArgumentTypeError("callback must be callable")
-        w = Watch(self, check_key(prefix, prefix=True), callback, check_seconds(interval, "interval", 0.01, 60.0))
+        if on_poll is not None and not callable(on_poll):
+            raise ArgumentTypeError("on_poll must be callable")
+        w = Watch(self, check_key(prefix, prefix=True), callback, check_seconds(interval, "interval", 0.01, 60.0),
+                  on_poll)
         self._watches.add(w)
         return w
 

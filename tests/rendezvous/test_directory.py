@@ -108,6 +108,29 @@ def test_announce_then_lazy_connect_and_requests(store, nodes):
         d.close()
 
 
+def test_an_expired_lease_fails_the_instances_requests_through_drop_peer(store, nodes):
+    """The lease as a second failure signal: the entries go (here: the announcement closed,
+    the prefiller itself alive and heartbeating), and the decoder's pending request fails with
+    the directory's PeerError naming the instance, fenced, not with heartbeat silence."""
+    pre = _Node(Sharding(2), 10)                     # takes requests, never answers them
+    nodes.append(pre)
+    dec = _Node(Sharding(1), 0xEE)
+    nodes.append(dec)
+    ann = R.Announcement(store, pre.m, "prefill", "p0", ttl=2.0)
+    d = R.Directory(store, dec.m, "prefill", interval=0.05, grace=0.5)
+    try:
+        assert d.wait_for(1, 10) == ["p0"]
+        inst = d.connect("p0")
+        r = dec.m.receive(inst.peer, "req-lease", [3, 5], 8, timeout=60)
+        ann.close()
+        with pytest.raises(PeerError, match="instance 'p0'"):
+            r.wait(20)
+        assert r.fenced and not inst.groups[0].alive
+        assert d.counts["dropped"] == 1 and d.counts["expired"] == 1
+    finally:
+        d.close()
+
+
 def _wait(pred, timeout):
     end = time.monotonic() + timeout
     while not pred():
