@@ -41,7 +41,8 @@ type   name         payload
 4      ANNOUNCE     ``<I Q>`` imm, messages the prefiller posts for it (context included)
 5      ABORT        ``<I>`` imm
 6      ABORTED      ``<I Q B>`` imm, messages posted, flags (1: request unknown,
-                    2: the prefiller gave up on its own)
+                    2: the prefiller gave up on its own, 4: with 2, it rejected
+                    the request after posting: ``Request.reject``)
 7      REJECT       ``<I>`` imm, then a UTF-8 reason
 8      HEARTBEAT    empty
 9      BYE          empty
@@ -68,7 +69,7 @@ __all__ = [
     "Handshake", "Control", "RequestId", "encode_request_id", "decode_request_id",
     "HANDSHAKE_VERSION", "CONTROL_VERSION", "TAG_BYTES", "MSG_TYPES",
     "HELLO", "HELLO_ACK", "REQUEST", "ANNOUNCE", "ABORT", "ABORTED", "REJECT", "HEARTBEAT", "BYE",
-    "ABORTED_UNKNOWN", "ABORTED_BY_PREFILLER", "MAX_PAGES",
+    "ABORTED_UNKNOWN", "ABORTED_BY_PREFILLER", "ABORTED_REJECTED", "MAX_PAGES",
 ]
 
 HANDSHAKE_MAGIC = b"KXHS"
@@ -82,6 +83,7 @@ MSG_TYPES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", REQUEST: "REQUEST", ANNOUNC
              ABORT: "ABORT", ABORTED: "ABORTED", REJECT: "REJECT", HEARTBEAT: "HEARTBEAT", BYE: "BYE"}
 ABORTED_UNKNOWN = 1
 ABORTED_BY_PREFILLER = 2
+ABORTED_REJECTED = 4          # with BY_PREFILLER: Request.reject after writes were posted
 
 _HDR = struct.Struct("<2sBBQQQ")
 _REQ = struct.Struct("<IQiI")
@@ -454,7 +456,7 @@ class Control:
             elif t == ABORTED:
                 _exact(body, _ABD.size, t)
                 m.imm, m.count, m.flags = _ABD.unpack(body)
-                if m.flags & ~(ABORTED_UNKNOWN | ABORTED_BY_PREFILLER):
+                if m.flags & ~(ABORTED_UNKNOWN | ABORTED_BY_PREFILLER | ABORTED_REJECTED):
                     raise DescriptorError("ABORTED has unknown flags")
             elif t == REJECT:
                 if len(body) < 4 or len(body) > 4 + _MAX_REASON:

@@ -30,6 +30,7 @@ from kvxfer.errors import (
     KvxferError,
     LayoutError,
     PeerError,
+    RejectedError,
     TimeoutError,
 )
 from kvxfer.layout import KVLayout, Sharding
@@ -119,6 +120,7 @@ class Receive:
         self._hot = False
         self.t_start = time.monotonic()
         self.t_done: Optional[float] = None
+        self.t_fenced: Optional[float] = None
 
     # -- public -----------------------------------------------------------------------
     @property
@@ -416,8 +418,11 @@ class Decoder:
                 self.rids.pop(r.request_id, None)
                 cbs, r._callbacks = r._callbacks, []
                 self.node.count("receive_" + state)
+                self.node.report(r)
         if not r.fenced and all(leg.fenced for leg in r.legs):
             r.fenced = True
+            r.t_fenced = time.monotonic()
+            self.node.report(r)
             self.busy_pages[r.dst_pages] = False
             self.fencing.discard(r)
         elif r.fenced or not any(leg.fence_target is not None and not leg.fenced for leg in r.legs):
@@ -543,7 +548,10 @@ class Decoder:
             if not trusted:
                 node.count("drop_bad_count")
             else:
-                if m.flags & C.ABORTED_BY_PREFILLER and r.error is None:
+                if m.flags & C.ABORTED_REJECTED and r.error is None:
+                    r.error = RejectedError(f"the prefiller rejected request {r.request_id!r} after posting "
+                                            f"{target} write(s) (fenced)")
+                elif m.flags & C.ABORTED_BY_PREFILLER and r.error is None:
                     r.error = PeerError(f"the prefiller gave up on request {r.request_id!r}")
                 leg.fence_target = target
                 leg.fence_since = time.monotonic()
@@ -565,9 +573,13 @@ class Decoder:
         r, leg = self._leg_of(pg, m.imm)
         if r is None or r._state in FINAL:
             return
-        # fenced only if nothing was announced or fenced: else writes may land
+        # fenced only if nothing was announced or fenced: else writes may land (only an
+        # ABORTED's count, or a teardown, fences that leg then)
         quiet = leg.announced is None and leg.fence_target is None
-        self.fail(r, InvalidArgumentError(f"the prefiller rejected the request: {m.reason}"),
+        if not quiet:
+            with self.node.lock:
+                r._aborting = True
+        self.fail(r, RejectedError(f"the prefiller rejected request {r.request_id!r}: {m.reason}"),
                   fence=lambda x: x is leg and quiet, cause=leg)
 
     def check_fence(self, r: Receive, leg: Leg, now: Optional[float] = None) -> None:

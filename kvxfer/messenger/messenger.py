@@ -302,6 +302,29 @@ class Messenger:
         with self._node.lock:
             return dict(self._node.counts)
 
+    def poll(self) -> list[Receive | Send]:
+        """The ``Receive``s and ``Send``s that became final (done, failed or aborted) since the
+        last call, in the order they did, and the ``Receive``s whose pages became safe to
+        reuse (``fenced`` turned True, at ``t_fenced``). A Receive final and fenced by then
+        appears once; one final before its fence appears again once fenced (read ``fenced``
+        to tell). Never blocks, takes no lock the messenger's threads hold for long, runs no
+        callback: the call for an engine's scheduler loop (vLLM's ``get_finished``, SGLang's
+        ``poll``). The first call turns reporting on and returns ``[]`` (call it once at
+        start-up): a messenger never polled keeps nothing. Any thread may call it; two
+        threads polling at once each get a part."""
+        node = self._node
+        if not node.polling:
+            node.polling = True
+            return []
+        q = node.events
+        out = []
+        for _ in range(len(q)):          # bounded: what is there now; later ones wait
+            try:
+                out.append(q.popleft())
+            except IndexError:
+                break
+        return list(dict.fromkeys(out))
+
     def _check_open(self) -> None:
         if self._node.closed:
             raise ClosedError("messenger is closed")

@@ -140,6 +140,36 @@ class Prefiller:
         else:
             send.request_abort(by_prefiller=False)
 
+    def reject(self, req: Request, reason: Any) -> None:
+        """``Request.reject``: before a Send, forget the request and answer REJECT; after
+        one, the Send stops and answers ABORTED flagged REJECTED."""
+        if not isinstance(reason, str):
+            raise InvalidArgumentError(f"reason must be a str, got {type(reason).__name__}")
+        pg = req.peer
+        with self.node.lock:
+            s = req.send
+            if s is None:
+                if req.aborted:
+                    return                      # the decoder aborted it (answered), or rejected already
+                req.aborted = True              # a later send()/stream() posts nothing
+                req.rejected = reason
+                self.requests.pop((pg.uid, req.imm), None)
+                try:
+                    self.inbox.remove(req)
+                except ValueError:
+                    pass
+                self.node.count("requests_rejected")
+            elif s.done:
+                raise InvalidArgumentError(f"request {req.request_id!r} is already {s.state}: too late to reject")
+            else:
+                req.rejected = reason
+                self.node.count("requests_rejected")
+        if s is None:
+            if pg.alive:
+                self.peers.try_send(pg, C.REJECT, imm=req.imm, reason=reason, retry=True)
+        else:
+            s.reject()
+
     def peer_gone(self, pg: PeerGroup, err: KvxferError) -> None:
         """Before ``pg``'s teardown: its requests are forgotten, its Sends fail now."""
         with self.node.lock:
@@ -166,6 +196,7 @@ class Prefiller:
             request.send = s
             if request.aborted or not pg.alive:
                 s.refuse(request.aborted)
+                self.node.report(s)
                 self.requests.pop((pg.uid, request.imm), None)
                 if stream is None:
                     return s
@@ -293,6 +324,7 @@ class Prefiller:
                 return
             self.requests.pop((req.peer.uid, req.imm), None)
             self.node.count("send_" + state)
+            self.node.report(s)
             staged = self._staged.pop(s, None)
             if staged is not None:
                 stride, slot = staged

@@ -45,8 +45,19 @@ class Request:
         self.dst_pages.flags.writeable = False
         self.imm = msg.imm
         self.slot = msg.slot
-        self.aborted = False          #: the decoder aborted it before ``send``
+        self.aborted = False          #: the decoder aborted it before ``send`` (or it was rejected)
+        self.rejected: Optional[str] = None   #: the reason given to ``reject``
         self.send: Optional[Send] = None
+
+    def reject(self, reason: str) -> None:
+        """Refuse this request (its KV is gone, it was preempted, the id is unknown): the
+        decoder's Receive fails with ``RejectedError`` (meaning "recompute", not "peer dead").
+        Before ``send``/``stream`` nothing was posted: a REJECT carries ``reason`` (UTF-8, at
+        most 1024 bytes travel) and the decoder's pages are free at once. After it, posting
+        stops and the decoder fences on what was posted (ABORTED); ``reason`` stays here.
+        Raises ``InvalidArgumentError`` once the Send is final; a request the decoder
+        aborted meanwhile is left alone. Any thread."""
+        self.room.reject(self, reason)
 
     def __repr__(self) -> str:
         return f"<Request {self.request_id!r} {len(self.dst_pages)} pages from {self.peer.uid:016x}>"
@@ -183,6 +194,15 @@ class Send:
                     self._fail_locked(exc)
         self._room.queue_reap(self)
         return self
+
+    def reject(self) -> None:
+        """``Request.reject`` after this Send began: stop with the decoder told it was a
+        rejection (ABORTED flagged REJECTED, with the posted count: it fences on it)."""
+        with self._lock:
+            if self._state in FINAL or self._abort_req:
+                return
+            self._abort_flags |= C.ABORTED_REJECTED
+        self.request_abort(by_prefiller=True)
 
     def abort(self, timeout: Optional[float] = None) -> bool:
         """Give up: post nothing more, tell the decoder what was posted (it fences and fails
