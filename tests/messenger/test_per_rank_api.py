@@ -315,3 +315,36 @@ def test_one_storage_with_layers_as_offsets(provider):
         inst.check(np.array([3, 9]), np.array([6, 2]))
     finally:
         inst.close()
+
+
+def test_timeout_fences_every_leg(provider):
+    """A per-rank request whose rank 1 never answers times out: rank 0's leg had completed (its
+    count credited: fenced, not asked again), rank 1's leg gets ABORT and answers ABORTED(0);
+    the Receive fails with TimeoutError, fenced, and its pages serve the next request
+    byte-exact."""
+    inst = Instance(provider, L4, Sharding(2), L4, Sharding(1))
+    try:
+        d, pgs = inst.d, inst.pgs
+        r = d.receive(pgs, "slow", [4, 5], 8, timeout=0.5)
+        qs = inst.requests(1)
+        s0 = inst.pre[0].send(qs[0][0], [1, 2]).finish()
+        assert s0.wait(10) == "done"
+        with pytest.raises(kvxfer.errors.TimeoutError):
+            r.wait(10)
+        deadline = time.monotonic() + 10
+        while not r.fenced and time.monotonic() < deadline:
+            time.sleep(0.01)
+        leg0, leg1 = r.legs
+        assert r.fenced and r.state == "failed"
+        assert leg0.complete and not leg0.abort_sent and leg0.announced == s0.num_writes
+        assert leg1.abort_sent and leg1.fence_ok and leg1.fence_target == 0
+        assert qs[1][0].aborted                       # rank 1 withdrew it: a late send posts nothing
+        assert inst.pre[1].send(qs[1][0], [1, 2]).state == "aborted"
+        r2 = d.receive(pgs, "next", [4, 5], 8)
+        qs = inst.requests(1)
+        for i in (0, 1):
+            inst.pre[i].send(qs[i][0], [6, 7]).finish()
+        assert r2.wait(10) == "done"
+        inst.check(np.array([4, 5]), np.array([6, 7]))
+    finally:
+        inst.close()
