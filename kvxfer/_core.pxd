@@ -9,6 +9,7 @@ cdef extern from "rdma/fabric.h" nogil:
     uint64_t FI_MR_LOCAL, FI_MR_VIRT_ADDR, FI_MR_ALLOCATED, FI_MR_PROV_KEY, FI_MR_ENDPOINT, FI_MR_RAW
     uint64_t FI_RMA_EVENT, FI_HMEM
     int FI_EAGAIN
+    int FI_EINVAL
     int FI_EBUSY
     int FI_ECANCELED
 
@@ -103,6 +104,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     int kx_av_remove(kx_rail *r, fi_addr_t addr, int64_t wait_ns)
 
     # regions
+    int KX_REMOTE_WRITE, KX_REMOTE_READ
     int kx_mr_reg(kx_rail *r, void *buf, size_t len, int iface, int device, int dmabuf_fd, int remote,
                   fid_mr **mr, uint64_t *key, void **desc, uint8_t *raw, size_t *rawlen,
                   uint64_t *raw_base, const char **call)
@@ -137,6 +139,12 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     void kx_transfer_release(kx_rail *r, kx_transfer *x)
     int kx_peer_cancel(kx_rail *r, fi_addr_t peer, uint32_t gen)
     int kx_peer_wait(kx_rail *r, fi_addr_t peer, uint32_t gen, int64_t slice_ns, int *posting)
+
+    # reads
+    int kx_read(kx_rail *r, fi_addr_t peer, uint32_t gen, char *local_base, void *desc, uint64_t local_len,
+                uint64_t remote_base, uint64_t key, uint64_t remote_len, const uint64_t *local_off,
+                const uint64_t *remote_off, const uint64_t *length, size_t n, size_t iov, uint64_t max_read,
+                kx_transfer **out)
 
     # counters
     int kx_expect(kx_rail *r, uint32_t imm, uint64_t count, int want_callback, kx_counter **out)

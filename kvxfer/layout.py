@@ -27,9 +27,10 @@ from the `Sharding` passed next to it. `dtype` matters only by size; `"bfloat16"
 | | `stacked` | all K pages then all V pages in one region: `[2, pages, block]` |
 | | `separate` | K and V each in their own region (a K pool and a V pool) |
 | | `mla` | one plane, one latent vector per token, `kv_heads=1` |
+| | `packed` | vLLM 0.32's `2 * head_dim` rows: HND per head K rows then V rows (CPU), NHD K|V per (token, head) |
 | `placement` | `per_layer` | one region (or one per K/V pool) per layer |
 | | `layer_major` | one region (per pool) holding all layers at `layer_stride` |
-| `page_stride`, `layer_stride` | bytes | override the dense strides (padding); checked ≥ dense when resolved |
+| `page_stride`, `layer_stride` | bytes | override the dense strides (padding); checked when resolved (below) |
 
 Constructors for the engines people run:
 
@@ -40,6 +41,7 @@ Constructors for the engines people run:
 | `KVLayout.sglang(...)` | K and V `[tokens, heads, dim]`; page = `page_size` token slots | two per layer |
 | `KVLayout.layer_major(..., kv="fused")` | `[layers, pages, 2, heads, page, dim]` | one (two with `kv="separate"`) |
 | `KVLayout.mla(layers, latent_dim, ...)` | `[pages, page, latent_dim]` | one per layer (or layer-major) |
+| `KVLayout.vllm_packed(..., order="HND")` (vLLM 0.32) | `[pages, heads, page, 2*dim]` (NHD: `[pages, page, heads, 2*dim]`) | one per layer, or one storage (`layer_stride`, `page_stride`) |
 
 `layout.resolve(sharding) -> RankGeometry` fixes every stride in bytes for a rank of that
 sharding (all ranks of one sharding have the same geometry); `layout.region_sizes(sharding)`
@@ -59,20 +61,38 @@ offset(layer, plane, page, head, token)
     = layer * layer_stride + plane_base[plane] + page * page_stride
       + head * head_stride + token * token_stride            (dim innermost, contiguous)
 
-HND: head_stride = page_size * c, token_stride = c
-NHD: head_stride = c,             token_stride = lh * c
+row = 2c if packed else c              (bytes from one token's vector to the next)
+HND: head_stride = page_size * row, token_stride = row      (packed HND: token_stride = c)
+NHD: head_stride = row,             token_stride = lh * row
 
 kv        plane_region  plane_base             dense page_stride
 fused     (0, 0)        (0, B)                 2B
 stacked   (0, 0)        (0, num_pages*page_stride)   B
 separate  (0, 1)        (0, 0)                 B
 mla       (0,)          (0,)                   B
+packed    (0, 0)        HND (0, page_size*c),  2B
+                        NHD (0, c)
 
 per_layer:   regions_per_layer = pools (2 if separate else 1), layer_stride = 0,
              region size = num_pages * page_stride (x2 if stacked)
 layer_major: regions_per_layer = 0, layer_stride = that per-layer size unless given,
-             region size = num_layers * layer_stride
+             region size = num_layers * layer_stride (layers outer: layer_stride >= a layer)
+             or num_pages * page_stride (pages outer: every layer's page inside one page
+             stride, layer_stride >= a dense page and page_stride >= num_layers * layer_stride;
+             not for stacked)
 ```
+
+The packed form is vLLM 0.32's: its CPU backend gives one tensor per layer,
+`[blocks, kv_heads, block_size, 2 * head_size]` (HND), all layers views into one storage, and
+its kernel reads each head's `[block_size, 2 * head_size]` as `[2 * block_size, head_size]`:
+the block's `block_size` K rows, then its `block_size` V rows (checked against vLLM's own
+cache-write kernel in tests/vllm/test_layout.py): `KVLayout.vllm_packed(...,
+placement="layer_major", layer_stride=..., page_stride=...)` with the strides of vLLM's
+`kv_cache_config` (layer-major or block-major, both placements above). Its GPU backends pack
+K|V per (token, head) in the order `KVCacheLayout` names: NHD `[blocks, block_size, kv_heads,
+2 * head_size]`, HND as on CPU, one tensor per layer. A packed page's K plane is every other
+`c` bytes, so under either order a write moves one (head, token) vector unless the two sides
+are the same packed shape, where K and V of a row (and whole pages) coalesce.
 
 Sharding
 --------
@@ -99,7 +119,7 @@ from kvxfer.errors import LayoutError
 __all__ = ["KVLayout", "Sharding", "RankGeometry", "ORDERS", "KV_FORMS", "PLACEMENTS"]
 
 Order = Literal["HND", "NHD"]
-KVForm = Literal["fused", "stacked", "separate", "mla"]
+KVForm = Literal["fused", "stacked", "separate", "mla", "packed"]
 #: how a rank's layers map to regions: one region (per K/V pool) per layer, or every layer in
 #: one region at ``layer_stride`` (the ``KVLayout.placement`` field; not
 #: ``kvxfer.topology.Placement``, which is where a GPU's transfers run)
@@ -109,8 +129,10 @@ ORDERS: tuple[str, ...] = ("HND", "NHD")
 #: fused: K and V side by side inside each page ``[pages, 2, ...]`` (vLLM/FlashInfer);
 #: stacked: all K pages then all V pages in one region ``[2, pages, ...]`` (vLLM flash-attn);
 #: separate: K and V in their own regions (SGLang's k_buffer / v_buffer);
-#: mla: one latent vector per token, no V plane, replicated on every rank.
-KV_FORMS: tuple[str, ...] = ("fused", "stacked", "separate", "mla")
+#: mla: one latent vector per token, no V plane, replicated on every rank;
+#: packed: vLLM 0.32's ``2 * head_dim`` rows: HND a head's K rows then its V rows (CPU backend),
+#: NHD K then V in each (token, head) row.
+KV_FORMS: tuple[str, ...] = ("fused", "stacked", "separate", "mla", "packed")
 #: per_layer: each layer its own region(s); layer_major: one region (per K/V pool) with
 #: layers at ``layer_stride``.
 PLACEMENTS: tuple[str, ...] = ("per_layer", "layer_major")
@@ -246,13 +268,14 @@ class RankGeometry:
     head_stride: int
     token_stride: int
     page_stride: int
-    block_bytes: int  #: bytes of one (plane, page) block: local_heads * page_size * head_dim * itemsize
+    block_bytes: int  #: data bytes of one (plane, page): local_heads * page_size * head_dim * itemsize
     plane_region: tuple[int, ...]
     plane_base: tuple[int, ...]
     regions_per_layer: int  #: region id shift per layer (0 when layer-major)
     layer_stride: int  #: base offset shift per layer (0 when one region per layer)
     num_regions: int
     region_size: int
+    packed: bool = False  #: K and V interleaved per (head, token) row (the ``packed`` form)
 
     def region(self, layer: int, plane: int) -> int:
         """Region id holding ``(layer, plane)``."""
@@ -282,7 +305,8 @@ class KVLayout:
     together (a head slice is ``page_size`` runs). ``page_stride`` and ``layer_stride`` (bytes)
     override the dense defaults, e.g. for padded pages; they are checked against the
     sharding when resolved. Use the constructors (:meth:`vllm`, :meth:`flash_attn`,
-    :meth:`sglang`, :meth:`layer_major`, :meth:`mla`) for the common engines.
+    :meth:`sglang`, :meth:`layer_major`, :meth:`mla`, :meth:`vllm_packed`) for the common
+    engines.
     """
 
     num_layers: int
@@ -353,6 +377,17 @@ class KVLayout:
         ``[pages, page, latent_dim]`` per layer, the same on every rank."""
         return cls(num_layers, 1, latent_dim, page_size, num_pages, dtype, "HND", "mla", placement, **kw)
 
+    @classmethod
+    def vllm_packed(cls, num_layers: int, kv_heads: int, head_dim: int, page_size: int, num_pages: int,
+                    dtype: Any = "bfloat16", order: Order = "HND", placement: LayerRegions = "per_layer",
+                    **kw: Any) -> KVLayout:
+        """vLLM 0.32's packed K|V: per layer ``[pages, heads, page, 2*dim]`` (HND: the CPU backend,
+        and GPU backends whose ``KVCacheLayout`` is HND) or ``[pages, page, heads, 2*dim]``
+        (NHD), K in the first ``head_dim`` elements of a row and V in the second. vLLM's CPU
+        backend views every layer into one storage: pass ``placement="layer_major"`` with its
+        ``layer_stride`` and ``page_stride`` (block stride) in bytes."""
+        return cls(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, "packed", placement, **kw)
+
     # -- derived --------------------------------------------------------------------------
     @property
     def np_dtype(self) -> np.dtype:
@@ -387,13 +422,19 @@ class KVLayout:
             raise LayoutError(f"expected a Sharding, got {sharding!r}")
         lh = sharding.local_heads(self.kv_heads)
         isz, d, p = self.itemsize, self.head_dim, self.page_size
+        packed = self.kv == "packed"
         block = lh * p * d * isz
-        if self.order == "HND":
-            head_stride, token_stride = p * d * isz, d * isz
+        row = (2 if packed else 1) * d * isz  # one token's vector(s) of one head
+        if packed and self.order == "HND":
+            # vLLM's CPU kernel views a head's [page, 2*dim] as [2*page, dim]: page K rows, then
+            # page V rows (vllm/v1/attention/backends/cpu_attn.py, view + chunk(2, dim=2))
+            head_stride, token_stride = 2 * p * d * isz, d * isz
+        elif self.order == "HND":
+            head_stride, token_stride = p * row, row
         else:
-            head_stride, token_stride = d * isz, lh * d * isz
+            head_stride, token_stride = row, lh * row
         planes = self.planes
-        in_page = planes if self.kv == "fused" else 1
+        in_page = planes if self.kv in ("fused", "packed") else 1
         dense_page = in_page * block
         page_stride = dense_page if self.page_stride is None else self.page_stride
         if page_stride < dense_page:
@@ -408,6 +449,8 @@ class KVLayout:
             plane_region, plane_base = (0, 0), (0, pool)
         elif self.kv == "separate":
             plane_region, plane_base = (0, 1), (0, 0)
+        elif packed:
+            plane_region, plane_base = (0, 0), ((0, p * d * isz) if self.order == "HND" else (0, d * isz))
         else:
             plane_region, plane_base = (0,), (0,)
         per_layer = pool * (2 if self.kv == "stacked" else 1)
@@ -417,16 +460,24 @@ class KVLayout:
             num_regions, region_size = pools * self.num_layers, per_layer
         else:
             layer_stride = per_layer if self.layer_stride is None else self.layer_stride
-            if layer_stride < per_layer:
-                raise LayoutError(f"layer_stride={layer_stride} is smaller than a layer ({per_layer} bytes)")
             regions_per_layer = 0
-            num_regions, region_size = pools, self.num_layers * layer_stride
+            if layer_stride >= per_layer:  # layers outer
+                num_regions, region_size = pools, self.num_layers * layer_stride
+            elif (self.kv != "stacked" and layer_stride >= dense_page
+                  and page_stride >= self.num_layers * layer_stride):  # pages outer, layers inside
+                num_regions, region_size = pools, self.num_pages * page_stride
+            else:
+                raise LayoutError(
+                    f"layer_stride={layer_stride} is smaller than a layer ({per_layer} bytes) and the layers do "
+                    f"not fit inside a page either (that needs layer_stride >= {dense_page}, the page's bytes, "
+                    f"and page_stride={page_stride} >= num_layers * layer_stride"
+                    + (", and not the stacked form)" if self.kv == "stacked" else ")"))
         return RankGeometry(
             local_heads=lh, planes=planes, itemsize=isz, head_dim=d, page_size=p, num_pages=self.num_pages,
             num_layers=self.num_layers, head_stride=head_stride, token_stride=token_stride,
             page_stride=page_stride, block_bytes=block, plane_region=plane_region, plane_base=plane_base,
             regions_per_layer=regions_per_layer, layer_stride=layer_stride, num_regions=num_regions,
-            region_size=region_size,
+            region_size=region_size, packed=packed,
         )
 
     def region_sizes(self, sharding: Sharding) -> tuple[int, ...]:

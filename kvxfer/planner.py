@@ -19,13 +19,17 @@ How a page travels, in short (the full rules follow):
   counts it stays ``page_size`` writes.
 * Writes are then ordered by (source region, destination region, source offset) and any
   write contiguous with the previous one on both sides is merged (never across layers).
+* Where the two sides' page sizes differ, ``num_tokens=`` says how many tokens move, and a
+  page's tokens are cut where the other side's pages end (below, "Page sizes that differ").
 
 Planning, step by step
 ----------------------
 
 `plan(src_layout, src_sharding, dst_layout, dst_sharding, src_pages, dst_pages, layers=None,
-seed=None) -> TransferPlan`: `src_pages[i]` on the prefill side becomes `dst_pages[i]` on the
-decode side, on every destination rank, for the heads that rank holds.
+seed=None, num_tokens=None) -> TransferPlan`: `src_pages[i]` on the prefill side becomes
+`dst_pages[i]` on the decode side, on every destination rank, for the heads that rank holds
+(with `num_tokens`: token `t` of the request moves from slot `t % ps` of `src_pages[t // ps]`
+to slot `t % pd` of `dst_pages[t // pd]`).
 
 1. **Segments.** For each destination rank, its heads are split into runs held by the same set
    of source ranks: the intersection with each source rank's range (one candidate), a single
@@ -74,6 +78,35 @@ into one message or split a long one (iovecs per message, maximum message size);
 `kvxfer.count_writes` (engine side) turns a write list into the number of messages, and that is
 what a completion counter should wait for.
 
+Page sizes that differ
+----------------------
+
+A prefill node and a decode node tuned apart have different page sizes (`ps` source, `pd`
+destination tokens), in either direction and by any ratio. Then the page lists no longer fix
+the last partial page on each side, so `plan(..., num_tokens=T)` is required: `T` tokens move,
+exactly, each page list is `ceil(T / page_size)` of its own side's pages long (`PlanError`
+otherwise), nothing past token `T` is read or written (the last page of each side in part).
+Without `num_tokens` the sizes must be equal and whole pages move (`LayoutError` naming
+`num_tokens` otherwise); `num_tokens` with equal sizes moves exactly `T` tokens too, and is the
+page path when `T` fills the pages. `first_token=a` leaves tokens before `a` out: a chunk
+`[a, b)` of a streamed prefill is `plan(..., src_pages[:ceil(b/ps)], dst_pages[:ceil(b/pd)],
+num_tokens=b, first_token=a)`, and consecutive chunks write every byte once between them.
+
+The token path keeps the page path's structure. Replicas get contiguous chunks of the *source*
+page list (balanced within one source page per segment, plus the short last page). Blocks
+(page, plane) are sorted by (group, src offset). A source page that starts `phase` tokens into a
+destination page (`phase = (i * ps) % pd` for list position `i`) is cut into *pieces* where
+destination pages end; its writes depend only on `(phase, length)` (`length` < `ps` for the
+last page), so one pattern per class is built, at most `lcm(ps, pd) / ps` classes plus the
+last page, with the same (head, token) folding as inside a page, and shifted to every block of
+the class: writes come out sorted and coalesce with no sort over writes. Writes per layer and
+pair are about `pieces × (heads not folded) × planes` for HND, `tokens × planes` for NHD with
+differing head counts; a piece is at most `min(ps, pd)` tokens and there are
+`ceil(T/ps) + ceil(T/pd) - ceil(T/lcm(ps, pd))` of them. Contiguous page runs on both sides
+still merge across piece boundaries (one write per plane and layer with matching heads).
+The per-pair templates, `layer(l)`, `groups`, `expected_writes` and `count_writes` are as on
+the page path.
+
 HND vs NHD write counts
 -----------------------
 
@@ -94,11 +127,13 @@ layers). That is why HND is preferred for disaggregation; see docs/benchmarks.md
 Validation
 ----------
 
-* `LayoutError`: layouts that differ in layer count, KV heads, head dim, page size, dtype (the
+* `LayoutError`: layouts that differ in layer count, KV heads, head dim, page size (without
+  `num_tokens`), dtype (the
   number format, `KVLayout.dtype_format`: fp8 e4m3 and e5m2 share a size, not a meaning; a
   generic `"fp8"` matches any fp8), or MLA vs K/V; a sharding that does not divide the heads; strides smaller than the data; an
   unknown order, KV form or placement.
-* `PlanError`: page lists of different lengths, not 1-D, not integers (floats and bools
+* `PlanError`: page lists of different lengths (or not `ceil(num_tokens / page_size)` long),
+  `num_tokens` not an int >= 0, page lists not 1-D, not integers (floats and bools
   refused), negative, beyond a layout's `num_pages`; a destination page listed twice (it would be
   written twice; a repeated *source* page is fine); layers out of range or repeated; a rank pair
   or layer not in the plan.
@@ -114,6 +149,7 @@ import numpy as np
 
 from kvxfer._check import is_int
 from kvxfer.errors import LayoutError, PlanError
+from kvxfer._pieces import PagePattern, PieceChunk
 from kvxfer.layout import KVLayout, RankGeometry, Sharding, same_format
 
 __all__ = ["plan", "TransferPlan", "Writes"]
@@ -178,11 +214,14 @@ class TransferPlan:
 
     def __init__(self, *, src_tp: int, dst_tp: int, layers: tuple[int, ...], num_pages: int,
                  src_geometry: RankGeometry, dst_geometry: RankGeometry,
-                 src_order: str, dst_order: str, templates: dict[tuple[int, int], _PairTemplate]) -> None:
+                 src_order: str, dst_order: str, templates: dict[tuple[int, int], _PairTemplate],
+                 num_tokens: int = 0, first_token: int = 0) -> None:
         self.src_tp = src_tp
         self.dst_tp = dst_tp
         self.layers = layers
-        self.num_pages = num_pages
+        self.num_pages = num_pages  #: source pages
+        self.num_tokens = num_tokens  #: tokens [first_token, num_tokens) move (whole pages: num_pages * page_size)
+        self.first_token = first_token
         self.src_geometry = src_geometry
         self.dst_geometry = dst_geometry
         self.src_order = src_order
@@ -270,7 +309,8 @@ class TransferPlan:
                             if self.layers else f"layer {layer} is not in this empty plan")
         return TransferPlan(src_tp=self.src_tp, dst_tp=self.dst_tp, layers=(layer,), num_pages=self.num_pages,
                             src_geometry=self.src_geometry, dst_geometry=self.dst_geometry,
-                            src_order=self.src_order, dst_order=self.dst_order, templates=self._t)
+                            src_order=self.src_order, dst_order=self.dst_order, templates=self._t,
+                            num_tokens=self.num_tokens, first_token=self.first_token)
 
     # -- printing -------------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -336,7 +376,6 @@ def _check_compatible(src: KVLayout, dst: KVLayout) -> None:
         ("num_layers", src.num_layers, dst.num_layers),
         ("kv_heads", src.kv_heads, dst.kv_heads),
         ("head_dim", src.head_dim, dst.head_dim),
-        ("page_size (tokens)", src.page_size, dst.page_size),
         ("dtype", src.np_dtype, dst.np_dtype),
         ("KV planes (MLA latent vs K/V)", src.planes, dst.planes),
     ):
@@ -404,8 +443,9 @@ def _pair_template(sp: np.ndarray, dp: np.ndarray, sg: RankGeometry, dg: RankGeo
         np.multiply(dp, dg.page_stride, out=dblk[sl])
         dblk[sl] += dg.plane_base[k]
         grp[sl] = sg.plane_region[k] * 2 + dg.plane_region[k]
-    # Sort blocks by (group, src offset). Blocks of one pair never overlap at the source, so
-    # expanding each by the sorted inner pattern keeps the whole list sorted by src offset.
+    # Sort blocks by (group, src offset). Blocks of one pair never overlap at the source (but
+    # for a packed page's K and V, sorted below), so expanding each by the sorted inner pattern
+    # keeps the whole list sorted by src offset.
     if grp[0] == grp[-1] and (grp == grp[0]).all():
         order = np.argsort(sblk, kind="stable")
     else:
@@ -417,18 +457,45 @@ def _pair_template(sp: np.ndarray, dp: np.ndarray, sg: RankGeometry, dg: RankGeo
     else:
         so = (sblk[:, None] + inner_s[None, :]).ravel()
         do = (dblk[:, None] + inner_d[None, :]).ravel()
+    if sg.packed and planes > 1:
+        # a packed page's K and V blocks interleave row by row: sort the vectors themselves so
+        # K|V of one row (and rows of a page) can join when the destination is packed alike
+        return _sort_coalesce(so, do, np.repeat(grp, m), run, sg.region_size)
+    gpos = np.concatenate(([0], np.flatnonzero(np.diff(grp)) + 1))  # blocks where the group changes
+    return _coalesce(so, do, gpos * m, grp[gpos], run)
+
+
+def _sort_coalesce(so: np.ndarray, do: np.ndarray, eg: np.ndarray, run: int | np.ndarray,
+                   region_size: int) -> _PairTemplate:
+    """``_coalesce`` of writes in any order: sort them by (group ``eg``, src offset) first."""
+    o = np.argsort(eg * region_size + so, kind="stable")
+    so, do, eg = so[o], do[o], eg[o]
+    if isinstance(run, np.ndarray):
+        run = run[o]
+    gpos = np.concatenate(([0], np.flatnonzero(np.diff(eg)) + 1))
+    return _coalesce(so, do, gpos, eg[gpos], run)
+
+
+def _coalesce(so: np.ndarray, do: np.ndarray, gpos: np.ndarray, gval: np.ndarray,
+              run: int | np.ndarray) -> _PairTemplate:
+    """Merge writes sorted by (group, src offset) that are contiguous on both sides: ``so``,
+    ``do`` the offsets; the group (``src plane region * 2 + dst plane region``) is ``gval[i]``
+    from write ``gpos[i]`` on (``gpos[0] == 0``); ``run`` the length of each (one int, or one
+    per write)."""
     e = so.shape[0]
+    uniform = not isinstance(run, np.ndarray)
+    step = run if uniform else run[:-1]
     brk = np.empty(e, bool)
-    brk[0] = True
-    # every entry is `run` bytes long before merging
-    np.not_equal(so[1:], so[:-1] + run, out=brk[1:])
-    brk[1:] |= do[1:] != do[:-1] + run
-    gchange = np.flatnonzero(grp[1:] != grp[:-1]) + 1  # block index where the group changes
-    brk[gchange * m] = True
+    np.not_equal(so[1:], so[:-1] + step, out=brk[1:])
+    brk[1:] |= do[1:] != do[:-1] + step
+    brk[gpos] = True
     starts = np.flatnonzero(brk)
-    length = np.diff(np.append(starts, e)) * run
+    length = np.diff(np.append(starts, e)) * run if uniform else np.add.reduceat(run, starts)
     src_off, dst_off = so[starts], do[starts]
-    g = grp[starts // m]
+    if gpos.shape[0] > 1:
+        g = gval[np.searchsorted(gpos, starts, side="right") - 1]
+    else:
+        g = np.full(starts.shape[0], gval[0], np.int64)
     src_reg = (g // 2).astype(np.int32)
     dst_reg = (g % 2).astype(np.int32)
     gb = np.flatnonzero(np.diff(g)) + 1
@@ -437,16 +504,56 @@ def _pair_template(sp: np.ndarray, dp: np.ndarray, sg: RankGeometry, dg: RankGeo
     return _PairTemplate(src_reg, src_off, dst_reg, dst_off, length.astype(np.int64), groups)
 
 
+def _num_tokens(num_tokens: Any, sp: np.ndarray, dp: np.ndarray, src: KVLayout, dst: KVLayout) -> int | None:
+    """The tokens to move, checked against both page lists; None for whole pages (equal sizes)."""
+    if num_tokens is None:
+        if src.page_size != dst.page_size:
+            raise LayoutError(f"source and destination layouts differ in page_size (tokens): {src.page_size} vs "
+                              f"{dst.page_size}; plan between them with num_tokens= (the tokens the pages hold)")
+        if sp.shape[0] != dp.shape[0]:
+            raise PlanError(f"src_pages has {sp.shape[0]} pages but dst_pages has {dp.shape[0]}")
+        return None
+    if not is_int(num_tokens) or num_tokens < 0:
+        raise PlanError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    t = int(num_tokens)
+    for name, pages, size in (("src_pages", sp, src.page_size), ("dst_pages", dp, dst.page_size)):
+        if pages.shape[0] != -(-t // size):
+            raise PlanError(f"{name} has {pages.shape[0]} pages but {t} tokens fill {-(-t // size)} "
+                            f"pages of {size} tokens")
+    return t
+
+
+def _piece_template(ch: PieceChunk, pats: list[PagePattern], src_shift: int, dst_shift: int,
+                    sg: RankGeometry) -> _PairTemplate:
+    """Layer-0 writes for one pair when pages do not align: the chunk's blocks expanded by
+    their classes' patterns (already sorted by (group, src offset) as on the page path, but
+    for a packed source), then runs contiguous on both sides merged."""
+    if ch.nb == 0:
+        return _PairTemplate(_EMPTY_I32, _EMPTY_I64, _EMPTY_I32, _EMPTY_I64, _EMPTY_I64, [])
+    so, do, runs, sizes = ch.expand(pats, src_shift, dst_shift)
+    if sg.packed and sg.planes > 1:  # K and V rows interleave: sort the writes themselves
+        return _sort_coalesce(so, do, np.repeat(ch.grp, sizes), runs, sg.region_size)
+    return _coalesce(so, do, (np.cumsum(sizes) - sizes)[ch.gb], ch.gval, runs)
+
+
 def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst_sharding: Sharding,
          src_pages: Sequence[int] | np.ndarray, dst_pages: Sequence[int] | np.ndarray,
-         layers: Iterable[int] | None = None, seed: int | np.random.Generator | None = None) -> TransferPlan:
+         layers: Iterable[int] | None = None, seed: int | np.random.Generator | None = None,
+         num_tokens: int | None = None, first_token: int = 0) -> TransferPlan:
     """Plan the RDMA writes that move ``src_pages`` (prefill side) into ``dst_pages`` (decode
     side): ``src_pages[i]`` on every source rank becomes ``dst_pages[i]`` on every destination
     rank, each destination rank receiving exactly the heads its sharding gives it.
 
     ``layers`` restricts (and orders) the layers planned; ``seed`` picks which replica sends
-    when several source ranks hold the same bytes. Raises :class:`LayoutError` for layouts or
-    shardings that cannot meet, :class:`PlanError` for bad page or layer lists.
+    when several source ranks hold the same bytes. ``num_tokens`` (the tokens the pages hold;
+    needed where the page sizes differ) moves exactly those tokens, token ``t`` from slot
+    ``t % page_size`` of ``src_pages[t // page_size]`` to its place in each side's own pages,
+    each page list ``ceil(num_tokens / page_size)`` long; without it whole pages move,
+    ``src_pages[i]`` to ``dst_pages[i]``. ``first_token`` (with ``num_tokens``) leaves the
+    tokens before it out: a chunk of a streamed prefill moves tokens ``[first_token,
+    num_tokens)``, the page lists covering ``[0, num_tokens)``. Raises :class:`LayoutError` for
+    layouts or shardings that cannot meet, :class:`PlanError` for bad page or layer lists or
+    token counts.
     """
     if not isinstance(src_layout, KVLayout) or not isinstance(dst_layout, KVLayout):
         raise LayoutError("src_layout and dst_layout must be KVLayout")
@@ -455,13 +562,18 @@ def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst
     dg = dst_layout.resolve(dst_sharding)
     sp = _pages(src_pages, src_layout, "src_pages")
     dp = _pages(dst_pages, dst_layout, "dst_pages")
-    if sp.shape[0] != dp.shape[0]:
-        raise PlanError(f"src_pages has {sp.shape[0]} pages but dst_pages has {dp.shape[0]}")
+    tokens = _num_tokens(num_tokens, sp, dp, src_layout, dst_layout)
+    if first_token != 0 and (tokens is None or not is_int(first_token) or not 0 <= first_token <= tokens):
+        raise PlanError(f"first_token must be an int in [0, num_tokens] and needs num_tokens, got {first_token!r}")
+    first = int(first_token)
     if dp.shape[0] > 1 and np.unique(dp).shape[0] != dp.shape[0]:
         raise PlanError("dst_pages repeat a page: it would be written twice")
     lay = _layers(layers, src_layout.num_layers)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     kv_heads, n = src_layout.kv_heads, sp.shape[0]
+    if tokens is not None and (sg.page_size != dg.page_size or tokens != n * sg.page_size or first):
+        return _plan_pieces(sg, dg, src_sharding, dst_sharding, src_layout, dst_layout, sp, dp, first, tokens,
+                            lay, rng)
 
     templates: dict[tuple[int, int], _PairTemplate] = {}
     by_src: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # chunk -> pages in src order
@@ -487,7 +599,44 @@ def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst
                 templates[(s, d)] = _pair_template(*chunk(a, b), sg, dg, inner_s, inner_d, run)
     return TransferPlan(src_tp=src_sharding.tp_size, dst_tp=dst_sharding.tp_size, layers=lay, num_pages=n,
                         src_geometry=sg, dst_geometry=dg, src_order=src_layout.order,
-                        dst_order=dst_layout.order, templates=templates)
+                        dst_order=dst_layout.order, templates=templates,
+                        num_tokens=n * sg.page_size if tokens is None else tokens)
+
+
+def _plan_pieces(sg: RankGeometry, dg: RankGeometry, src_sharding: Sharding, dst_sharding: Sharding,
+                 src_layout: KVLayout, dst_layout: KVLayout, sp: np.ndarray, dp: np.ndarray, first: int,
+                 tokens: int, lay: tuple[int, ...], rng: np.random.Generator) -> TransferPlan:
+    """``plan`` at token granularity: replicas get contiguous chunks of the source page list
+    as on the page path (each within one source page of its share), and each source page's
+    tokens go as its (phase, length) class's pattern says."""
+    kv_heads, n = src_layout.kv_heads, sp.shape[0]
+    lo = first // sg.page_size if first < tokens else n  # the source pages holding tokens to move
+    templates: dict[tuple[int, int], _PairTemplate] = {}
+    patterns: dict[tuple[int, int, int, int], PagePattern] = {}  # (head count, phase, skip, length)
+    chunks: dict[tuple[int, int], PieceChunk] = {}
+    for d in range(dst_sharding.tp_size):
+        dheads = dst_sharding.heads(d, kv_heads)
+        for h0, nh, cands, src_h0 in _segments(dheads, src_sharding, kv_heads):
+            r = len(cands)
+            owners = [int(c) for c in (rng.permutation(np.asarray(cands)) if r > 1 else cands)]
+            for j, s in enumerate(owners):
+                # chunk j of r, contiguous in list order
+                a, b = lo + -(-j * (n - lo) // r), lo + -(-(j + 1) * (n - lo) // r)
+                if (a, b) not in chunks:
+                    chunks[a, b] = PieceChunk(sp, dp, a, b, first, tokens, sg, dg)
+                ch = chunks[a, b]
+                pats = []
+                for key in ch.keys:
+                    if (nh, *key) not in patterns:
+                        patterns[(nh, *key)] = PagePattern(*key, sg, dg, nh)
+                    pats.append(patterns[(nh, *key)])
+                assert (s, d) not in templates
+                templates[(s, d)] = _piece_template(ch, pats, src_h0 * sg.head_stride,
+                                                    (h0 - dheads.start) * dg.head_stride, sg)
+    return TransferPlan(src_tp=src_sharding.tp_size, dst_tp=dst_sharding.tp_size, layers=lay,
+                        num_pages=n, src_geometry=sg, dst_geometry=dg, src_order=src_layout.order,
+                        dst_order=dst_layout.order, templates=templates, num_tokens=tokens,
+                        first_token=first)
 
 
 # -- per-page templates and the writing ranks (the messenger's fast road) -------------------

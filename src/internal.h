@@ -33,7 +33,7 @@
 #define KX_RX_BUFS 32          /* posted receive buffers for control messages */
 #define KX_CQ_BATCH 64         /* CQ entries read at once */
 
-enum { KX_OP_WRITE = 1, KX_OP_SEND = 2, KX_OP_RECV = 3 };
+enum { KX_OP_WRITE = 1, KX_OP_SEND = 2, KX_OP_RECV = 3, KX_OP_READ = 4 };
 
 /* Every context handed to libfabric starts with this header; the fi_context2 scratch space
  * comes first because providers in FI_CONTEXT(2) mode own it until the completion is read. */
@@ -76,6 +76,9 @@ struct kx_transfer {
     kx_direct *direct;             /* direct write (direct.c): the peer region's mapping here, one reference until posting ends */
     char *direct_base;             /* ... its first byte */
     uint64_t copied;               /* direct: bytes of the built message in place (all: its 0-byte write is due) */
+    /* how the progress thread posts it: NULL for a write (post.c's pump), read.c's pump for a
+     * read (pieces go peer -> here by fi_readmsg); set by the unit that made it */
+    int (*pump)(struct kx_rail *r, struct kx_transfer *x, int64_t budget);
     int have_msg;                  /* a built message is waiting for queue space */
     int cancel;                    /* set by kx_transfer_cancel: post nothing more */
     int npieces;                   /* the built message: its pieces */
@@ -191,7 +194,7 @@ struct kx_rail {
     kx_transfer *q_head, *q_tail; /* transfers with messages still to post (progress thread posts) */
     int cancel_pending;           /* a queued transfer was cancelled: sweep the queue */
 
-    /* peers (liveness.c): a fixed directory of lazily allocated chunks, indexed by fi_addr */
+    /* peers (peers.c): a fixed directory of lazily allocated chunks, indexed by fi_addr */
     struct kx_peer **pdir;
     size_t peer_hi;            /* one past the highest fi_addr ever tracked */
     int64_t peer_timeout_ns;   /* outstanding to a peer and silent this long: it is dead (0: never) */
@@ -274,10 +277,13 @@ uint64_t kx_hub_discard(kx_hub *h, uint32_t imm, kx_counter **withdrawn);
 void kx_hub_fail_counters_locked(kx_hub *h, int err, int release);
 void kx_hub_clear_queues_locked(kx_hub *h);
 
-/* ---- progress.c ------------------------------------------------------------------- */
+/* ---- gate.c: the bottom primitives (kx_posting_begin/end: kvxfer.h) ------------------ */
 int kx_enter(kx_rail *r);     /* 0: the rail is closing, do not touch the endpoint */
 void kx_leave(kx_rail *r);
+void kx_posting_wait(kx_rail *r);   /* the progress thread: until the callers' bursts end (1 ms at most) */
 void kx_wake(kx_rail *r);
+
+/* ---- progress.c ------------------------------------------------------------------- */
 /* kx_hub_wait_flag, but the waiter first drives progress on r for up to r->spin_ns */
 int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns);
 /* the waiter drives progress until *head is non-NULL or its window passes; returns the
@@ -297,8 +303,13 @@ void kx_walk_init(kx_transfer *x, const uint64_t *src_off, const uint64_t *dst_o
                   size_t n, size_t iov, uint64_t max_write, uint64_t pack_min);
 int kx_walk_next(kx_transfer *x);    /* build the next message into x->piece_*; 0 at the end */
 int kx_pump_queue(kx_rail *r);
+/* a transfer over a private copy of the triples, its walk ready; `kind`: KX_OP_WRITE or KX_OP_READ */
+kx_transfer *kx_transfer_new(const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length,
+                             size_t n, size_t iov, uint64_t max_write, uint64_t pack_min, int need_ctx, int kind);
+void kx_transfer_fail(kx_rail *r, kx_transfer *x, int err);   /* first error wins; posts nothing more */
 
-/* ---- liveness.c: peers (see its header comment) ----------------------------------- */
+
+/* ---- the peers: peers.c (the table), local.c (same-process cells), names.c, shmlock.c -- */
 #define KX_PEER_SCAN_NS 10000000LL   /* the progress thread looks at its peers every 10 ms */
 #define KX_ALIVE_NS 500000LL         /* a poster trusts a shm peer's pidfd's "running" this long: one
                                       * poll(2) per message was a third of a small request's syscalls */
@@ -336,17 +347,40 @@ typedef struct kx_peer {
     struct kx_bell *bell; /* shm: the peer's doorbell, rung after each post (bell.c); NULL: none */
 } kx_peer;
 
+/* local.c: same-process engines (kx_local cells, shm's deferral rule) */
 int kx_local_publish(kx_rail *r);
+void kx_local_retire(kx_rail *r);
+kx_local *kx_local_find(const void *name, size_t len);    /* a reference, or NULL */
+void kx_local_unref(kx_local *c);
+void kx_local_link(kx_rail *x, kx_local *y);
+void kx_local_unlink(kx_rail *x, kx_local *y);
+void kx_local_release(kx_rail *r);
+int kx_local_defer(kx_rail *r);
+int kx_local_still_deferred(kx_rail *r, int freeing);
+int kx_local_deferred_done(kx_rail *r);
+int kx_local_deferred_end(kx_rail *r);
+void kx_rail_finish_deferred(kx_rail *r);      /* rail.c */
+
+/* names.c: endpoint names, shm's files */
+pid_t kx_shm_pid(const char *prov, const void *name, size_t len);     /* 0: not a shm name */
 void kx_shm_clear_stale(kx_rail *r);
 int kx_shm_path(const void *name, size_t len, const char *suffix, char *path, size_t size);
 int kx_ep_name(kx_rail *r, char *name, size_t size, size_t *len);   /* NUL-terminated; -1: none */
-void kx_local_retire(kx_rail *r);
 int kx_addr_check(kx_rail *r, const void *addr, size_t len);
+
+/* shmlock.c: a shm peer's region lock */
+void kx_shm_lock_map(kx_peer *p, const void *name, size_t len, pid_t pid);
+void kx_shm_lock_unmap(void *map);
+int kx_shm_lock_wait(kx_rail *r, kx_peer *p);
+int kx_peers_unstick(kx_rail *r);
+
+/* peers.c: the peer table */
+kx_peer *kx_peer_get(kx_rail *r, fi_addr_t fa);    /* NULL: untracked; lock-free */
+int kx_pidfd_exited(int fd);
 int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len);
 void kx_peer_forget(kx_rail *r, fi_addr_t fa);
 void kx_peer_kill_locked(kx_rail *r, fi_addr_t fa, int err);
 int kx_peer_gone(kx_rail *r, fi_addr_t fa);
-int kx_limits_ok(const kx_rail *r, size_t iov, uint64_t max_write, uint64_t pack_min);   /* post.c */
 int kx_peer_enter(kx_rail *r, fi_addr_t fa, uint32_t gen);
 uint32_t kx_peer_gen(kx_rail *r, fi_addr_t fa);
 int kx_peer_is(kx_rail *r, fi_addr_t fa, uint32_t gen);
@@ -357,15 +391,9 @@ void kx_peer_uncount(kx_rail *r, fi_addr_t fa, int again);
 void kx_peer_accepted(kx_rail *r, fi_addr_t fa);
 int kx_is_peer_errno(int err);
 int kx_peers_scan(kx_rail *r);
-int kx_peers_unstick(kx_rail *r);
 int64_t kx_outstanding_live(kx_rail *r);
 void kx_peers_free(kx_rail *r);
-void kx_local_release(kx_rail *r);
-int kx_local_defer(kx_rail *r);
-int kx_local_still_deferred(kx_rail *r, int freeing);
-int kx_local_deferred_done(kx_rail *r);
-int kx_local_deferred_end(kx_rail *r);
-void kx_rail_finish_deferred(kx_rail *r);
+int kx_limits_ok(const kx_rail *r, size_t iov, uint64_t max_write, uint64_t pack_min);   /* post.c */
 void kx_transfer_fail_locked(kx_rail *r, kx_transfer *x, int err);
 
 /* ---- bell.c ---------------------------------------------------------------------- */

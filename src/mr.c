@@ -26,7 +26,9 @@ int kx_mr_register(kx_rail *r, void *buf, size_t len, int iface, int device, int
     memset(&attr, 0, sizeof(attr));
     attr.mr_iov = &iov;
     attr.iov_count = 1;
-    attr.access = FI_READ | FI_WRITE | FI_SEND | FI_RECV | (remote ? FI_REMOTE_READ | FI_REMOTE_WRITE : 0);
+    /* what peers may do to it: write (KX_REMOTE_WRITE), read (KX_REMOTE_READ), both, neither */
+    attr.access = FI_READ | FI_WRITE | FI_SEND | FI_RECV | ((remote & KX_REMOTE_WRITE) ? FI_REMOTE_WRITE : 0) |
+                  ((remote & KX_REMOTE_READ) ? FI_REMOTE_READ : 0);
     attr.requested_key = (r->mr_mode & FI_MR_PROV_KEY) ? 0 : kx_random_key(r);
     attr.iface = (enum fi_hmem_iface)iface;
     if (iface == FI_HMEM_CUDA)

@@ -111,7 +111,7 @@ int64_t kx_count_messages(const uint64_t *src_off, const uint64_t *dst_off, cons
     return msgs;
 }
 
-static void kx_transfer_fail(kx_rail *r, kx_transfer *x, int err)
+void kx_transfer_fail(kx_rail *r, kx_transfer *x, int err)
 {
     pthread_mutex_lock(&r->hub->lock);
     if (!x->error)
@@ -151,7 +151,7 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         int64_t bytes = 0;
         for (int k = 0; k < np; k++)
             bytes += (int64_t)x->piece_len[k];
-        /* never post to a peer known closed, exited or stalled (liveness.c says why) */
+        /* never post to a peer known closed, exited or stalled (peers.c says why) */
         int gone = kx_peer_enter(r, x->peer, x->gen);
         if (gone) {
             kx_transfer_fail(r, x, gone);
@@ -304,7 +304,8 @@ int kx_pump_queue(kx_rail *r)
         if (!x)
             return finished;
         int64_t before = x->posted;
-        int walk_ended = kx_pump(r, x, x->direct ? KX_DIRECT_ROUND : INT64_MAX);
+        int walk_ended = x->pump ? x->pump(r, x, INT64_MAX)     /* a read (read.c) */
+                                 : kx_pump(r, x, x->direct ? KX_DIRECT_ROUND : INT64_MAX);
         if (!walk_ended)
             return finished + (x->posted != before);
         pthread_mutex_lock(&r->hub->lock);
@@ -318,8 +319,8 @@ int kx_pump_queue(kx_rail *r)
     }
 }
 
-static kx_transfer *kx_transfer_new(const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length,
-                                    size_t n, size_t iov, uint64_t max_write, uint64_t pack_min, int need_ctx)
+kx_transfer *kx_transfer_new(const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length,
+                             size_t n, size_t iov, uint64_t max_write, uint64_t pack_min, int need_ctx, int kind)
 {
     kx_transfer *x = calloc(1, sizeof(*x));
     if (!x)
@@ -332,11 +333,11 @@ static kx_transfer *kx_transfer_new(const uint64_t *src_off, const uint64_t *dst
             return NULL;
         }
         for (int64_t k = 0; k < x->planned; k++) {
-            x->ops[k].kind = KX_OP_WRITE;
+            x->ops[k].kind = kind;
             x->ops[k].owner = x;
         }
     }
-    x->shared_op.kind = KX_OP_WRITE;
+    x->shared_op.kind = kind;
     x->shared_op.owner = x;
     x->refs = 2;  /* owner + in-flight */
     if (n) {
@@ -378,7 +379,8 @@ int kx_write(kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *des
 {
     if (!kx_limits_ok(r, iov, max_write, pack_min))
         return -FI_EINVAL;
-    kx_transfer *x = kx_transfer_new(src_off, dst_off, length, n, iov, max_write, pack_min, r->need_ctx);
+    kx_transfer *x = kx_transfer_new(src_off, dst_off, length, n, iov, max_write, pack_min, r->need_ctx,
+                                     KX_OP_WRITE);
     if (!x)
         return -FI_ENOMEM;
     x->peer = peer;

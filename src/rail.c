@@ -95,7 +95,7 @@ static int kx_rail_open_fids(kx_rail *r, int spin, const char **call)
         return ret;
     }
     if (strcmp(fi->fabric_attr->prov_name, "shm") == 0)
-        kx_shm_clear_stale(r);     /* a dead process's region under our name (liveness.c) */
+        kx_shm_clear_stale(r);     /* a dead process's region under our name (names.c) */
     if ((ret = fi_enable(r->ep))) {
         *call = "fi_enable";
         return ret;
@@ -256,7 +256,7 @@ void kx_rail_quiesce(kx_rail *r)
     pthread_cond_broadcast(&r->hub->cond);
     pthread_mutex_unlock(&r->hub->lock);
     /* join within 5 s; a thread spinning in shm on the lock of a peer that died holding it is
-     * freed by releasing that lock (liveness.c, kx_peers_unstick) */
+     * freed by releasing that lock (shmlock.c, kx_peers_unstick) */
     int joined = 0;
     for (int step = 0; step < 100 && !joined; step++) {
         struct timespec ts;
@@ -337,7 +337,7 @@ static void kx_rail_close_domain_fids(kx_rail *r)
 /* shm endpoints of one process reach each other's regions through a pointer: libfabric 1.17
  * crashed (SIGSEGV in fi_cq_read, 8 of 20 runs of the `cancel_first_same` scenario) when an
  * engine closed while another engine of the process, linked to it, still progressed. So a
- * closing shm rail whose region another unquiesced rail of the process may read (liveness.c,
+ * closing shm rail whose region another unquiesced rail of the process may read (local.c,
  * kx_local_link) is quiesced and settled at once but keeps its fids; the rail that drops the
  * last such hold (by quiescing or by removing it from its AV) closes them. Cross-process
  * peers map regions of their own and are never deferred. */
@@ -437,7 +437,7 @@ int kx_getname(kx_rail *r, void *buf, size_t *len)
     return ret;
 }
 
-/* insert a peer's endpoint name, checked first (liveness.c: kx_addr_check), and track it */
+/* insert a peer's endpoint name, checked first (names.c: kx_addr_check), and track it */
 int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out, uint32_t *gen)
 {
     int ret = kx_addr_check(r, addr, len);
@@ -485,3 +485,14 @@ int kx_av_remove(kx_rail *r, fi_addr_t addr, int64_t wait_ns)
 uint32_t kx_runtime_version(void) { return fi_version(); }
 uint32_t kx_build_version(void) { return KX_FI_BUILD_VERSION; }
 int kx_have_dmabuf(void) { return KX_HAVE_DMABUF; }
+
+/* Incoming data is expected soon (a streamed request): the progress thread keeps polling
+ * (sched_yield between empty reads) while holds are taken, as if its own operations were
+ * outstanding, instead of sleeping in its back-off; it still backs off after 200 ms of
+ * silence. Costs a core while held; lowers the landing latency of each layer. */
+void kx_rail_hold_awake(kx_rail *r, int delta)
+{
+    __atomic_add_fetch(&r->awake, delta, __ATOMIC_SEQ_CST);
+    if (delta > 0)
+        kx_wake(r);
+}

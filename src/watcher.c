@@ -526,14 +526,3 @@ void kx_watcher_free(kx_watcher *w)
     free(w->own_word);
     free(w);
 }
-
-/* Incoming data is expected soon (a streamed request): the progress thread keeps polling
- * (sched_yield between empty reads) while holds are taken, as if its own operations were
- * outstanding, instead of sleeping in its back-off; it still backs off after 200 ms of
- * silence. Costs a core while held; lowers the landing latency of each layer. */
-void kx_rail_hold_awake(kx_rail *r, int delta)
-{
-    __atomic_add_fetch(&r->awake, delta, __ATOMIC_SEQ_CST);
-    if (delta > 0)
-        kx_wake(r);
-}

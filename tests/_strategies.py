@@ -36,13 +36,13 @@ def controls(draw, src=u64, dst=u64, hello_blob=st.binary(min_size=1, max_size=2
 
 
 @st.composite
-def side_shape(draw, kv_heads: int, mla: bool, tps) -> tuple:
+def side_shape(draw, kv_heads: int, mla: bool, tps, forms=("fused", "stacked", "separate")) -> tuple:
     """(replicated, tp, kv, placement, order) of one side of a TP pairing: an MLA latent is
     replicated or sharded, GQA heads split over ``tp`` (any of ``tps`` that divides or is
-    divided by ``kv_heads``) or are replicated."""
+    divided by ``kv_heads``) or are replicated; ``kv`` one of ``forms`` (or ``mla``)."""
     replicated = draw(st.booleans()) if mla else draw(st.sampled_from([False] * 5 + [True]))
     tp = draw(st.sampled_from([t for t in tps if replicated or kv_heads % t == 0 or t % kv_heads == 0]))
-    kv = "mla" if mla else draw(st.sampled_from(["fused", "stacked", "separate"]))
+    kv = "mla" if mla else draw(st.sampled_from(list(forms)))
     placement = draw(st.sampled_from(["per_layer", "layer_major"]))
     order = draw(st.sampled_from(["HND", "NHD"]))
     return replicated, tp, kv, placement, order

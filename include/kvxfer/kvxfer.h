@@ -117,7 +117,7 @@ int kx_getname(kx_rail *r, void *buf, size_t *len);
 /* *out: the peer's AV index; *gen: the generation of that slot (a post names both, so a
  * post meant for a removed peer never reaches the next one libfabric puts in its slot) */
 int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out, uint32_t *gen);
-/* liveness (src/liveness.c): how long a peer may leave operations outstanding with none
+/* liveness (src/peers.c): how long a peer may leave operations outstanding with none
  * completing before it is dead (0: never); FI_DELIVERY_COMPLETE on writes; 0 while `peer`
  * may be posted to, else the errno posts to it fail with */
 void kx_set_peer_timeout(kx_rail *r, int64_t ns);
@@ -130,7 +130,13 @@ int kx_av_remove(kx_rail *r, fi_addr_t addr, int64_t wait_ns);
 
 /* ---- regions (src/mr.c) ------------------------------------------------------------ */
 
-/* Register [buf, buf+len) for RMA (`remote`: peers may write it). Keys are random 64-bit
+/* What peers may do to a registered region (kx_mr_reg's `remote`, a mask; 0: nothing). */
+#define KX_REMOTE_WRITE 1
+#define KX_REMOTE_READ 2
+
+/* Register [buf, buf+len) for RMA (`remote`: KX_REMOTE_WRITE and/or KX_REMOTE_READ, what
+ * peers may do to it; the provider enforces it, except shm, whose CMA copy checks no key or
+ * access flag: there the boundary is the OS user). Keys are random 64-bit
  * values where the provider does not choose them. raw/rawlen/raw_base: the raw key
  * (FI_MR_RAW providers; rawlen 0 otherwise), raw must hold 64 bytes. */
 int kx_mr_reg(kx_rail *r, void *buf, size_t len, int iface, int device, int dmabuf_fd, int remote,
@@ -203,6 +209,22 @@ int kx_peer_cancel(kx_rail *r, fi_addr_t peer, uint32_t gen);
 /* Blocks up to slice_ns until no transfer to `peer` is in flight on this rail; returns how
  * many still are, *posting how many of those may still post. */
 int kx_peer_wait(kx_rail *r, fi_addr_t peer, uint32_t gen, int64_t slice_ns, int *posting);
+
+/* ---- reads (src/read.c) ------------------------------------------------------------ */
+
+/* Read the triples (local offset, remote offset, length) from the peer's region at
+ * `remote_base` (key `key`, `remote_len` bytes) into the local region at `local_base` (its
+ * registration's `desc`, `local_len` bytes): the message rule's rules 1 and 2 (no immediate, no
+ * rule 3), each message one fi_readmsg of at most `iov` pieces and `max_read` bytes, completing
+ * on this rail's CQ (the target sees nothing). -FI_EINVAL, with nothing posted, when a triple
+ * leaves either region or the limits are not the provider's. Copies the triples; posts up to a
+ * budget itself and queues the rest for the progress thread, like kx_write; *out holds two
+ * references (kx_transfer_release, kx_transfer_wait, kx_transfer_get_state apply). The peer's
+ * region must be registered with KX_REMOTE_READ. */
+int kx_read(kx_rail *r, fi_addr_t peer, uint32_t gen, char *local_base, void *desc, uint64_t local_len,
+            uint64_t remote_base, uint64_t key, uint64_t remote_len, const uint64_t *local_off,
+            const uint64_t *remote_off, const uint64_t *length, size_t n, size_t iov, uint64_t max_read,
+            kx_transfer **out);
 
 /* ---- counters (src/counters.c; the table is the hub's, shared by its rails) -------- */
 

@@ -269,7 +269,11 @@ class Decoder:
         if isinstance(request_id, bytearray):
             request_id = bytes(request_id)        # a key of the in-flight table; the prefiller sees bytes
         first = groups[0]
-        writers = writing_ranks(first.layout, first.sharding, self.layout, self.sharding, self.ranks, len(pages),
+        # replicas are dealt chunks of the source's page list: where the page sizes differ it
+        # is ceil(num_tokens / the source's page size) long (planner: "Page sizes that differ")
+        src_n = len(pages) if first.layout.page_size == self.layout.page_size else \
+            -(-int(num_tokens) // first.layout.page_size)
+        writers = writing_ranks(first.layout, first.sharding, self.layout, self.sharding, self.ranks, src_n,
                                 seed=request_seed(rid_bytes))
         by_rank = {r: pg for pg in groups for r in pg.ranks}
         missing = [s for s in writers if s not in by_rank]

@@ -163,9 +163,10 @@ class Peers:
         if hs.provider != eng.provider:
             raise DescriptorError(f"peer runs provider {hs.provider!r}, this engine {eng.provider!r}")
         # the layouts and shardings must be able to meet (LayoutError otherwise): an empty plan
-        # checks both directions' geometry
-        _plan(self.layout, self.sharding, hs.layout, hs.sharding, [], [])
-        _plan(hs.layout, hs.sharding, self.layout, self.sharding, [], [])
+        # checks both directions' geometry; page sizes may differ (requests then move tokens:
+        # each side's pages in its own page size, num_tokens deciding each last page)
+        _plan(self.layout, self.sharding, hs.layout, hs.sharding, [], [], num_tokens=0)
+        _plan(hs.layout, hs.sharding, self.layout, self.sharding, [], [], num_tokens=0)
         if hs.context_slots and context_stride(hs.context_bytes) > eng.max_write + 64:
             raise InvalidArgumentError("the peer's context slot does not fit one message of this engine")
         if self.context_slots and self.context_bytes + 8 > hs.max_write:

@@ -218,9 +218,8 @@ class Prefiller:
         region pairs, or ``write_groups``) and returns one ``Transfer``."""
         eng = self.node.engine
         n = len(request.dst_pages)
-        if chooses_replicas(self.layout, self.sharding):
-            seed = request_seed(C.encode_request_id(request.request_id))
-            p = plan(self.layout, self.sharding, pg.layout, pg.sharding, src_pages, request.dst_pages, seed=seed)
+        if chooses_replicas(self.layout, self.sharding) or self.layout.page_size != pg.layout.page_size:
+            p = self._plan(pg, request, src_pages, request.num_tokens)
             out = []
             for s_, d in p.pairs:
                 if s_ in self.local and d in pg.remote:
@@ -242,6 +241,19 @@ class Prefiller:
                         eng.write_pairs(p, a, b, c, k, imm=imm, rail=rail)))
         return out
 
+    def _plan(self, pg: PeerGroup, request: Request, src_pages: Any, end: int, first: int = 0) -> Any:
+        """The planner's plan of ``request`` from this messenger's ranks to ``pg``'s (tokens
+        ``[first, end)`` where the page sizes differ, each side's pages in its own size; the
+        pages ``src_pages`` / ``request.dst_pages`` whole otherwise), with the request's
+        replica seed."""
+        seed = request_seed(C.encode_request_id(request.request_id))
+        if self.layout.page_size == pg.layout.page_size:
+            return plan(self.layout, self.sharding, pg.layout, pg.sharding, src_pages, request.dst_pages, seed=seed)
+        sp = np.asarray(src_pages)[:-(-end // self.layout.page_size)]
+        dp = request.dst_pages[:-(-end // pg.layout.page_size)]
+        return plan(self.layout, self.sharding, pg.layout, pg.sharding, sp, dp, seed=seed, num_tokens=end,
+                    first_token=first)
+
     def template(self, pg: PeerGroup) -> PageTemplate:
         """The per-page template from this messenger's ranks to ``pg``'s (made once per peer)."""
         t = pg.cache.get("template")
@@ -259,15 +271,26 @@ class Prefiller:
             out: list[list] = [[] for _ in range(nl)]
             seed = request_seed(C.encode_request_id(request.request_id))
             p = plan(self.layout, self.sharding, pg.layout, pg.sharding, src_pages, dst_pages, seed=seed)
-            for lay in p.layers:
-                pl = p.layer(lay)
-                for s, d in p.pairs:
-                    if s in self.local and d in pg.remote:
-                        out[lay].extend((s, d, *b) for b in plan_batches(pl, s, d))
-            return out
+            return self._by_layer(p, pg, out)
         t = self.template(pg)
         sp, dp = t.by_source(src_pages, dst_pages)
         return t.layer_writes(sp, dp, nl)
+
+    def token_layer_batches(self, pg: PeerGroup, request: Request, src_pages: np.ndarray, start: int,
+                            end: int) -> list:
+        """``layer_batches`` of tokens ``[start, end)`` where the page sizes differ (a chunk of
+        a streamed prefill: its own tokens, whatever pages they share with other chunks)."""
+        out: list[list] = [[] for _ in range(self.layout.num_layers)]
+        return self._by_layer(self._plan(pg, request, src_pages, end, start), pg, out)
+
+    def _by_layer(self, p: Any, pg: PeerGroup, out: list) -> list:
+        """A plan's batches from this messenger's ranks, per layer, into ``out``."""
+        for lay in p.layers:
+            pl = p.layer(lay)
+            for s, d in p.pairs:
+                if s in self.local and d in pg.remote:
+                    out[lay].extend((s, d, *b) for b in plan_batches(pl, s, d))
+        return out
 
     # -- the context --------------------------------------------------------------------------
     def _stage(self, s: Send, data: Optional[bytes | memoryview]) -> tuple:

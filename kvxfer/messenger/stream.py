@@ -311,12 +311,24 @@ class Streamer:
                 raise InvalidArgumentError(f"chunk [{start}, {end}) of request {req.request_id!r} must start at "
                                            f"{send.next_token} and end after it, at most at {req.num_tokens}")
             sp = send.src_pages
+            # where the two sides' page sizes differ a chunk moves its own tokens (the planner's
+            # token path), each side's pages in its own size; else the pages it completes
+            differ = req.peer.layout.page_size != self.page_size
+            n_src = -(-req.num_tokens // self.page_size) if differ else len(req.dst_pages)
             if len(ch) == 4:
-                new = _args.src_prefix(ch[3], len(req.dst_pages), self.num_pages)
+                new = _args.src_prefix(ch[3], n_src, self.num_pages)
                 if sp is not None and not np.array_equal(new[:len(sp)], sp[:len(new)]):
                     raise PlanError(f"request {req.request_id!r}'s source pages changed between chunks")
                 if sp is None or len(new) > len(sp):
                     sp = new
+            if differ:
+                need = -(-end // self.page_size)
+                if sp is None or len(sp) < need:
+                    raise PlanError(f"chunk [{start}, {end}) of request {req.request_id!r} needs {need} source "
+                                    f"pages but only {0 if sp is None else len(sp)} are known")
+                layers = self.prefill.token_layer_batches(req.peer, req, sp, start, end)
+                work.append((send, end, sp, layers))
+                continue
             idx = pages_completed(req.num_tokens, self.page_size, start, end)
             if len(idx) and (sp is None or int(idx[-1]) >= len(sp)):
                 raise PlanError(f"chunk [{start}, {end}) of request {req.request_id!r} completes page "

@@ -6,7 +6,7 @@ tcp;ofi_rxm a SIGSEGV inside ``fi_writemsg``/``fi_send``; on shm a write landing
 disconnect; and once libfabric reused the slot for the next peer, the entry meant for the old
 one fired at the new one. Now a removed peer's slot stays dead (ENOTCONN) until reused, every
 post names the slot's generation, and ``fi_av_remove`` waits for posts inside a provider call
-(src/liveness.c, ``kx_peer_enter`` / ``kx_peer_retire``). Crash-prone cases run in a child, so
+(src/peers.c, ``kx_peer_enter`` / ``kx_peer_retire``). Crash-prone cases run in a child, so
 a crash fails the test instead of killing pytest.
 """
 

@@ -74,7 +74,7 @@ def test_a_region_closed_by_another_thread_mid_write_raises_closed_error(pair, m
     """write()'s one-triple path read ``src._handles[0]`` after its checks: a region closed
     by another thread in between (here: at the imm check, which runs in between) raised
     IndexError instead of ClosedError."""
-    from kvxfer import engine as eng
+    from kvxfer.engine import writes as eng   # write() lives there
     from kvxfer.errors import ClosedError
 
     a, b = pair

@@ -59,6 +59,14 @@ def src_pages_for(rid, n: int, num_pages: int) -> np.ndarray:
     return rng.choice(num_pages, n, replace=n > num_pages)
 
 
+def _src_count(req, layout) -> int:
+    """A request's source pages: as many as its destination pages, or, where the decoder's page
+    size differs, ceil(num_tokens / this layout's page size)."""
+    if req.peer.layout.page_size == layout.page_size:
+        return len(req.dst_pages)
+    return -(-req.num_tokens // layout.page_size)
+
+
 def context_for(rid, nbytes: int) -> bytes:
     return (f"ctx<{rid!r}>" * 8).encode()[:nbytes]
 
@@ -153,7 +161,7 @@ def _prefill(conn, spec):
                             continue
                         if delay:
                             time.sleep(rng.random() * delay)
-                        src = src_pages_for(req.request_id, len(req.dst_pages), layout.num_pages)
+                        src = src_pages_for(req.request_id, _src_count(req, layout), layout.num_pages)
                         s = m.send(req, src)
                         if delay:
                             time.sleep(rng.random() * delay)
@@ -176,7 +184,7 @@ def _prefill(conn, spec):
                 # post the held requests without finishing them: the sends stay in flight
                 out = []
                 for req in state["held"]:
-                    src = src_pages_for(req.request_id, len(req.dst_pages), layout.num_pages)
+                    src = src_pages_for(req.request_id, _src_count(req, layout), layout.num_pages)
                     s = m.send(req, src)
                     state["sends"].append(s)
                     out.append(s.state)

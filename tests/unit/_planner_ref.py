@@ -3,8 +3,11 @@
 Nothing here uses the planner's or the geometry's offset arithmetic: each rank's memory is
 viewed through numpy reshapes of the tensor shapes the engines document (vLLM
 ``[pages, 2, heads, page, dim]``, flash-attn ``[2, pages, page, heads, dim]``, SGLang
-``[tokens, heads, dim]`` per K/V pool, layer-major ``[layers, ...]``), the sharding is
-re-derived from the GQA rule, and a plan is executed as byte copies between numpy arrays.
+``[tokens, heads, dim]`` per K/V pool, layer-major ``[layers, ...]``, vLLM 0.32's packed
+``[pages, heads, page, 2 * dim]`` (read as ``[pages, heads, 2, page, dim]``, vLLM's CPU kernel's
+view) / ``[pages, page, heads, 2, dim]`` with its layers outer or
+inside each page of one storage), the sharding is re-derived from the GQA rule, and a plan is
+executed as byte copies between numpy arrays.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def dense_strides(kv: str, local_heads: int, page_size: int, head_dim: int, item
                   num_pages: int) -> tuple[int, int]:
     """(page bytes, layer bytes) of a dense layout, from the tensor shapes."""
     pb = local_heads * page_size * head_dim * itemsize
-    page = 2 * pb if kv == "fused" else pb
+    page = 2 * pb if kv in ("fused", "packed") else pb
     layer = 2 * num_pages * page if kv == "stacked" else num_pages * page
     return page, layer
 
@@ -52,16 +55,20 @@ class RankMemory:
         self.block = (lh, P, cb) if layout.order == "HND" else (P, lh, cb)
         pb = lh * P * cb  # one (plane, page) block
         planes = 1 if layout.kv == "mla" else 2
-        in_page = planes if layout.kv == "fused" else 1
+        in_page = planes if layout.kv in ("fused", "packed") else 1
         self.page_stride = in_page * pb if layout.page_stride is None else layout.page_stride
         pool = pages * self.page_stride
         per_layer = 2 * pool if layout.kv == "stacked" else pool
         pools = 2 if layout.kv == "separate" else 1
+        self.pages_outer = False
         if layout.placement == "per_layer":
             nregions, size = L * pools, per_layer
         else:
             self.layer_stride = per_layer if layout.layer_stride is None else layout.layer_stride
             nregions, size = pools, L * self.layer_stride
+            if self.layer_stride < per_layer:  # each page of the storage holds every layer's page
+                self.pages_outer = True
+                size = pages * self.page_stride
         self.sizes = [size] * nregions
         if fill is None:
             self.regions = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(nregions)]
@@ -76,17 +83,30 @@ class RankMemory:
             return self.regions[layer * self.pools + pool]
         return _view(self.regions[pool], (self.layout.num_layers, self.layer_stride))[layer, : self.per_layer]
 
+    def _layer_pages(self, layer: int, pool: int, nbytes: int) -> np.ndarray:
+        """``[pages, nbytes]``: the first ``nbytes`` of each of one layer's pages (one pool)."""
+        pages = self.layout.num_pages
+        if self.pages_outer:  # vLLM's one storage, block-major: [pages, page_stride], layers inside
+            per_page = _view(self.regions[pool], (pages, self.page_stride))
+            return per_page[:, layer * self.layer_stride: layer * self.layer_stride + nbytes]
+        return _view(self._layer_bytes(layer, pool), (pages, self.page_stride))[:, :nbytes]
+
     def page_view(self, layer: int, plane: int) -> np.ndarray:
         lay, pages = self.layout, self.layout.num_pages
         if lay.kv == "separate":
-            raw = _view(self._layer_bytes(layer, plane), (pages, self.page_stride))[:, : self.pb]
+            raw = self._layer_pages(layer, plane, self.pb)
         elif lay.kv == "stacked":
             raw = _view(self._layer_bytes(layer, 0), (2, pages, self.page_stride))[plane, :, : self.pb]
         elif lay.kv == "fused":
-            raw = _view(self._layer_bytes(layer, 0), (pages, self.page_stride))[:, : 2 * self.pb]
-            raw = _view(raw, (pages, 2, self.pb))[:, plane]
+            raw = _view(self._layer_pages(layer, 0, 2 * self.pb), (pages, 2, self.pb))[:, plane]
+        elif lay.kv == "packed":
+            raw = self._layer_pages(layer, 0, 2 * self.pb)
+            if lay.order == "HND":  # vLLM's CPU view: [pages, heads, 2 * page, dim], K rows then V rows
+                return _view(raw, (pages, self.block[0], 2, *self.block[1:]))[:, :, plane]
+            rows = _view(raw, (pages, *self.block[:2], 2, self.block[2]))   # [pages, page, heads, 2, dim]
+            return rows[:, :, :, plane].transpose(0, 2, 1, 3)
         else:  # mla
-            raw = _view(self._layer_bytes(layer, 0), (pages, self.page_stride))[:, : self.pb]
+            raw = self._layer_pages(layer, 0, self.pb)
         v = _view(raw, (pages, *self.block))
         return v if lay.order == "HND" else v.transpose(0, 2, 1, 3)
 

@@ -122,6 +122,44 @@ def test_mla_latent():
     _check(lay, Sharding(8, replicated=True), lambda l, k: l, lambda l, k, p, h, t: ref[p, t, 0])
 
 
+@pytest.mark.parametrize("tp", [1, 2, 8, 16])
+def test_vllm_packed_hnd_and_nhd(tp):
+    """vLLM 0.32: per layer [blocks, heads, block, 2*dim] (HND) / [blocks, block, heads, 2*dim]
+    (NHD). HND as vLLM's CPU kernel reads it: a head's [block, 2*dim] viewed as [2*block, dim],
+    its block K rows then its block V rows; NHD: K in the first dim elements of a row, V in the
+    second."""
+    lh = max(H // tp, 1)
+    lay = KVLayout.vllm_packed(L, H, D, P, N, dtype="bfloat16", order="HND")
+    hnd = _element_offsets((N, lh, 2, P, D), 2)     # the CPU kernel's view, chunked on dim 2
+    _check(lay, Sharding(tp), lambda l, k: l, lambda l, k, p, h, t: hnd[p, h, k, t, 0])
+    assert lay.region_sizes(Sharding(tp)) == (hnd.size * 2,) * L
+    lay = KVLayout.vllm_packed(L, H, D, P, N, dtype="bfloat16", order="NHD")
+    nhd = _element_offsets((N, P, lh, 2 * D), 2)
+    _check(lay, Sharding(tp), lambda l, k: l, lambda l, k, p, h, t: nhd[p, t, h, k * D])
+
+
+def test_vllm_packed_one_storage_layers_outer_and_pages_outer():
+    """vLLM's CPU cache: every layer a view into one storage, at the layer_stride and block
+    stride its kv_cache_config gives, layers outer or inside each block."""
+    lh, isz = H // 2, 4
+    page = lh * P * 2 * D * isz
+    outer = _element_offsets((L, N, lh, 2, P, D), isz)  # [layers, blocks, heads, K|V, block, dim]
+    lay = KVLayout.vllm_packed(L, H, D, P, N, dtype="float32", placement="layer_major")
+    _check(lay, Sharding(2), lambda l, k: 0, lambda l, k, p, h, t: outer[l, p, h, k, t, 0])
+    assert lay.region_sizes(Sharding(2)) == (outer.size * isz,)
+    inner = _element_offsets((N, L, lh, 2, P, D), isz)  # [blocks, layers, heads, K|V, block, dim]
+    lay = KVLayout.vllm_packed(L, H, D, P, N, dtype="float32", placement="layer_major",
+                               layer_stride=page, page_stride=L * page)
+    _check(lay, Sharding(2), lambda l, k: 0, lambda l, k, p, h, t: inner[p, l, h, k, t, 0])
+    assert lay.region_sizes(Sharding(2)) == (inner.size * isz,)
+    with pytest.raises(LayoutError, match="inside a page"):  # layers would overlap
+        KVLayout.vllm_packed(L, H, D, P, N, dtype="float32", placement="layer_major",
+                             layer_stride=page, page_stride=L * page - 1).resolve(Sharding(2))
+    with pytest.raises(LayoutError, match="stacked"):  # a stacked V pool cannot sit inside a page
+        KVLayout.layer_major(L, H, D, P, N, kv="stacked", layer_stride=page // 2,
+                             page_stride=L * page).resolve(Sharding(2))
+
+
 def test_explicit_strides_pad_pages_and_layers():
     dense_page = 2 * 2 * P * D * 2  # K and V, 2 local heads, bf16
     lay = KVLayout.layer_major(L, H, D, P, N, order="HND", page_stride=dense_page + 64,

@@ -20,20 +20,28 @@ from _strategies import side_shape
 
 ITEMSIZE = {"uint8": 1, "bfloat16": 2, "float32": 4}
 HEADS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64]
+FORMS = ("fused", "stacked", "separate", "packed")
 
 
 @st.composite
-def side(draw, kv_heads: int, mla: bool, num_layers: int, page_size: int, head_dim: int, dtype: str):
-    """One side (prefill or decode): layout and sharding."""
-    replicated, tp, kv, placement, order = draw(side_shape(kv_heads, mla, range(1, 9)))
-    num_pages = draw(st.integers(1, 8))
+def side(draw, kv_heads: int, mla: bool, num_layers: int, page_size: int, head_dim: int, dtype: str,
+         min_pages: int = 1):
+    """One side (prefill or decode): layout and sharding, at least ``min_pages`` pages."""
+    replicated, tp, kv, placement, order = draw(side_shape(kv_heads, mla, range(1, 9), FORMS))
+    num_pages = draw(st.integers(max(min_pages, 1), max(min_pages, 1) + 7))
     lh = kv_heads if replicated else max(kv_heads // tp, 1)
     page, layer = dense_strides(kv, lh, page_size, head_dim, ITEMSIZE[dtype], num_pages)
     page_pad = draw(st.sampled_from([0, 0, 0, 1, 8]))
     page_stride = None if page_pad == 0 else page + page_pad
     layer_stride = None
     if placement == "layer_major" and draw(st.booleans()):
-        layer_stride = num_pages * (page + page_pad) * (2 if kv == "stacked" else 1) + draw(st.sampled_from([3, 64]))
+        if kv != "stacked" and draw(st.booleans()):
+            # one storage, pages outer: every layer's page inside one page stride (vLLM's
+            # kv_cache_config can place a packed cache so)
+            layer_stride = page + draw(st.sampled_from([0, 2, 5]))
+            page_stride = num_layers * layer_stride + draw(st.sampled_from([0, 0, 7]))
+        else:
+            layer_stride = num_pages * (page + page_pad) * (2 if kv == "stacked" else 1) + draw(st.sampled_from([3, 64]))
     layout = KVLayout(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, kv, placement,
                       page_stride=page_stride, layer_stride=layer_stride)
     return layout, Sharding(tp, replicated)

@@ -1,0 +1,213 @@
+# Transfers and counters: TransferHandle, TransferSet (kx_transfer), CounterHandle (kx_counter),
+# and the message-rule helpers check_groups and count_messages.
+
+cdef class _TransferState:
+    """What a transfer's native side reports, read from one ``kx_transfer_state``:
+    ``TransferHandle`` reads its one transfer, ``TransferSet`` sums its groups'."""
+
+    cdef kx_transfer_state _state(self):
+        cdef kx_transfer_state s
+        memset(&s, 0, sizeof(s))
+        return s
+
+    @property
+    def planned(self):
+        return self._state().planned
+
+    @property
+    def posted(self):
+        return self._state().posted
+
+    @property
+    def completed(self):
+        return self._state().completed
+
+    @property
+    def posting_done(self):
+        return bool(self._state().posting_done)
+
+    @property
+    def done(self):
+        return bool(self._state().done)
+
+    @property
+    def linked(self):
+        """Still on the rail's in-flight list (for a set: some group is): the provider may still own its contexts."""
+        return bool(self._state().linked)
+
+    @property
+    def errno(self):
+        return self._state().error
+
+
+@cython.no_gc_clear  # __dealloc__ needs its Rail (GC clears Rail.pending first, so it outlives them)
+cdef class TransferHandle(_TransferState):
+    """The native side of a Transfer on one rail: planned, posted and completed messages."""
+
+    cdef readonly Rail rail
+    cdef kx_transfer *x
+    cdef readonly RegionHandle region   # the source registration, alive while the transfer is
+
+    def __dealloc__(self):
+        if self.x != NULL:
+            with nogil:
+                kx_transfer_release(self.rail.r, self.x)
+            self.x = NULL
+
+    cdef kx_transfer_state _state(self):
+        cdef kx_transfer_state s
+        kx_transfer_get_state(self.x, &s)
+        return s
+
+    def cancel(self):
+        """Post nothing more of this transfer; what was posted still completes."""
+        with nogil:
+            kx_transfer_cancel(self.rail.r, self.x)
+
+    def wait(self, timeout=None):
+        """True once every posted message completed; False if `timeout` seconds pass first."""
+        return _wait(self.rail.r, WAIT_TRANSFER, self.x, timeout)
+
+
+@cython.no_gc_clear  # __dealloc__ needs its Rail (GC clears Rail.pending_sets first, so it outlives them)
+cdef class TransferSet(_TransferState):
+    """The native side of one ``Engine.write_groups`` call on one rail: one ``kx_transfer``
+    per group, seen as one (planned, posted and completed are sums; done when all are)."""
+
+    cdef readonly Rail rail
+    cdef kx_transfer **xs
+    cdef Py_ssize_t n
+    cdef readonly tuple regions          # the groups' source registrations, alive while in flight
+
+    def __dealloc__(self):
+        cdef Py_ssize_t g
+        if self.xs != NULL:
+            with nogil:
+                for g in range(self.n):
+                    kx_transfer_release(self.rail.r, self.xs[g])
+            free(self.xs)
+            self.xs = NULL
+
+    cdef kx_transfer_state _state(self):
+        cdef kx_transfer_state s, one
+        cdef Py_ssize_t g
+        s.planned = s.posted = s.completed = 0
+        s.posting_done = s.done = 1
+        s.linked = 0
+        s.error = 0
+        for g in range(self.n):
+            kx_transfer_get_state(self.xs[g], &one)
+            s.planned += one.planned
+            s.posted += one.posted
+            s.completed += one.completed
+            s.posting_done &= one.posting_done
+            s.done &= one.done
+            s.linked |= one.linked
+            if s.error == 0:
+                s.error = one.error
+        return s
+
+    @property
+    def groups(self):
+        return self.n
+
+    def cancel(self):
+        """Post nothing more of any group; what was posted still completes."""
+        cdef Py_ssize_t g
+        with nogil:
+            for g in range(self.n):
+                kx_transfer_cancel(self.rail.r, self.xs[g])
+
+    def wait(self, timeout=None):
+        """True once every group's posted messages completed; False if `timeout` s pass first."""
+        cdef Py_ssize_t g
+        deadline = None if timeout is None else _time.monotonic() + timeout
+        for g in range(self.n):
+            left = None if deadline is None else max(0.0, deadline - _time.monotonic())
+            if not _wait(self.rail.r, WAIT_TRANSFER, self.xs[g], left):
+                return False
+        return True
+
+
+@cython.no_gc_clear  # __dealloc__ needs its Rail (GC clears Rail.pending first, so it outlives them)
+cdef class CounterHandle:
+    """The native side of a Counter: an expectation of `count` arrivals of one imm."""
+
+    cdef readonly Rail rail
+    cdef kx_counter *c
+
+    def __dealloc__(self):
+        if self.c != NULL:
+            with nogil:
+                kx_counter_drop(self.rail.r, self.c)
+            self.c = NULL
+
+    cdef kx_counter_state _state(self):
+        cdef kx_counter_state s
+        kx_counter_get_state(self.c, &s)
+        return s
+
+    @property
+    def address(self):
+        return <uintptr_t>self.c
+
+    @property
+    def imm(self):
+        return self._state().imm
+
+    @property
+    def count(self):
+        return self._state().count
+
+    @property
+    def arrived(self):
+        return self._state().arrived
+
+    @property
+    def done(self):
+        return bool(self._state().done)
+
+    @property
+    def errno(self):
+        return self._state().error
+
+    def wait(self, timeout=None):
+        """True once all arrivals were credited; False if `timeout` seconds pass first."""
+        return _wait(self.rail.r, WAIT_COUNTER, self.c, timeout)
+
+
+def check_groups(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
+                 const int64_t[::1] starts, const int64_t[::1] pair, const uint64_t[::1] src_size,
+                 const uint64_t[::1] dst_size):
+    """For Engine.write_pairs, one pass over the triples: None when every write of group g
+    (triples ``[starts[g], starts[g+1])``) stays inside ``src_size[pair[g]]`` and
+    ``dst_size[pair[g]]``; else ``(g, side, i, end)`` of the first that does not (side 0:
+    source, 1: destination; i counted within the group). Offsets are below 2**62."""
+    cdef Py_ssize_t ng = pair.shape[0], g, i, p
+    cdef uint64_t e
+    if starts.shape[0] != ng + 1 or (ng and (starts[ng] > length.shape[0] or starts[ng] > src_off.shape[0]
+                                             or starts[ng] > dst_off.shape[0])):
+        raise InvalidArgumentError("check_groups: group bounds exceed the triples")
+    for g in range(ng):      # every group's bounds before any triple is read (no bounds checks here)
+        p = pair[g]
+        if not 0 <= p < src_size.shape[0] or p >= dst_size.shape[0] or starts[g] < 0 or starts[g + 1] < starts[g]:
+            raise InvalidArgumentError("check_groups: bad group bounds or pair index")
+    for g in range(ng):
+        p = pair[g]
+        for i in range(starts[g], starts[g + 1]):
+            e = src_off[i] + length[i]
+            if e > src_size[p]:
+                return (g, 0, i - starts[g], e)
+            e = dst_off[i] + length[i]
+            if e > dst_size[p]:
+                return (g, 1, i - starts[g], e)
+    return None
+
+
+def count_messages(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
+                   size_t iov, uint64_t max_write, uint64_t pack_min=0):
+    """The native message rule, for checking kvxfer.wire.count_writes against it."""
+    cdef size_t n = length.shape[0]
+    if n == 0:
+        return 0
+    return kx_count_messages(&src_off[0], &dst_off[0], &length[0], n, iov, max_write, pack_min)

@@ -1,0 +1,323 @@
+# The watcher: WatcherHandle (kx_watcher, a thread posting armed entries at thresholds) and
+# WatchHandle (one armed entry).
+
+cdef class WatcherHandle:
+    """The native layer watcher (``kx_watcher``): a thread that polls a 64-bit counter word
+    and posts armed entries whose threshold the word reached. ``word``: the address of the
+    counter (0: the watcher allocates one)."""
+
+    cdef kx_watcher *w
+    cdef readonly object keep          # the memory behind an external word
+    cdef readonly bint closed
+
+    def __cinit__(self, uintptr_t word=0, int64_t poll_ns=10000, cpus=(), object keep=None, int rt_priority=0):
+        cdef int cpu_arr[256]
+        cdef int ncpus = 0
+        cdef int ret
+        for c in cpus:
+            if ncpus >= 256:
+                break
+            cpu_arr[ncpus] = c
+            ncpus += 1
+        self.w = NULL
+        self.keep = keep
+        with nogil:
+            ret = kx_watcher_open(<uint64_t *>word, poll_ns, cpu_arr, ncpus, rt_priority, &self.w)
+        check(ret, "kx_watcher_open")
+
+    def __dealloc__(self):
+        if self.w != NULL:
+            with nogil:
+                kx_watcher_free(self.w)
+            self.w = NULL
+
+    cdef inline kx_watcher *_w(self) except NULL:
+        if self.w == NULL or self.closed:
+            raise ClosedError("the watcher is closed")
+        return self.w
+
+    @property
+    def word(self):
+        """The counter's address."""
+        return <uintptr_t>kx_watcher_word(self._w())
+
+    @property
+    def value(self):
+        return kx_watcher_value(self._w())
+
+    def bump(self, uint64_t n=1):
+        """Add n to the counter and wake the thread; returns the new value."""
+        cdef kx_watcher *w = self._w()
+        cdef uint64_t v
+        if n > <uint64_t>0xFFFFFFFFFFFFFFFF - kx_watcher_value(w):
+            # the word would wrap, and entries armed above its new, small value never post
+            raise InvalidArgumentError(f"bump({n}) would take the counter past 2**64 - 1 "
+                                       f"(it is {kx_watcher_value(w)})")
+        with nogil:
+            v = kx_watcher_bump(w, n)
+        return v
+
+    def advance(self, uint64_t to):
+        cdef kx_watcher *w = self._w()
+        cdef uint64_t v
+        with nogil:
+            v = kx_watcher_advance(w, to)
+        return v
+
+    def arm(self, uint64_t threshold, uint64_t tag, Rail rail, fi_addr_t peer, uint32_t gen, uintptr_t src_base,
+            RegionHandle region, uint64_t dst_base, uint64_t key, DirectMap direct, const uint64_t[::1] src_off,
+            const uint64_t[::1] dst_off, const uint64_t[::1] length, imm, size_t iov, uint64_t max_write,
+            uint64_t pack_min):
+        """Arm the triples' writes (copied) for when the counter reaches ``threshold``."""
+        cdef kx_watcher *w = self._w()
+        cdef kx_rail *r = rail._rail()
+        cdef size_t n = length.shape[0]
+        cdef int has_imm = imm is not None
+        cdef uint32_t imm_value = imm if has_imm else 0
+        cdef const uint64_t *so = NULL
+        cdef const uint64_t *do_ = NULL
+        cdef const uint64_t *ln = NULL
+        cdef kx_watch *e = NULL
+        cdef kx_direct *d = _direct(direct)
+        cdef int ret
+        if n:
+            so = &src_off[0]
+            do_ = &dst_off[0]
+            ln = &length[0]
+        if region.rail is not rail or region.mr == NULL:
+            raise ClosedError("source registration is closed or belongs to another rail")
+        with nogil:
+            ret = kx_watch_arm(w, threshold, tag, r, peer, gen, <char *>src_base, region.desc, dst_base, key, d,
+                               so, do_, ln, n, has_imm, imm_value, iov, max_write, pack_min, &e)
+        check(ret, "kx_watch_arm")
+        cdef WatchHandle h = WatchHandle.__new__(WatchHandle)
+        h.watcher = self
+        h.e = e
+        h.rail = rail
+        h.region = region
+        _track_watches(region, [h])
+        return h
+
+    def arm_groups(self, const uint64_t[::1] thresholds, uint64_t tag, Rail rail, fi_addr_t peer, uint32_t gen,
+                   uintptr_t src_base,
+                   RegionHandle region, uint64_t dst_base, uint64_t key, DirectMap direct, const uint64_t[::1] src_off,
+                   const uint64_t[::1] dst_off, const uint64_t[::1] length, const int64_t[::1] starts, imm,
+                   size_t iov, uint64_t max_write, uint64_t pack_min):
+        """Arm group g (triples ``[starts[g], starts[g+1])``) at ``thresholds[g]``, all in one
+        GIL-free loop (the caller checked the triples and the bounds of ``starts``)."""
+        cdef kx_watcher *w = self._w()
+        cdef kx_rail *r = rail._rail()
+        cdef Py_ssize_t g, ng = thresholds.shape[0]
+        cdef int has_imm = imm is not None
+        cdef uint32_t imm_value = imm if has_imm else 0
+        cdef int ret = 0
+        cdef Py_ssize_t done_n = 0
+        cdef int64_t a, b
+        cdef uint64_t zero = 0
+        cdef kx_direct *d = _direct(direct)
+        if starts.shape[0] != ng + 1:
+            raise InvalidArgumentError("starts must have one more entry than thresholds")
+        if region.rail is not rail or region.mr == NULL:
+            raise ClosedError("source registration is closed or belongs to another rail")
+        import numpy
+        ptrs = numpy.zeros(max(ng, 1), dtype=numpy.uintp)
+        cdef size_t[::1] pv = ptrs
+        cdef kx_watch *e = NULL
+        with nogil:
+            for g in range(ng):
+                a = starts[g]
+                b = starts[g + 1]
+                ret = kx_watch_arm(w, thresholds[g], tag, r, peer, gen, <char *>src_base, region.desc, dst_base, key, d,
+                                   &src_off[a] if b > a else &zero, &dst_off[a] if b > a else &zero,
+                                   &length[a] if b > a else &zero, <size_t>(b - a), has_imm, imm_value, iov,
+                                   max_write, pack_min, &e)
+                if ret:
+                    break
+                pv[g] = <size_t>e
+                done_n += 1
+        out = []
+        cdef WatchHandle h
+        for g in range(done_n):
+            h = WatchHandle.__new__(WatchHandle)
+            h.watcher = self
+            h.e = <kx_watch *>pv[g]
+            h.rail = rail
+            h.region = region
+            out.append(h)
+        _track_watches(region, out)
+        if ret:
+            for x in out:
+                x.disarm()
+            check(ret, "kx_watch_arm")
+        return out
+
+    def disarm_tag(self, uint64_t tag):
+        cdef kx_watcher *w = self._w()
+        cdef size_t n
+        with nogil:
+            n = kx_watcher_disarm_tag(w, tag)
+        return n
+
+    def latencies(self):
+        """(call_ns, post_ns) lists: CPU bump -> first kx_write call / return, since the last call."""
+        cdef int64_t[::1] a = _array_i64(8192)
+        cdef int64_t[::1] b = _array_i64(8192)
+        cdef kx_watcher *w = self._w()
+        cdef size_t n
+        with nogil:
+            n = kx_watcher_latencies(w, &a[0], &b[0], 8192)
+        return list(a[:n]), list(b[:n])
+
+    def stats(self):
+        cdef kx_watcher_stats s
+        kx_watcher_get_stats(self._w(), &s)
+        return {"armed": s.armed, "fired": s.fired, "wakeups": s.wakeups, "tid": s.tid, "rt": s.rt}
+
+    def close(self, double timeout=5.0):
+        """Stop and join the thread (armed entries never post). False if it could not be joined."""
+        cdef int ret
+        cdef int64_t ns = <int64_t>(timeout * 1e9)
+        if self.w == NULL or self.closed:
+            return True
+        self.closed = True
+        with nogil:
+            ret = kx_watcher_close(self.w, ns)
+        return ret == 0
+
+
+def _track_watches(RegionHandle region, list handles):
+    """Remember entries armed from ``region`` (weakly: a dropped entry disarms itself), so
+    that closing the region is refused while one may still post from it; forget finished ones."""
+    if len(region.watches) >= 64:
+        region.watches = [r for r in region.watches if r() is not None and (<WatchHandle>r()).busy]
+    region.watches.extend(_weakref.ref(h) for h in handles)
+
+
+def _array_i64(n):
+    import numpy
+    return numpy.zeros(n, dtype=numpy.int64)
+
+
+@cython.no_gc_clear  # __dealloc__ needs its watcher and rail
+cdef class WatchHandle:
+    """One armed entry of a watcher: the writes it posts once the counter reaches its
+    threshold. Duck-types a TransferHandle-backed Transfer for the messenger (``done``,
+    ``posted``, ``num_writes``, ``error``, ``cancel``, ``wait``)."""
+
+    cdef readonly WatcherHandle watcher
+    cdef readonly Rail rail
+    cdef readonly RegionHandle region   # the source registration, alive while the entry is
+    cdef kx_watch *e
+    cdef object __weakref__             # RegionHandle.watches
+
+    def __dealloc__(self):
+        if self.e != NULL:
+            with nogil:
+                kx_watch_free(self.watcher.w, self.e)
+            self.e = NULL
+
+    cdef kx_watch_state _state(self):
+        cdef kx_watch_state s
+        with nogil:
+            kx_watch_get_state(self.watcher.w, self.e, &s)
+        return s
+
+    @property
+    def state(self):
+        """One of: armed, posting, posted, disarmed, failed."""
+        return ("armed", "posting", "posted", "disarmed", "failed")[self._state().state]
+
+    @property
+    def threshold(self):
+        return self._state().threshold
+
+    @property
+    def fired_ns(self):
+        return self._state().fired_ns
+
+    @property
+    def busy(self):
+        """Whether it may still post from, or have writes in flight from, its source
+        registration: armed, posting, or posted and not yet complete (or still linked)."""
+        cdef kx_watch_state s = self._state()
+        cdef kx_transfer_state t
+        if s.transfer != NULL:
+            kx_transfer_get_state(s.transfer, &t)
+            return bool(not t.done or t.linked)
+        return s.state == KX_WATCH_ARMED or s.state == KX_WATCH_POSTING
+
+    @property
+    def num_writes(self):
+        """Messages this entry posts once it fires (the message rule)."""
+        return kx_watch_planned(self.e)
+
+    @property
+    def posted(self):
+        cdef kx_watch_state s = self._state()
+        cdef kx_transfer_state t
+        if s.transfer == NULL:
+            return 0
+        kx_transfer_get_state(s.transfer, &t)
+        return t.posted
+
+    @property
+    def done(self):
+        """Disarmed or failed, or posted and every posted message completed."""
+        cdef kx_watch_state s = self._state()
+        cdef kx_transfer_state t
+        if s.state == KX_WATCH_DISARMED or s.state == KX_WATCH_FAILED:
+            return True
+        if s.transfer == NULL:
+            return False
+        kx_transfer_get_state(s.transfer, &t)
+        return bool(t.done)
+
+    @property
+    def error(self):
+        cdef kx_watch_state s = self._state()
+        cdef kx_transfer_state t
+        if s.state == KX_WATCH_FAILED:
+            return error_from("kx_write", s.error)
+        if s.transfer == NULL:
+            return None
+        kx_transfer_get_state(s.transfer, &t)
+        return error_from("fi_writemsg", t.error) if t.error else None
+
+    def disarm(self):
+        """True if it was still armed (it will never post); False if it was posted."""
+        cdef int r
+        with nogil:
+            r = kx_watch_disarm(self.watcher.w, self.e)
+        return bool(r)
+
+    def cancel(self):
+        """Disarm, or if already posted post nothing more of its transfer."""
+        cdef kx_watch_state s
+        if self.disarm():
+            return
+        s = self._state()
+        if s.transfer != NULL:
+            with nogil:
+                kx_transfer_cancel(self.rail.r, s.transfer)
+
+    def wait(self, timeout=None):
+        """True once final (see ``done``); False if ``timeout`` seconds pass first."""
+        cdef int fired = 0
+        cdef int64_t slice_ns
+        cdef kx_watch_state s
+        deadline = None if timeout is None else _time.monotonic() + timeout
+        while True:
+            slice_ns = _slice_ns(deadline)
+            with nogil:
+                fired = kx_watch_wait(self.watcher.w, self.e, slice_ns)
+            if fired < 0:
+                raise ClosedError("the watcher stopped with this entry armed: it never posts")
+            if fired:
+                break
+            if _deadline_passed(deadline):
+                return False
+        s = self._state()
+        if s.transfer == NULL:
+            return True
+        left = None if deadline is None else max(0.0, deadline - _time.monotonic())
+        return _wait(self.rail.r, WAIT_TRANSFER, s.transfer, left)

@@ -1,0 +1,615 @@
+"""The Engine: its rails, peers (connect/disconnect), register/remote, counters and control messages.
+
+This is the validating face over kvxfer._fabric. Everything a caller can get wrong is
+checked here, before anything is posted; the native layer then posts whole batches with
+the GIL released. What the progress thread reads stays alive natively: a transfer owns a
+copy of its offsets, each rail holds its pending transfers' source registrations, and a
+registration holds its buffer, until the last completion has been read.
+
+On shm, a region that is a shared memfd mapping (a host ``KVBuffer``, or any view of one)
+travels with a host share in its descriptor, and a peer engine maps it and writes into it
+directly: a memcpy per message, then a 0-byte write carrying the imm (src/direct.c). The
+target counts exactly what it counts over RMA. The share names the region's word in this
+engine's fence table, which ``MemoryRegion.close()`` revokes (and waits out) before it
+returns, so no peer's copy lands after the close (``_FenceSlot``). ``Engine(direct=False)`` or
+``KVXFER_SHM_DIRECT=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno as _errno
+import os
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+from kvxfer import _environ, _maps, wire
+from kvxfer.engine._args import _check_cpus, _check_imm, _check_nics, _check_options, _check_timeout, _timeout
+from kvxfer.engine.rails import Peer, _fabric, _message_limits, _need_native, _open_rails
+from kvxfer.engine.regions import FENCE_SLOTS, MemoryRegion, RemoteRegion, _FenceSlot, _resolve_buffer
+from kvxfer.engine.transfer import Counter, dispatch
+from kvxfer.engine.writes import _Writes
+from kvxfer.engine.watcher import Watcher, _check_watch, _check_word
+from kvxfer.errors import (
+    ArgumentTypeError,
+    ClosedError,
+    DescriptorError,
+    FabricError,
+    InvalidArgumentError,
+    KvxferError,
+    PeerError,
+    TimeoutError,
+    UnsupportedError,
+)
+
+
+class Engine(_Writes):
+    """One libfabric RDM endpoint with a native progress thread.
+
+    ``provider``: a libfabric provider string ("tcp;ofi_rxm", "shm", "efa", "verbs;ofi_rxm");
+    None takes FI_PROVIDER, else the first of PREFERENCE that opens. ``node``: the local
+    address to bind (tests pass "127.0.0.1"). Options: ``progress`` ("block" or "spin"),
+    ``cpus`` (CPU ids to pin the progress thread to), ``hmem`` (ask for FI_HMEM, needed to
+    register GPU memory), ``iov`` (pieces per RMA message, at most the provider's limit),
+    ``max_write`` (bytes per RMA message; larger writes are split), ``pack_min`` (pieces
+    shorter than this travel one per message; default: what the provider can inject, since
+    an injected small write beats a packed copy on shm; never for a region whose descriptor
+    carries a host share, see ``direct``). ``nics``: libfabric domain names,
+    one rail (endpoint, progress thread) each, over which paged writes are striped;
+    ``placement``: a ``kvxfer.Placement`` from ``Topology.assign``, giving NICs and CPUs;
+    ``rails``: without ``nics``, open this many endpoints on the provider's default domain
+    (on shm, two rails copy in parallel). ``peer_timeout``: seconds a peer may leave writes
+    or sends outstanding without completing any (or refuse every post) before it is declared
+    dead (its transfers and later posts fail with ``PeerError``; the only dead-peer signal shm
+    has); None: never. ``delivery_complete``: a transfer completes only once the target placed
+    it, so a write the target refuses fails at the sender (default: on for rxm providers, where
+    tcp otherwise reports a refused write as done; only each transfer's last message carries
+    FI_DELIVERY_COMPLETE, src/post.c says why). ``direct`` (shm only; default: on unless the
+    environment says ``KVXFER_SHM_DIRECT=0``): regions that are shared memfd mappings are
+    offered to peers as host shares, and writes from host memory into a peer's such region
+    go as direct writes: this process maps the peer's memfd range itself and copies with
+    memcpy, then posts a 0-byte write carrying the imm per message (src/direct.c), instead of
+    the kernel's cross-process copy. Rule 3 (``pack_min``) does not apply to writes into a
+    region whose descriptor carries a host share, on either path (direct, or RMA where this
+    engine does not map it), so the target counts them the same way whatever the sender
+    does: ``count_writes(..., region=)``. shm peers are the same user on the same host and
+    already trusted with each other's memory (docs/architecture.md, "Known provider
+    limits"); a peer that cannot be mapped (another namespace, no permission, an unsealed or
+    stale memfd) is written over RMA, silently.
+    """
+
+    def __init__(
+        self,
+        provider: Optional[str] = None,
+        node: Optional[str] = None,
+        *,
+        progress: str = "block",
+        cpus: Optional[Iterable[int]] = None,
+        hmem: bool = False,
+        iov: Optional[int] = None,
+        max_write: Optional[int] = None,
+        pack_min: Optional[int] = None,
+        nics: Optional[Sequence[str]] = None,
+        placement: Any = None,
+        rails: Optional[int] = None,
+        peer_timeout: Optional[float] = 10.0,
+        delivery_complete: Optional[bool] = None,
+        direct: Optional[bool] = None,
+    ) -> None:
+        _need_native()
+        pt = _timeout(peer_timeout, "peer_timeout")
+        if pt == 0:
+            raise InvalidArgumentError("peer_timeout must be positive (None: never declare a silent peer dead)")
+        self._closed = True          # until the rails are open and started
+        self._parked = False         # close() left an endpoint open (kx_rail_park)
+        self._lock = threading.Lock()
+        self._regions: "weakref.WeakSet[MemoryRegion]" = weakref.WeakSet()
+        # the fence of direct writes into our regions (src/direct.c): made at the first
+        # registration that offers a host share; one slot per such region
+        self._fence: Any = None
+        self._fence_file = (0, 0)        # its (dev, inode)
+        self._fence_free: "collections.deque[int]" = collections.deque()    # given back without the lock
+        self._fence_next = 0
+        self._fence_stuck: "collections.deque[int]" = collections.deque()   # slots a writer never left (never reused)
+        self._callbacks: dict[int, Counter] = {}
+        self._dispatcher: Optional[threading.Thread] = None
+        self._raw_keys: list[tuple[Any, int]] = []
+        self._peers: dict[bytes, Peer] = {}
+        self._watchers: "weakref.WeakSet[Watcher]" = weakref.WeakSet()
+        self._rails: list = []
+        _check_options(progress, iov, max_write, pack_min, rails)
+        for name, v in (("direct", direct), ("delivery_complete", delivery_complete), ("hmem", hmem)):
+            if v is not None and not isinstance(v, (bool, np.bool_)):
+                raise ArgumentTypeError(f"{name} must be True, False{'' if name == 'hmem' else ' or None'}, got {v!r}")
+        for name, v in (("provider", provider), ("node", node)):
+            if v is not None and not isinstance(v, str):
+                raise ArgumentTypeError(f"{name} must be a string or None, got {type(v).__name__}")
+        if provider is None:
+            provider = _environ.user_provider()   # kvxfer's own include list is not a name
+        if placement is not None:
+            if nics is None and getattr(placement, "nics", None):
+                nics = list(placement.domains)
+            if cpus is None:
+                cpus = tuple(placement.cpus)
+        cpus = _check_cpus(cpus)
+        nics = _check_nics(nics)
+        self._rails = _open_rails(provider, node, hmem, progress == "spin", nics, rails)
+        first = self._rails[0]
+        self.provider: str = first.provider
+        self.progress = progress
+        self.cpus = cpus
+        self.iov, self.max_write, self.pack_min = _message_limits(first, iov, max_write, pack_min)
+        self.peer_timeout = pt
+        if delivery_complete is None:      # tcp;ofi_rxm: otherwise a refused write "succeeds"
+            delivery_complete = "ofi_rxm" in self.provider
+        self.delivery_complete = bool(delivery_complete)
+        if direct is None:
+            direct = os.environ.get("KVXFER_SHM_DIRECT", "1") != "0"
+        #: direct writes (and host shares in this engine's descriptors): shm only
+        self.direct = direct and self.provider.split(";")[0] == "shm"
+        try:
+            for r in self._rails:
+                r.set_peer_timeout(pt or 0.0)
+                r.set_delivery_complete(self.delivery_complete)
+                r.start(self.cpus)
+            self._address = wire.Address(self.provider, tuple(r.getname() for r in self._rails)).encode()
+        except BaseException:
+            for r in reversed(self._rails):
+                r.close()
+            raise
+        self._closed = False
+
+    # -- life cycle ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the engine; idempotent. In this order: stop the callback dispatcher; drain
+        each rail (queued writes are cancelled, posted ones get 0.5 s to complete, rxm waits for
+        200 ms of incoming quiet and parks a rail that got none); quiesce each
+        rail (no caller inside native code, progress thread joined); close each rail's
+        endpoint, AV and CQ (pending transfers and counters fail); deregister the regions;
+        unmap peers' raw keys; close each rail's domain and fabric, last rail first; join the
+        dispatcher.
+
+        A KeyboardInterrupt (Ctrl-C) arriving meanwhile does not leave the engine half
+        closed (marked closed, so never closed again, with its progress threads, endpoints and
+        registrations alive): the steps, each idempotent, are run again to the end, and the
+        interrupt is raised after."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if not self._rails:
+            return
+        interrupted: Optional[BaseException] = None
+        while True:
+            try:
+                self._close_steps()
+                break
+            except KeyboardInterrupt as exc:
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
+
+    def _close_steps(self) -> None:
+        """``close()``'s steps; each may run again after an interrupt (``close()``)."""
+        for w in list(self._watchers):  # armed writes never post into a closing rail
+            w.close()
+        self._rails[0].dispatch_stop()
+        rxm = "ofi_rxm" in self.provider
+        # posted writes finish, queued ones go, incoming traffic stops (all bounded)
+        quiet = [r.drain(0.5, 0.2 if rxm else 0.02) for r in self._rails]
+        # libfabric 1.17's rxm crashes inside fi_close of an endpoint that peers wrote to until
+        # shortly before (docs/reliability.md). Such an endpoint (no 200 ms of quiet) is left
+        # open and unprogressed instead, reclaimed at process exit (tens of MiB and a dozen
+        # fds each). KVXFER_PARK_RXM=0 closes it anyway.
+        if rxm and os.environ.get("KVXFER_PARK_RXM", "1") != "0":
+            for r, q in zip(self._rails, quiet):
+                if not q and r.took_traffic:
+                    r.park()
+                    self._parked = True
+        for r in self._rails:           # nobody posts from here on
+            r.quiesce()
+        for r in self._rails:           # endpoints go before the registrations they used
+            r.close_endpoint()
+        regions = list(self._regions)
+        for r in regions:                   # no peer's direct copy starts into any of them
+            r._revoke(wait=False)
+        for r in regions:                   # a failure is reported, never stops the close
+            try:
+                r._close()
+            except FabricError as exc:
+                warnings.warn(f"closing {r!r}: {exc}", ResourceWarning, stacklevel=3)
+        while self._raw_keys:           # each unmapped once, even if the steps run again
+            rail, k = self._raw_keys.pop()
+            try:
+                rail.unmap_key(k)
+            except FabricError as exc:
+                warnings.warn(f"unmapping a peer's raw key: {exc}", ResourceWarning, stacklevel=3)
+        for r in reversed(self._rails):
+            r.close()
+        self._fence = None                  # its regions' slots hold it until they are done
+        d = self._dispatcher
+        if d is not None and d is not threading.current_thread():
+            d.join(timeout=5)
+        self._callbacks.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2)
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<Engine {getattr(self, 'provider', '?')}{' closed' if self._closed else ''}>"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("engine is closed")
+
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def address(self) -> bytes:
+        """What a peer passes to ``connect`` (send it out of band)."""
+        return self._address
+
+    @property
+    def info(self) -> dict:
+        """Provider facts kvxfer obeys: mr_mode, iovecs, sizes, remote counters, HMEM."""
+        f = self._rails[0]
+        return {
+            "provider": self.provider,
+            "fabric": f.fabric_name,
+            "domain": f.domain_name,
+            "rails": [r.domain_name for r in self._rails],
+            "mr_mode": f.mr_mode,
+            "virt_addr": bool(f.mr_mode & _fabric.MR_VIRT_ADDR),
+            "prov_key": bool(f.mr_mode & _fabric.MR_PROV_KEY),
+            "mr_local": bool(f.mr_mode & _fabric.MR_LOCAL),
+            "mr_endpoint": bool(f.mr_mode & _fabric.MR_ENDPOINT),
+            "rma_event": bool(f.caps & _fabric.CAP_RMA_EVENT),
+            "hmem": bool(f.caps & _fabric.CAP_HMEM),
+            "iov_limit": int(f.iov_limit),
+            "iov": self.iov,
+            "max_msg_size": int(f.max_msg_size),
+            "max_write": self.max_write,
+            "pack_min": self.pack_min,
+            "inject_size": int(f.inject_size),
+            "cq_data_size": int(f.cq_data_size),
+            "wait_object": f.has_wait,
+            "per_op_context": f.need_ctx,
+            "libfabric_runtime": "%d.%d" % _fabric.RUNTIME_VERSION,
+            "libfabric_build": "%d.%d" % _fabric.BUILD_VERSION,
+            "dmabuf": _fabric.HAVE_DMABUF,
+            "direct": self.direct,
+        }
+
+    def stats(self) -> dict:
+        self._check_open()
+        out: dict = {}
+        for r in self._rails:
+            for k, v in r.stats().items():
+                out[k] = out.get(k, 0) + v
+        # closed regions whose fence a peer's copy never left (a writer killed mid-copy)
+        out["direct_fence_stuck"] = len(self._fence_stuck)
+        return out
+
+    @property
+    def rails(self) -> int:
+        """Endpoints (NICs) this engine stripes over."""
+        return len(self._rails)
+
+    def progress_threads(self) -> list[int]:
+        """Kernel thread ids of the progress threads, one per rail (for pinning checks)."""
+        return [r.thread_id for r in self._rails]
+
+    # -- peers and regions ---------------------------------------------------------------
+    def connect(self, address: bytes) -> Peer:
+        """Insert a peer's address (from its ``Engine.address``) into the address vector."""
+        self._check_open()
+        a = wire.Address.decode(address)
+        if a.provider != self.provider:
+            raise DescriptorError(f"address is for provider {a.provider!r}, this engine runs {self.provider!r}")
+        local = self._rails[0].getname()
+        for n in a.names:
+            # libfabric reads as many bytes as its address format implies: a name of another
+            # size (or an unterminated string name) would be read out of bounds
+            if self._rails[0].addr_is_str:
+                if not n.endswith(b"\0") or b"\0" in n[:-1] or len(n) > 256:
+                    raise DescriptorError("address has a malformed endpoint name for this provider")
+            elif len(n) != len(local):
+                raise DescriptorError(f"address has a {len(n)}-byte endpoint name; this provider's are {len(local)} bytes")
+        address = bytes(address)
+        with self._lock:
+            peer = self._peers.get(address)
+            if peer is not None and not peer.closed:
+                return peer
+            slots = [r.av_insert(np.frombuffer(a.names[i % len(a.names)], dtype=np.uint8))
+                     for i, r in enumerate(self._rails)]
+            peer = Peer(self, address, tuple(s[0] for s in slots), tuple(s[1] for s in slots), len(a.names))
+            self._peers[address] = peer
+        return peer
+
+    def disconnect(self, peer: Peer, timeout: float = 1.0) -> None:
+        """Remove a peer: cancel its transfers (writes already posted still complete or fail),
+        wait up to ``timeout`` s for them to end, then remove its address from every rail.
+        Later writes and sends to it raise ``PeerError``. Idempotent.
+
+        An address is removed only from a rail with nothing still posting to it (libfabric
+        reuses the slot for the next peer connected); one still posting at the deadline keeps
+        its slot, unused, until the engine closes."""
+        if not isinstance(peer, Peer) or peer.engine is not self:
+            raise InvalidArgumentError("peer must come from this engine's connect()")
+        timeout = _check_timeout(timeout)
+        with self._lock:
+            if peer.closed:
+                return
+            peer.closed = True        # from here on _endpoints and send refuse it
+            if self._peers.get(peer.address) is peer:
+                del self._peers[peer.address]
+        if self._closed:
+            return
+        for r, addr, gen in zip(self._rails, peer.fi_addrs, peer.gens):
+            r.cancel_peer(addr, gen)
+        deadline = time.monotonic() + timeout
+        for r, addr, gen in zip(self._rails, peer.fi_addrs, peer.gens):
+            _, posting = r.wait_peer_idle(addr, max(0.0, deadline - time.monotonic()), gen)
+            if posting == 0 and not r.closed:
+                # refuses later posts at once; removes the address once no post is inside
+                # a provider call to it (else the slot stays, unused, until close)
+                r.av_remove(addr, max(0.0, deadline - time.monotonic()) + 0.1)
+
+    def register(self, obj: Any, *, remote: bool = True) -> MemoryRegion:
+        """Register memory for RMA: a writable buffer, a DLPack/CPU-torch tensor, a KVBuffer,
+        an object with ``__cuda_array_interface__``, or ``(ptr, nbytes)``. ``remote=False``
+        registers a source only: no peer can write into it, and it has no descriptor."""
+        self._check_open()
+        ptr, nbytes, device, iface, ordinal, dmabuf, keep = _resolve_buffer(obj)
+        if nbytes <= 0:
+            raise InvalidArgumentError("cannot register an empty buffer")
+        if iface != _fabric.HMEM_SYSTEM and not (self._rails[0].caps & _fabric.CAP_HMEM):
+            raise UnsupportedError(
+                f"provider {self.provider!r} engine has no FI_HMEM: device memory ({device}) needs "
+                "Engine(..., hmem=True) on a provider that offers it (shm, efa, verbs)"
+            )
+        mrs = []
+        try:
+            for r in self._rails:
+                mrs.append(r.mr_reg(ptr, nbytes, iface, ordinal, dmabuf, bool(remote)))
+                mrs[-1].keep = keep      # a registration keeps its memory alive
+        except FabricError as exc:
+            for mr in mrs:
+                mr.close()
+            # a libfabric built without this device's HMEM support (Debian's 1.17 and CUDA)
+            # answers ENOSYS/EOPNOTSUPP from fi_mr_regattr: say which feature is missing
+            if iface != _fabric.HMEM_SYSTEM and exc.errno in (_errno.ENOSYS, _errno.EOPNOTSUPP):
+                raise UnsupportedError(f"this libfabric cannot register {device} memory ({exc}): it was built "
+                                       "without that device's HMEM support") from exc
+            raise
+        except BaseException:
+            for mr in mrs:
+                mr.close()
+            raise
+        finally:
+            if dmabuf >= 0:       # each registration holds its own reference to the dma-buf
+                os.close(dmabuf)
+        # a shared memfd mapping: shm peers may map it and write directly (src/direct.c)
+        share = _maps.host_share(ptr, nbytes) if self.direct and remote and device == "cpu" else None
+        fence = self._fence_take() if share is not None else None
+        if fence is not None:         # the share names it: peers copy only while it allows
+            share = dataclasses.replace(share, fence=fence.wire())
+        region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote), share, fence)
+        if fence is not None:
+            # the slot lives as long as the registration, not the MemoryRegion object: a region
+            # dropped while a transfer from it still holds its registration keeps taking its
+            # peers' copies (as RMA writes to its key still land), and revoking then would let
+            # their imms count without their data
+            mrs[0].fence = fence
+        with self._lock:
+            if self._closed:       # close() ran while we registered: undo, not leak
+                region._close()
+                raise ClosedError("engine is closed")
+            self._regions.add(region)
+        return region
+
+    def remote(self, descriptor: bytes) -> RemoteRegion:
+        """Decode a peer's ``MemoryRegion.descriptor()``; writes are bounded by its size. On a
+        shm engine with ``direct``, a descriptor's host share is mapped here (checked first;
+        see ``Engine``), and ``RemoteRegion.direct`` says whether that worked."""
+        self._check_open()
+        d = wire.Descriptor.decode(descriptor)
+        if d.provider != self.provider:
+            raise DescriptorError(f"descriptor is for provider {d.provider!r}, this engine runs {self.provider!r}")
+        virt = bool(self._rails[0].mr_mode & _fabric.MR_VIRT_ADDR)
+        if d.virt_addr != virt:
+            raise DescriptorError("descriptor's addressing mode does not match this provider's mr_mode")
+        keys = []
+        for i, r in enumerate(self._rails):
+            k = d.keys[i % len(d.keys)]
+            if d.raw:
+                mapped = r.map_raw(d.base, np.frombuffer(k, dtype=np.uint8))
+                self._raw_keys.append((r, mapped))
+                keys.append(mapped)
+            else:
+                keys.append(int.from_bytes(k, "little"))
+        direct = None
+        share = d.host_share
+        # only a fenced share (descriptor version 3) is written directly: the target revokes
+        # its fence when it closes the region, and the copies stop (src/direct.c); an older
+        # share has no such stop, so it is written over RMA (counted the same: pack_min 0)
+        if self.direct and share is not None and share.fence is not None and not d.device:
+            f = share.fence
+            try:
+                direct = _fabric.DirectMap(f"/proc/{share.pid}/fd/{share.fd}", share.dev, share.inode, share.offset,
+                                           d.nbytes, (f"/proc/{share.pid}/fd/{f.fd}", f.dev, f.inode, f.slot,
+                                                      f.generation))
+            except KvxferError:
+                direct = None   # another host or namespace, no permission, a stale share: RMA
+        return RemoteRegion(self, d, tuple(keys), direct)
+
+    # -- progress and the watcher (writes: kvxfer/engine/writes.py) ---------------------
+    def hold_awake(self, hold: bool = True) -> None:
+        """Take (``hold=True``) or release a hold that keeps every rail's progress thread
+        polling instead of sleeping in its back-off: arrivals are expected soon (a streamed
+        request's layers). Costs CPU while held; holds nest."""
+        self._check_open()
+        for r in self._rails:
+            r.hold_awake(1 if hold else -1)
+
+    def watcher(self, *, word: int = 0, poll_us: float = 10.0, cpus: Optional[Iterable[int]] = None,
+                keep: Any = None, rt_priority: int = 0) -> Watcher:
+        """A native counter watcher that posts armed writes when a counter reaches their
+        threshold (see ``Watcher``); pinned to ``cpus`` (default: the engine's)."""
+        self._check_open()
+        _check_watch(poll_us, rt_priority)
+        word = _check_word(word)
+        cpus = self.cpus if cpus is None else _check_cpus(cpus)
+        w = Watcher(self, word, poll_us, cpus or (), keep, rt_priority)
+        self._watchers.add(w)
+        return w
+
+    def _fence_take(self) -> Optional[_FenceSlot]:
+        """A slot of this engine's fence table for a region that offers a host share (the
+        table is made at the first), or None: no memfd, or every slot taken (the region's
+        share then goes without a fence, and peers write into it over RMA)."""
+        with self._lock:
+            if self._closed:
+                return None
+            if self._fence is None:
+                try:
+                    table = _fabric.FenceTable(FENCE_SLOTS)
+                    st = os.fstat(table.fd)
+                except (KvxferError, OSError):
+                    return None
+                self._fence, self._fence_file = table, (st.st_dev, st.st_ino)
+            try:
+                slot = self._fence_free.pop()
+            except IndexError:
+                if self._fence_next >= self._fence.slots:
+                    return None
+                slot, self._fence_next = self._fence_next, self._fence_next + 1
+            table = self._fence
+            gen = table.issue(slot)
+        return _FenceSlot(self, table, slot, gen, *self._fence_file)
+
+    def _fence_give(self, slot: int, reusable: bool) -> None:
+        # without self._lock: a region's release runs under it (register's undo after a
+        # racing close()) and from finalizers, which a collection may start in any thread
+        # while it holds the lock (connect, register and disconnect allocate under it); a
+        # deque's append and pop are atomic
+        if reusable:
+            self._fence_free.append(slot)
+        else:
+            self._fence_stuck.append(slot)
+
+    def _pack_min(self, host_share: Optional[wire.HostShare]) -> int:
+        """Rule 3's bound for writes into a region whose descriptor carries ``host_share``:
+        none (0) with one, since a direct write's memcpy gains nothing from sending small
+        pieces alone (the RMA fallback packs them too, so the count never depends on the
+        path); ``pack_min`` otherwise."""
+        return 0 if host_share is not None else self.pack_min
+
+    # -- counters ------------------------------------------------------------------------
+    def expect(self, imm: int, count: int, callback: Optional[Callable[[Counter], Any]] = None) -> Counter:
+        """Expect ``count`` writes carrying ``imm``. Arrivals already banked are credited.
+
+        ``callback(counter)`` runs once, on the engine's dispatcher thread, when all arrived.
+        """
+        self._check_open()
+        checked = _check_imm(imm)
+        if checked is None:
+            raise InvalidArgumentError("expect needs an imm")
+        imm = checked
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count <= 0:
+            raise InvalidArgumentError(f"count must be a positive int, got {count!r}")
+        if callback is not None and not callable(callback):
+            raise InvalidArgumentError("callback must be callable")
+        if count >= 2**63:
+            raise InvalidArgumentError(f"count {count} is beyond any transfer")
+        # the lock orders registration before the dispatcher can pop a counter that
+        # completes at once from banked arrivals
+        with self._lock:
+            try:
+                handle = self._rails[0].expect(imm, int(count), callback is not None)
+            except InvalidArgumentError:
+                raise InvalidArgumentError(f"imm {imm} already has an unfinished expectation") from None
+            c = Counter(handle, imm, int(count), callback)
+            if callback is not None:
+                self._callbacks[handle.address] = c
+                if self._dispatcher is None:
+                    self._dispatcher = threading.Thread(target=dispatch, name="kvxfer-dispatch", daemon=True,
+                                                        args=(self._rails[0], self._lock, self._callbacks))
+                    self._dispatcher.start()
+        return c
+
+    def banked(self, imm: int) -> int:
+        """Arrivals of ``imm`` received and not yet consumed by an expectation."""
+        self._check_open()
+        checked = _check_imm(imm)
+        if checked is None:
+            raise InvalidArgumentError("banked needs an imm")
+        return self._rails[0].banked(checked)
+
+    def discard(self, imm: int) -> int:
+        """Retire ``imm``: withdraw its unfinished expectation (its ``Counter`` ends with
+        ``state == "discarded"``, ``wait`` raises ``ClosedError``, no callback runs), drop
+        its banked arrivals, and return how many arrivals were dropped (banked ones plus
+        those credited to the withdrawn expectation).
+
+        Only arrivals received before the call are retired: a write of ``imm`` arriving
+        later is banked as new and credits the next ``expect(imm, ...)``. So retire an imm
+        only once every write that can carry it has arrived, or never use it again. The
+        fence, knowing the sender's final ``Transfer.posted`` = P: ``d = discard(imm)``; if
+        ``d < P``: ``expect(imm, P - d).wait(...)``, then ``discard(imm)`` again."""
+        self._check_open()
+        checked = _check_imm(imm)
+        if checked is None:
+            raise InvalidArgumentError("discard needs an imm")
+        with self._lock:
+            dropped, addr = self._rails[0].discard(checked)
+            if addr:
+                self._callbacks.pop(addr, None)
+        return int(dropped)
+
+    # -- control messages ----------------------------------------------------------------
+    def send(self, peer: Peer, data: bytes, timeout: Optional[float] = 30.0) -> None:
+        """A small control message (at most 64 KiB) over FI_MSG, for protocol coordination.
+        Raises TimeoutError if the provider's queue stays full for ``timeout`` seconds."""
+        self._check_open()
+        timeout = _timeout(timeout)
+        if not isinstance(peer, Peer) or peer.engine is not self:
+            raise InvalidArgumentError("peer must come from this engine's connect()")
+        if peer.closed:
+            raise PeerError(_errno.ENOTCONN, "peer was disconnected")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(f"a control message is bytes, not {type(data).__name__}")
+        buf = np.frombuffer(bytes(data), dtype=np.uint8)
+        if len(buf) > _fabric.MSG_MAX:
+            raise InvalidArgumentError(f"control message of {len(buf)} bytes exceeds {_fabric.MSG_MAX}")
+        if not self._rails[0].send(peer.fi_addrs[0], peer.gens[0], buf, timeout):
+            raise TimeoutError(f"control message not accepted by the provider within {timeout} s")
+
+    def recv(self, timeout: Optional[float] = None) -> bytes:
+        """The next control message received; TimeoutError if none within ``timeout`` s."""
+        self._check_open()
+        m = self._rails[0].recv(_timeout(timeout))
+        if m is None:
+            raise TimeoutError(f"no control message within {timeout} s")
+        return m
+

@@ -1,0 +1,231 @@
+"""The watcher: a native thread that posts armed writes when a 64-bit counter reaches their threshold.
+
+``Watcher`` owns the thread (``_fabric.WatcherHandle``); ``WatchEntry`` is one armed group of
+writes, which quacks like a ``Transfer``. Armed writes are checked like ``write_batch`` when
+armed, then posted natively with no Python per layer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+import numpy as np
+
+from kvxfer import _maps
+from kvxfer.engine._args import _as_offsets, _check_imm, _check_timeout, _check_rail, _nonneg, _timeout, _u64
+from kvxfer.engine.rails import _fabric
+from kvxfer.errors import InvalidArgumentError, KvxferError, OutOfBoundsError, TimeoutError
+
+if TYPE_CHECKING:
+    from kvxfer.engine.engine import Engine
+    from kvxfer.engine.rails import Peer
+    from kvxfer.engine.regions import MemoryRegion, RemoteRegion
+
+
+#: The longest watcher poll interval (µs) ``Engine.watcher`` takes: its nanoseconds fit an int64.
+MAX_POLL_US = 1e9
+
+
+def _check_watch(poll_us, rt_priority, prefix: str = "") -> None:
+    """A watcher's poll interval (µs, positive, at most ``MAX_POLL_US``) and SCHED_FIFO
+    priority (0..99); ``prefix`` names them as the caller's options do (the messenger's
+    ``watch_``)."""
+    if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not 0 < poll_us <= MAX_POLL_US:
+        raise InvalidArgumentError(f"{prefix}poll_us must be a positive number up to {MAX_POLL_US:g}, "
+                                   f"got {poll_us!r}")
+    if isinstance(rt_priority, bool) or not isinstance(rt_priority, int) or not 0 <= rt_priority <= 99:
+        raise InvalidArgumentError(f"{prefix}rt_priority must be an int in 0..99, got {rt_priority!r}")
+
+
+
+
+def _check_word(word) -> int:
+    """A watcher's counter address: 0 (it allocates one) or an 8-byte-aligned u64 that is
+    mapped writable in this process (the thread reads it natively; a wild one would crash)."""
+    word = _nonneg(word, "word")
+    if word:
+        if word % 8 or word >= 2**64 - 8:
+            raise InvalidArgumentError(f"word {word:#x} is not the address of an aligned 64-bit counter")
+        _maps.check_writable(word, 8)
+    return word
+
+
+
+
+class WatchEntry:
+    """Writes armed on a ``Watcher``: posted natively once its counter reaches ``threshold``.
+
+    Quacks like a ``Transfer``: ``num_writes`` (exact, known at arming), ``posted``,
+    ``done`` (posted and complete, or disarmed), ``error``, ``cancel()`` (disarm, or stop
+    posting what was posted), ``wait()``. ``state``: "armed", "posting", "posted",
+    "disarmed" or "failed". It keeps its source region alive."""
+
+    __slots__ = ("_h", "_src", "nbytes", "imm", "tag", "__weakref__")
+
+    def __init__(self, h: Any, src: "MemoryRegion", nbytes: int, imm: Optional[int], tag: int) -> None:
+        self._h = h
+        self._src = src
+        self.nbytes = nbytes
+        self.imm = imm
+        self.tag = tag
+
+    num_writes = property(lambda self: self._h.num_writes, doc="Messages it posts (the message rule).")
+    posted = property(lambda self: self._h.posted, doc="Messages handed to the provider so far.")
+    done = property(lambda self: self._h.done, doc="Disarmed, failed, or posted and complete.")
+    state = property(lambda self: self._h.state, doc="armed, posting, posted, disarmed or failed.")
+    threshold = property(lambda self: self._h.threshold, doc="The counter value that fires it.")
+    fired_ns = property(lambda self: self._h.fired_ns, doc="CLOCK_MONOTONIC ns of its post call (0 before).")
+
+    @property
+    def fired(self) -> bool:
+        """Posted (or failed to post)."""
+        return self._h.state in ("posted", "failed")
+
+    @property
+    def error(self) -> Optional[KvxferError]:
+        return self._h.error
+
+    def disarm(self) -> bool:
+        """True if it was still armed and now never posts; False if it was already posted."""
+        return self._h.disarm()
+
+    def cancel(self) -> None:
+        """Disarm it, or if it was posted post nothing more (what was posted completes)."""
+        self._h.cancel()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until ``done``; raise its error, or TimeoutError."""
+        if not self._h.wait(_timeout(timeout)):
+            raise TimeoutError(f"watch entry still {self.state} after {timeout} s")
+        err = self.error
+        if err is not None:
+            raise err
+
+    def __repr__(self) -> str:
+        return f"<WatchEntry at {self.threshold}: {self.num_writes} writes, {self.state}>"
+
+
+class Watcher:
+    """A native thread (``kvxfer-watch``) that watches a monotonic 64-bit counter and posts
+    armed writes when it reaches their threshold (``Engine.watcher``). No Python runs per
+    layer: the thread compares, then posts through the engine's native path.
+
+    ``word``: the counter's address; 0 lets the watcher allocate it (``ptr``). ``keep``: the
+    owner of external memory, kept alive. The thread blocks when nothing is armed, polls every
+    ``poll_us`` while something is, and ``bump()`` wakes it at once. ``rt_priority`` > 0 asks
+    for SCHED_FIFO (it sleeps between polls; ``stats()["rt"]`` says whether it was granted)."""
+
+    def __init__(self, engine: "Engine", word: int = 0, poll_us: float = 10.0, cpus: Iterable[int] = (),
+                 keep: Any = None, rt_priority: int = 0) -> None:
+        self.engine = engine
+        self._h = _fabric.WatcherHandle(int(word), int(poll_us * 1000), tuple(cpus), keep, int(rt_priority))
+
+    @property
+    def ptr(self) -> int:
+        """The counter's address (host memory)."""
+        return self._h.word
+
+    @property
+    def value(self) -> int:
+        return self._h.value
+
+    def bump(self, n: int = 1) -> int:
+        """Add ``n`` (CPU) and wake the thread; returns the new value. Refused
+        (``InvalidArgumentError``, nothing added) when it would take the counter past
+        2**64 - 1: a wrapped counter would never reach the thresholds armed above it."""
+        return self._h.bump(_u64(n, "n"))
+
+    def advance(self, to: int) -> int:
+        """Raise the counter to at least ``to``; returns its value after."""
+        return self._h.advance(_u64(to, "to"))
+
+    def arm(self, threshold: int, src: "MemoryRegion", peer: "Peer", dst: "RemoteRegion", src_offsets, dst_offsets,
+            lengths, *, imm: Optional[int] = None, tag: int = 0, rail: int = 0) -> WatchEntry:
+        """Arm ``write_batch``'s triples for when the counter reaches ``threshold`` (checked
+        like ``write_batch`` now; posted on local rail ``rail`` to the peer's rail
+        ``rail % peer rails``). ``tag`` groups entries for ``disarm_tag``."""
+        eng = self.engine
+        eng._endpoints(src, peer, dst)
+        so = _as_offsets(src_offsets, "src_offsets")
+        do = _as_offsets(dst_offsets, "dst_offsets")
+        ln = _as_offsets(lengths, "lengths")
+        if not (len(so) == len(do) == len(ln)):
+            raise InvalidArgumentError(f"triples differ in length: {len(so)}, {len(do)}, {len(ln)}")
+        if len(ln):
+            se, de = so + ln, do + ln
+            i, j = int(se.argmax()), int(de.argmax())
+            if int(se[i]) > src.nbytes:
+                raise OutOfBoundsError(f"source write {i} ends at byte {int(se[i])}, beyond the {src.nbytes}-byte region")
+            if int(de[j]) > dst.nbytes:
+                raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
+        imm = _check_imm(imm)
+        threshold = _u64(threshold, "threshold")
+        tag = _u64(tag, "tag")
+        rail = _check_rail(rail, len(eng._rails))
+        handles = src._live()
+        r = eng._rails[rail]
+        h = self._h.arm(threshold, tag, r, peer.fi_addrs[rail], peer.gens[rail], src.ptr, handles[rail], dst.base, dst.keys[rail],
+                        dst._direct_from(src), np.ascontiguousarray(so, np.uint64),
+                        np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), imm, eng.iov,
+                        eng.max_write, dst._pack_min)
+        return WatchEntry(h, src, int(ln.sum()) if len(ln) else 0, imm, int(tag))
+
+    def arm_groups(self, thresholds, src: "MemoryRegion", peer: "Peer", dst: "RemoteRegion", src_offsets,
+                   dst_offsets, lengths, starts, *, imm: Optional[int] = None, tag: int = 0,
+                   rail: int = 0) -> list[WatchEntry]:
+        """``arm`` for many groups of one region pair at once (e.g. every layer of a rank
+        pair): group g is triples ``[starts[g], starts[g + 1])`` armed at ``thresholds[g]``.
+        Checked once, armed in one native loop."""
+        eng = self.engine
+        eng._endpoints(src, peer, dst)
+        so = _as_offsets(src_offsets, "src_offsets")
+        do = _as_offsets(dst_offsets, "dst_offsets")
+        ln = _as_offsets(lengths, "lengths")
+        th = _as_offsets(thresholds, "thresholds")
+        st = _as_offsets(starts, "starts").astype(np.int64)
+        tag = _u64(tag, "tag")
+        if not (len(so) == len(do) == len(ln)):
+            raise InvalidArgumentError(f"triples differ in length: {len(so)}, {len(do)}, {len(ln)}")
+        if (st.ndim != 1 or len(st) != len(th) + 1 or st[0] != 0 or st[-1] != len(ln)
+                or (np.diff(st) < 0).any()):
+            raise InvalidArgumentError("starts must run from 0 to the number of triples, one more than thresholds")
+        if len(ln):
+            se, de = so + ln, do + ln
+            i, j = int(se.argmax()), int(de.argmax())
+            if int(se[i]) > src.nbytes:
+                raise OutOfBoundsError(f"source write {i} ends at byte {int(se[i])}, beyond the {src.nbytes}-byte region")
+            if int(de[j]) > dst.nbytes:
+                raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
+        imm = _check_imm(imm)
+        rail = _check_rail(rail, len(eng._rails))
+        handles = src._live()
+        hs = self._h.arm_groups(np.ascontiguousarray(th, np.uint64), tag, eng._rails[rail], peer.fi_addrs[rail],
+                                peer.gens[rail],
+                                src.ptr, handles[rail], dst.base, dst.keys[rail], dst._direct_from(src),
+                                np.ascontiguousarray(so, np.uint64),
+                                np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), st, imm,
+                                eng.iov, eng.max_write, dst._pack_min)
+        cs = np.concatenate([[0], np.cumsum(ln, dtype=np.uint64)]).astype(np.uint64)
+        sums = (cs[st[1:]] - cs[st[:-1]]).tolist()
+        return [WatchEntry(h, src, int(sums[g]), imm, int(tag)) for g, h in enumerate(hs)]
+
+    def disarm_tag(self, tag: int) -> int:
+        """Disarm every still-armed entry of ``tag``; returns how many."""
+        return self._h.disarm_tag(_u64(tag, "tag"))
+
+    def latencies(self) -> tuple[list[int], list[int]]:
+        """CPU ``bump()`` -> first post of what it fired, in ns, since the last call: to the
+        native post call, and to its return."""
+        return self._h.latencies()
+
+    def stats(self) -> dict:
+        return self._h.stats()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop and join the thread (idempotent); armed entries never post."""
+        self._h.close(_check_timeout(timeout))
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._h.closed)
+
