@@ -14,6 +14,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Optional
 
+from kvxfer.messenger.metrics import Histograms
+
 __all__ = ["Node", "FINAL"]
 
 #: the final states of a Receive and a Send
@@ -32,6 +34,7 @@ class Node:
         self.counts: dict[str, int] = {}
         self.closed = False
         self._cbq: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.hist = Histograms()              # seconds of the transitions (kvxfer/messenger/metrics.py)
         self.polling = False                  # Messenger.poll() was called: transitions are kept
         self.events: deque = deque()          # Receives and Sends that turned final or fenced
 

@@ -36,6 +36,7 @@ from kvxfer.errors import (
 from kvxfer.layout import KVLayout, Sharding
 from kvxfer.messenger import _args
 from kvxfer.messenger import _codec as C
+from kvxfer.messenger import prefix
 from kvxfer.messenger._node import FINAL, Node
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
 from kvxfer.planner import request_seed, writing_ranks
@@ -105,6 +106,8 @@ class Receive:
         self.request_id = rid
         self.dst_pages = pages
         self.num_tokens = num_tokens
+        self.first_token = 0
+        self.meta = b""
         self._slot = slot
         self._slot_cell = [slot]
         self._deadline = deadline
@@ -252,27 +255,41 @@ class Decoder:
         self.receives: dict[int, Receive] = {}                  # any leg's imm -> Receive (not retired)
         self.rids: dict[Any, Receive] = {}                      # request id -> Receive in flight
         self.fencing: set[Receive] = set()
+        self.queued: dict[Receive, None] = {}                   # waiting for a connecting peer (in order)
         self._next_imm = 1 + int.from_bytes(os.urandom(3), "little")
 
     # -- asking ---------------------------------------------------------------------------
     def receive(self, peers: Any, request_id: Any, dst_pages: Any, num_tokens: Any, timeout: Any,
-                hot: bool) -> Receive:
+                hot: bool, first_token: Any = 0, meta: Any = b"") -> Receive:
         groups = self.peers.instance(peers)
         timeout = _args.timeout(timeout)
         pages = _args.dst_pages(dst_pages, self.layout.num_pages, C.MAX_PAGES)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
-            raise InvalidArgumentError(f"num_tokens must be an int, got {num_tokens!r}")
-        if not 0 < int(num_tokens) <= len(pages) * self.layout.page_size:
-            raise InvalidArgumentError(f"num_tokens {num_tokens} does not fit {len(pages)} page(s) of "
-                                       f"{self.layout.page_size} tokens")
+        for name, v in (("num_tokens", num_tokens), ("first_token", first_token)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise InvalidArgumentError(f"{name} must be an int, got {v!r}")
+        num_tokens, first_token = int(num_tokens), int(first_token)
+        ps = self.layout.page_size
+        if not 0 <= first_token < num_tokens < 2**63:
+            raise InvalidArgumentError(f"tokens [{first_token}, {num_tokens}) are not a request: 0 <= first_token "
+                                       "< num_tokens")
+        need = prefix.dst_page_count(num_tokens, first_token, ps)
+        if len(pages) < need:           # the prefiller checks again (against this handshake)
+            raise InvalidArgumentError(f"num_tokens {num_tokens} (from first_token {first_token}) do not fit "
+                                       f"{len(pages)} page(s) of {ps} tokens: {need} needed")
+        try:
+            meta = bytes(memoryview(meta))
+        except TypeError:
+            raise InvalidArgumentError(f"meta must be bytes, got {type(meta).__name__}") from None
+        if len(meta) > C.MAX_META:
+            raise InvalidArgumentError(f"meta is at most {C.MAX_META} bytes, got {len(meta)}")
         rid_bytes = C.encode_request_id(request_id)
         if isinstance(request_id, bytearray):
             request_id = bytes(request_id)        # a key of the in-flight table; the prefiller sees bytes
         first = groups[0]
         # replicas are dealt chunks of the source's page list: where the page sizes differ it
         # is ceil(num_tokens / the source's page size) long (planner: "Page sizes that differ")
-        src_n = len(pages) if first.layout.page_size == self.layout.page_size else \
-            -(-int(num_tokens) // first.layout.page_size)
+        src_n = len(pages) if first.layout.page_size == self.layout.page_size and not first_token else \
+            prefix.source_pages(num_tokens, first_token, first.layout.page_size, ps)
         writers = writing_ranks(first.layout, first.sharding, self.layout, self.sharding, self.ranks, src_n,
                                 seed=request_seed(rid_bytes))
         by_rank = {r: pg for pg in groups for r in pg.ranks}
@@ -309,6 +326,7 @@ class Decoder:
                 legs.append(Leg(pg, self._alloc_imm(legs), slot if i == 0 else -1))
             deadline = None if timeout is None else time.monotonic() + timeout
             r = Receive(self, legs, request_id, pages, int(num_tokens), slot, deadline)
+            r.first_token, r.meta = first_token, meta
             if hot:
                 node.engine.hold_awake(True)
                 r._hot = True
@@ -317,12 +335,18 @@ class Decoder:
                 self.receives[leg.imm] = r
             self.rids[request_id] = r
             node.count("receives")
+            queued = any(pg.state == "connecting" for pg in legs_of)
+            if queued:                   # sent by peer_up once every leg's peer is up
+                self.queued[r] = None
+                node.count("receives_queued")
         if slot >= 0:
             weakref.finalize(r, self.free_cell, r._slot_cell)
+        if queued:
+            return r
         for i, leg in enumerate(r.legs):
             try:
                 self.peers.send(leg.peer, C.REQUEST, imm=leg.imm, num_tokens=int(num_tokens), slot=leg.slot,
-                                request_id=request_id, pages=pages)
+                                request_id=request_id, pages=pages, first_token=first_token, meta=meta)
             except KvxferError as exc:
                 err = PeerError(f"could not send the request to peer {leg.peer.uid:016x}: {exc}")
                 self._unsent(r, i, err)
@@ -346,6 +370,39 @@ class Decoder:
             r._released = True
             self.free_cell(r._slot_cell)
         self._finished(r, final)
+
+    # -- queued for a connecting peer (connect(wait=False)) -----------------------------------
+    def _dequeue(self, r: Receive) -> bool:
+        """Under the lock: ``r`` waited for a peer (nothing sent): every leg fenced now."""
+        if r not in self.queued:
+            return False
+        del self.queued[r]
+        for leg in r.legs:
+            leg.abort_sent = leg.fence_ok = True
+            self._fence_leg(leg)
+        return True
+
+    def peer_up(self, pg: PeerGroup) -> None:
+        """``pg`` answered its HELLO: send the REQUESTs of the queued receives whose peers
+        are all up now (messenger thread; resent while refused)."""
+        with self.node.lock:
+            ready = [r for r in self.queued if any(leg.peer is pg for leg in r.legs)
+                     and all(leg.peer.state == "up" for leg in r.legs)]
+            for r in ready:
+                del self.queued[r]
+        for r in ready:
+            for leg in r.legs:
+                self.peers.try_send(leg.peer, C.REQUEST, retry=True, imm=leg.imm, num_tokens=r.num_tokens,
+                                    slot=leg.slot, request_id=r.request_id, pages=r.dst_pages,
+                                    first_token=r.first_token, meta=r.meta)
+
+    def connect_failed(self, pg: PeerGroup, err: KvxferError) -> None:
+        """``pg``'s connect failed: the receives queued for it fail with its error, fenced."""
+        with self.node.lock:
+            victims = [r for r in self.queued if any(leg.peer is pg for leg in r.legs)]
+        for r in victims:
+            self.fail(r, err, fence=lambda leg: True)
+            self.release(r)
 
     def _alloc_imm(self, taken: list) -> int:
         while True:
@@ -373,6 +430,9 @@ class Decoder:
         """``r`` is aborting: the legs an ABORT must go to now (marked sent), but ``skip``
         (a leg whose peer stopped by itself)."""
         r._aborting = True
+        if self._dequeue(r):
+            self._finished(r, self._progress(r))     # nothing was sent: fenced now
+            return []
         out = [leg for leg in r.legs if not leg.fenced and not leg.abort_sent and leg is not skip]
         for leg in out:
             leg.abort_sent = True
@@ -422,6 +482,13 @@ class Decoder:
                 self.rids.pop(r.request_id, None)
                 cbs, r._callbacks = r._callbacks, []
                 self.node.count("receive_" + state)
+                if state == "failed" and isinstance(r.error, (RejectedError, TimeoutError)):
+                    self.node.count("receive_rejected" if isinstance(r.error, RejectedError) else "receive_timed_out")
+                elif state == "done":
+                    g = self.geometry
+                    self.node.count("receive_bytes", len(self.ranks) * len(r.dst_pages) * g.num_layers * g.planes
+                                    * g.block_bytes)
+                self.node.hist.observe("receive", r.t_done - r.t_start)
                 self.node.report(r)
         if not r.fenced and all(leg.fenced for leg in r.legs):
             r.fenced = True
@@ -452,6 +519,7 @@ class Decoder:
                 r.error = err
             if r._state not in FINAL:
                 r._fail_now = True
+            self._dequeue(r)
             for leg in r.legs:
                 if fence(leg):
                     self._fence_leg(leg)
@@ -512,6 +580,7 @@ class Decoder:
                 leg.announced = m.count
             if r._state == "pending":
                 r._state = "transferring"
+                node.hist.observe("receive_announce", time.monotonic() - r.t_start)
         if bad:     # writes may still land, none counted: only a teardown frees the pages
             self.peers.broke_protocol(pg, f"it announced {m.count} writes for request {r.request_id!r}, not "
                                           f"{least} to {most}")
@@ -594,9 +663,13 @@ class Decoder:
             got = max(got, c.count)
         if got >= target:
             with self.node.lock:
+                was = leg.fenced
                 leg.fence_ok = True
                 self._fence_leg(leg)
                 cbs = self._progress(r)
+            if not was:
+                self.node.count("fences")
+                self.node.hist.observe("fence", time.monotonic() - leg.fence_since)
             self._finished(r, cbs)
         elif now is not None and now - leg.fence_since > self.node.peer_timeout and leg.peer.alive:
             # writes the peer says it posted have not landed in peer_timeout: they never will
