@@ -17,6 +17,11 @@ sysdeps:
 	  SUDO=$$( [ $$(id -u) -eq 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libfabric-dev libfabric-bin pkg-config iproute2 gcc; \
 	fi
+	@# the real store servers of tests/rendezvous (issue 27)
+	@if ! command -v etcd >/dev/null || ! command -v redis-server >/dev/null; then \
+	  SUDO=$$( [ $$(id -u) -eq 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server redis-server; \
+	fi
 
 $(VENV)/.stamp: pyproject.toml setup.py | sysdeps
 	@test -n "$(PYTHON)" || { echo "need Python >= 3.12 (python3.12 or pyenv)"; exit 1; }

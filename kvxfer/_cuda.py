@@ -1,4 +1,4 @@
-"""The CUDA driver API through cuda-python: one import fallback, one checked-call wrapper, one device probe.
+"""The CUDA driver API through cuda-python: one import fallback (driver and NVRTC), one checked-call wrapper, one device probe.
 
 Nothing here needs a GPU to import; without cuda-python or a driver every entry point says so
 (``UnsupportedError`` from :class:`CudaDriver`, an empty map from :func:`cuda_ordinals`).
@@ -12,7 +12,7 @@ from typing import Any
 
 from kvxfer.errors import BufferError, UnsupportedError
 
-__all__ = ["CudaDriver", "driver", "driver_module", "device_bus_ids"]
+__all__ = ["CudaDriver", "driver", "driver_module", "nvrtc_module", "device_bus_ids"]
 
 
 def driver_module() -> Any | None:
@@ -25,6 +25,19 @@ def driver_module() -> Any | None:
         except ImportError:
             return None
     return drv
+
+
+def nvrtc_module() -> Any | None:
+    """cuda-python's NVRTC module (``cuda.bindings.nvrtc`` from 12.6, ``cuda.nvrtc`` before), or
+    None: the same fallback as ``driver_module``, for code that compiles kernels."""
+    try:
+        from cuda.bindings import nvrtc  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import nvrtc  # type: ignore[no-redef]  # older cuda-python
+        except ImportError:
+            return None
+    return nvrtc
 
 
 class CudaDriver:

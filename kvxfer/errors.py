@@ -25,6 +25,7 @@ __all__ = [
     "PlanError",
     "TopologyError",
     "BufferError",
+    "RendezvousError",
 ]
 
 
@@ -98,3 +99,8 @@ class TopologyError(KvxferError, ValueError):
 
 class BufferError(KvxferError, _builtins.BufferError):  # noqa: A001
     """A KV buffer cannot be allocated, exported, imported or viewed as asked."""
+
+
+class RendezvousError(KvxferError, ConnectionError):
+    """A rendezvous store (etcd, Redis, TCPStore, a directory) is unreachable or refused an
+    operation; established fabric connections are not affected (kvxfer.rendezvous)."""

@@ -44,7 +44,7 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
-from kvxfer._check import as_int
+from kvxfer._check import as_int, is_int
 from kvxfer._libc import libc
 from kvxfer.buffers.handles import SharedHandle
 from kvxfer.errors import ClosedError, DescriptorError, InvalidArgumentError, PeerError, UnsupportedError
@@ -304,9 +304,9 @@ def unpack_handles(data: bytes) -> list[SharedHandle]:
         raise DescriptorError(f"not packed kvxfer handles (magic {magic!r}, version {version})")
     # JSON gives any type: only plain ints (C ints: syscall() masks larger ones) name a
     # process and its fds
-    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < _MAX_C_INT:
+    if not is_int(pid) or not 0 < pid < _MAX_C_INT:
         raise DescriptorError(f"malformed packed handles: pid {pid!r}")
-    if any(isinstance(n, bool) or not isinstance(n, int) or not -1 <= n < _MAX_C_INT for n in fds):
+    if any(not is_int(n) or not -1 <= n < _MAX_C_INT for n in fds):
         raise DescriptorError(f"malformed packed handles: fd numbers {fds!r}")
     # every description is checked before any fd is fetched: built around the bare number,
     # which the probe never owns (detach, not close)

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvxfer-bench",
         description="Bandwidth and latency of kvxfer writes between two processes, every byte checked at the target.",
     )
-    sub = parser.add_subparsers(dest="cmd", metavar="{bw,lat,msg,kv,topo}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{bw,lat,msg,kv,cluster,topo}")
     sub.required = True
 
     bw = sub.add_parser(
@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvxfer.cli import kv
 
     kv.add_parser(sub)
+    from kvxfer.cli import cluster
+
+    cluster.add_parser(sub)
     try:  # the topology subcommand lands separately; the benchmarks work without it
         from kvxfer.cli import topo
     except ImportError:

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.demo.config import DemoConfig, Handoff
 from kvxfer.demo.model import F32, ModelConfig
 from kvxfer.demo.runtime import (Decoding, Generation, LocalGroup, PagePool, check_prompt, colocated,
                                  decode_pages, kv_crc, prompt_pages)
@@ -51,33 +52,6 @@ from kvxfer.errors import InvalidArgumentError, KvxferError, LayoutError
 
 __all__ = ["DemoConfig", "RequestStats", "Report", "Handoff", "make_prompts", "DecodeNode", "NumpyTransport", "run",
            "check_config"]
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """One demo run: the workload, the deployment and the transport."""
-
-    prompts: int = 50
-    min_len: int = 1
-    max_len: int = 400
-    max_new: int = 32
-    attention: str = "gqa"
-    prefill_tp: int = 2
-    decode_tp: int = 1
-    chunk: int = 64  #: prefill chunk (tokens); smaller than most prompts
-    max_batch: int = 8
-    arrival_ms: float = 120.0  #: mean gap between arrivals (exponential), so prefills overlap decodes
-    decode_pool_pages: int = 0  #: 0: enough for ``max_batch`` of the longest requests
-    prefill_pool_pages: int = 0  #: 0: enough for the longest prompt
-    transport: str = "shm"  #: shm or tcp;ofi_rxm (messengers), numpy (no fabric)
-    prefill_nodes: int = 1  #: prefill nodes (messenger transports); requests go round-robin
-    kill_prefiller_after: int = 0  #: >0: SIGKILL prefill node 0 once it has prefilled this many and has another
-    peer_timeout: float = 3.0  #: the messenger's dead-peer timeout (s)
-    stream: bool = True  #: messenger transports: move each layer as it is computed (False: after the last)
-    seed: int = 0
-
-    def model(self) -> ModelConfig:
-        return ModelConfig(attention=self.attention)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -143,37 +117,6 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
     if n >= 2:
         lens[0], lens[-1] = lo, hi
     return [rng.integers(0, vocab, int(k)).tolist() for k in lens]
-
-
-class Handoff:
-    """One request's hand-off as the decoder sees it (what a transport's ``submit`` returns).
-
-    ``done``: every page and the context landed, or it failed (``error``); ``fenced``: no
-    write of it can land any more, so its pages may be reused; ``context()`` the context as
-    float32; the prefill node's figures arrive in ``figures`` (``t_prefill_start``,
-    ``t_prefill_end``, ``t_last_layer`` on the machine's monotonic clock, ``streamed``,
-    ``schedule_s``, ``pages``, ``bytes``, ``writes``).
-    """
-
-    def __init__(self) -> None:
-        self.figures: dict[str, Any] = {}
-        self.error: BaseException | None = None
-        self.t_done: float | None = None
-        self.node = 0
-
-    @property
-    def done(self) -> bool:
-        raise NotImplementedError
-
-    @property
-    def fenced(self) -> bool:
-        return self.done
-
-    def context(self) -> np.ndarray:
-        raise NotImplementedError
-
-    def release(self) -> None:
-        """The context was read: its slot may be reused."""
 
 
 class _Local(Handoff):

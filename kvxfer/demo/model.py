@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvxfer._check import is_int
 from kvxfer.errors import InvalidArgumentError
 from kvxfer.layout import KVLayout, Sharding
 
@@ -71,7 +72,7 @@ class ModelConfig:
         for name in ("vocab", "hidden", "layers", "q_heads", "kv_heads", "head_dim", "intermediate", "units",
                      "page_size", "kv_lora", "rope_dim", "max_positions"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
         if self.attention not in ("gqa", "mla"):
             raise InvalidArgumentError(f"attention must be 'gqa' or 'mla', got {self.attention!r}")
@@ -101,7 +102,7 @@ class ModelConfig:
 
     def check_tp(self, tp: int) -> None:
         """Raise unless ``tp`` ranks can split the reduction units evenly."""
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or self.units % tp:
+        if not is_int(tp) or tp < 1 or self.units % tp:
             raise InvalidArgumentError(f"tp={tp!r} must divide units={self.units}")
 
     def units_of(self, rank: int, tp: int) -> range:

@@ -44,15 +44,18 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvxfer.demo.flow import DecodeNode, DemoConfig, Handoff
+from kvxfer.demo.config import DemoConfig, Handoff
 from kvxfer.demo.model import F32, ModelConfig
 from kvxfer.demo.runtime import PagePool, prompt_pages
 from kvxfer.errors import ClosedError, LayoutError, PeerError
 from kvxfer.errors import TimeoutError as KvxTimeoutError
+
+if TYPE_CHECKING:
+    from kvxfer.demo.flow import DecodeNode
 
 __all__ = ["MessengerTransport", "prefill_node_main", "python_signals"]
 

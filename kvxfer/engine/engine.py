@@ -17,8 +17,10 @@ returns, so no peer's copy lands after the close (``_FenceSlot``). ``Engine(dire
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
+import functools
 import errno as _errno
 import os
 import threading
@@ -29,7 +31,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from kvxfer import _environ, _maps, wire
+from kvxfer import _environ, _maps, _shm, wire
+from kvxfer._check import as_int
 from kvxfer.engine._args import _check_cpus, _check_imm, _check_nics, _check_options, _check_timeout, _timeout
 from kvxfer.engine.rails import Peer, _fabric, _message_limits, _need_native, _open_rails
 from kvxfer.engine.regions import FENCE_SLOTS, MemoryRegion, RemoteRegion, _FenceSlot, _resolve_buffer
@@ -49,8 +52,21 @@ from kvxfer.errors import (
 )
 
 
+def _close_at_exit(ref: "weakref.ref[Engine]", pid: int) -> None:
+    """An engine still open when the interpreter exits is closed, as a messenger is: a shm
+    engine's region and doorbell in /dev/shm go with it (issue 26.4). Not in a forked child
+    (``pid`` is the opener's): its copy of the engine has no threads and is not its to close."""
+    e = ref()
+    if e is not None and not e.closed and os.getpid() == pid:
+        try:
+            e.close()
+        except Exception:
+            pass
+
+
 class Engine(_Writes):
-    """One libfabric RDM endpoint with a native progress thread.
+    """A process's transfer endpoint over one or more rails: each rail one libfabric RDM
+    endpoint with its native progress thread (one per NIC in ``nics``, or ``rails`` on one).
 
     ``provider``: a libfabric provider string ("tcp;ofi_rxm", "shm", "efa", "verbs;ofi_rxm");
     None takes FI_PROVIDER, else the first of PREFERENCE that opens. ``node``: the local
@@ -164,6 +180,13 @@ class Engine(_Writes):
                 r.close()
             raise
         self._closed = False
+        #: closes this engine at interpreter exit unless it was closed before (unregistered then)
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self), os.getpid())
+        atexit.register(self._at_exit)
+        if self.provider.split(";")[0] == "shm" and os.environ.get("KVXFER_SHM_REAP", "1") != "0":
+            # files of this user's shm processes that died unclosed (SIGKILL): never reused,
+            # 16 MiB each; the pid in a name is checked against its process's start time
+            _shm.reap_stale()
 
     # -- life cycle ----------------------------------------------------------------------
     def close(self) -> None:
@@ -183,6 +206,9 @@ class Engine(_Writes):
             if self._closed:
                 return
             self._closed = True
+        at_exit = getattr(self, "_at_exit", None)
+        if at_exit is not None:
+            atexit.unregister(at_exit)
         if not self._rails:
             return
         interrupted: Optional[BaseException] = None
@@ -536,8 +562,7 @@ class Engine(_Writes):
         if checked is None:
             raise InvalidArgumentError("expect needs an imm")
         imm = checked
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count <= 0:
-            raise InvalidArgumentError(f"count must be a positive int, got {count!r}")
+        count = as_int(count, "count", minimum=1)
         if callback is not None and not callable(callback):
             raise InvalidArgumentError("callback must be callable")
         if count >= 2**63:

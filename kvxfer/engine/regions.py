@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from kvxfer import _maps, wire
+from kvxfer._check import is_int
 from kvxfer.engine.rails import _fabric
 from kvxfer.errors import (
     ArgumentTypeError,
@@ -295,7 +296,7 @@ def _resolve_buffer(obj: Any):
                 fd = -1
         return int(obj.ptr), int(obj.nbytes), f"cuda:{ordinal}", _fabric.HMEM_CUDA, ordinal, fd, keep
     if isinstance(obj, tuple) and len(obj) == 2:
-        if any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) for v in obj):
+        if not all(is_int(v) for v in obj):
             raise ArgumentTypeError(f"(ptr, nbytes) must be two ints, got ({', '.join(type(v).__name__ for v in obj)})")
         ptr, nbytes = int(obj[0]), int(obj[1])
         if not 0 < nbytes < 2**63:

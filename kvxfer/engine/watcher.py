@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import numpy as np
 
 from kvxfer import _maps
+from kvxfer._check import as_int, check_triples
 from kvxfer.engine._args import _as_offsets, _check_imm, _check_timeout, _check_rail, _nonneg, _timeout, _u64
 from kvxfer.engine.rails import _fabric
-from kvxfer.errors import InvalidArgumentError, KvxferError, OutOfBoundsError, TimeoutError
+from kvxfer.errors import InvalidArgumentError, KvxferError, TimeoutError
 
 if TYPE_CHECKING:
     from kvxfer.engine.engine import Engine
@@ -33,8 +34,7 @@ def _check_watch(poll_us, rt_priority, prefix: str = "") -> None:
     if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not 0 < poll_us <= MAX_POLL_US:
         raise InvalidArgumentError(f"{prefix}poll_us must be a positive number up to {MAX_POLL_US:g}, "
                                    f"got {poll_us!r}")
-    if isinstance(rt_priority, bool) or not isinstance(rt_priority, int) or not 0 <= rt_priority <= 99:
-        raise InvalidArgumentError(f"{prefix}rt_priority must be an int in 0..99, got {rt_priority!r}")
+    as_int(rt_priority, f"{prefix}rt_priority", minimum=0, maximum=99)
 
 
 
@@ -149,15 +149,7 @@ class Watcher:
         so = _as_offsets(src_offsets, "src_offsets")
         do = _as_offsets(dst_offsets, "dst_offsets")
         ln = _as_offsets(lengths, "lengths")
-        if not (len(so) == len(do) == len(ln)):
-            raise InvalidArgumentError(f"triples differ in length: {len(so)}, {len(do)}, {len(ln)}")
-        if len(ln):
-            se, de = so + ln, do + ln
-            i, j = int(se.argmax()), int(de.argmax())
-            if int(se[i]) > src.nbytes:
-                raise OutOfBoundsError(f"source write {i} ends at byte {int(se[i])}, beyond the {src.nbytes}-byte region")
-            if int(de[j]) > dst.nbytes:
-                raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
+        check_triples(so, do, ln, src.nbytes, dst.nbytes)
         imm = _check_imm(imm)
         threshold = _u64(threshold, "threshold")
         tag = _u64(tag, "tag")
@@ -189,13 +181,7 @@ class Watcher:
         if (st.ndim != 1 or len(st) != len(th) + 1 or st[0] != 0 or st[-1] != len(ln)
                 or (np.diff(st) < 0).any()):
             raise InvalidArgumentError("starts must run from 0 to the number of triples, one more than thresholds")
-        if len(ln):
-            se, de = so + ln, do + ln
-            i, j = int(se.argmax()), int(de.argmax())
-            if int(se[i]) > src.nbytes:
-                raise OutOfBoundsError(f"source write {i} ends at byte {int(se[i])}, beyond the {src.nbytes}-byte region")
-            if int(de[j]) > dst.nbytes:
-                raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
+        check_triples(so, do, ln, src.nbytes, dst.nbytes)
         imm = _check_imm(imm)
         rail = _check_rail(rail, len(eng._rails))
         handles = src._live()

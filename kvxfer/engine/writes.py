@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer import wire
+from kvxfer._check import as_int, check_triples
 from kvxfer.engine._args import _as_index, _as_offsets, _check_imm, _concat_index, _nonneg
 from kvxfer.engine.rails import Peer, _fabric
 from kvxfer.engine.regions import MemoryRegion, RegionPairs, RemoteRegion
@@ -125,16 +126,7 @@ class _Writes:
         so = _as_offsets(src_offsets, "src_offsets")
         do = _as_offsets(dst_offsets, "dst_offsets")
         ln = _as_offsets(lengths, "lengths")
-        if not (len(so) == len(do) == len(ln)):
-            raise InvalidArgumentError(f"triples differ in length: {len(so)}, {len(do)}, {len(ln)}")
-        if len(ln):
-            se = so + ln
-            de = do + ln
-            i, j = int(se.argmax()), int(de.argmax())
-            if int(se[i]) > src.nbytes:
-                raise OutOfBoundsError(f"source write {i} ends at byte {int(se[i])}, beyond the {src.nbytes}-byte region")
-            if int(de[j]) > dst.nbytes:
-                raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst.nbytes}-byte remote region")
+        check_triples(so, do, ln, src.nbytes, dst.nbytes)
         return self._post(src, peer, dst, so, do, ln, imm)
 
     def region_pairs(self, peer: Peer, pairs: Iterable[tuple]) -> "RegionPairs":
@@ -220,9 +212,7 @@ class _Writes:
         if peer.closed:
             raise PeerError(_errno.ENOTCONN, "peer was disconnected")
         if rail is not None:
-            if isinstance(rail, bool) or not isinstance(rail, (int, np.integer)) or not 0 <= rail < len(self._rails):
-                raise InvalidArgumentError(f"rail must be an int in [0, {len(self._rails)}), got {rail!r}")
-            rail = int(rail)
+            rail = as_int(rail, "rail", minimum=0, maximum=len(self._rails) - 1)
         imm = _check_imm(imm)
         if imm is not None and self._rails[0].cq_data_size < 4:
             raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from kvxfer._check import is_int
+from kvxfer._check import as_timeout, is_int
 from kvxfer.errors import InvalidArgumentError, OutOfBoundsError, PlanError
 
 __all__ = ["timeout", "bounded_int", "callback", "dst_pages", "src_pages", "src_prefix", "cpus", "watch"]
@@ -23,15 +23,9 @@ MAX_POLL_US = 1e9
 
 
 def timeout(value: Any, name: str = "timeout") -> Optional[float]:
-    """None (no deadline; also for ``inf``) or a non-negative float of seconds."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise InvalidArgumentError(f"{name} must be a number of seconds or None, got {value!r}")
-    t = float(value)
-    if not t >= 0:                         # NaN too
-        raise InvalidArgumentError(f"{name} must be >= 0, got {value!r}")
-    return None if t == float("inf") else t
+    """None (no deadline; also for ``inf``) or a non-negative float of seconds: the house's one
+    timeout rule, ``kvxfer._check.as_timeout``."""
+    return as_timeout(value, name)
 
 
 def bounded_int(value: Any, name: str, lo: int, hi: int) -> int:

@@ -72,3 +72,62 @@ def test_as_int_returns_plain_ints_and_names_the_argument():
         as_int(0, "pages", minimum=1)
     with pytest.raises(LayoutError):
         as_int(2.0, "kv_heads", error=LayoutError)
+
+
+def test_one_timeout_parser_with_one_meaning_of_inf():
+    """``kvxfer._check.as_timeout`` (issue 22): None and inf both mean no deadline where a call
+    may wait for ever; a call that must end refuses both; NaN, negatives, bools, strings and
+    finite waits past MAX_TIMEOUT are refused."""
+    import math
+
+    import numpy as np
+    import pytest
+
+    from kvxfer._check import MAX_TIMEOUT, as_timeout
+    from kvxfer.errors import ArgumentTypeError, InvalidArgumentError
+
+    assert as_timeout(None) is None and as_timeout(math.inf) is None and as_timeout(np.float64("inf")) is None
+    assert as_timeout(0) == 0.0 and as_timeout(np.int32(3)) == 3.0 and as_timeout(MAX_TIMEOUT) == MAX_TIMEOUT
+    for bad in (math.nan, -1, -math.inf, MAX_TIMEOUT * 2, 2**70):
+        with pytest.raises(InvalidArgumentError):
+            as_timeout(bad)
+    for bad in (True, "1", [1]):
+        with pytest.raises(ArgumentTypeError):
+            as_timeout(bad)
+    for bad in (None, math.inf):
+        with pytest.raises(InvalidArgumentError):
+            as_timeout(bad, forever=False)
+
+
+def test_one_bounds_check_for_triples():
+    import numpy as np
+    import pytest
+
+    from kvxfer._check import check_triples
+    from kvxfer.errors import InvalidArgumentError, OutOfBoundsError
+
+    u = lambda *v: np.array(v, np.uint64)  # noqa: E731
+    check_triples(u(0, 8), u(8, 0), u(8, 8), 16, 16)
+    check_triples(u(), u(), u(), 0, 0)
+    with pytest.raises(OutOfBoundsError, match="source write 1 ends at byte 17"):
+        check_triples(u(0, 9), u(0, 0), u(8, 8), 16, 16)
+    with pytest.raises(OutOfBoundsError, match="destination write 0 ends at byte 24"):
+        check_triples(u(0), u(16), u(8), 16, 16)
+    with pytest.raises(InvalidArgumentError, match="triples differ in length"):
+        check_triples(u(0), u(0, 1), u(8), 16, 16)
+
+
+def test_as_int_bounds_and_types():
+    import numpy as np
+    import pytest
+
+    from kvxfer._check import as_int
+    from kvxfer.errors import ArgumentTypeError, InvalidArgumentError, LayoutError
+
+    assert as_int(np.uint8(5), "n", minimum=0, maximum=5) == 5 and type(as_int(np.int64(2), "n")) is int
+    with pytest.raises(ArgumentTypeError):
+        as_int(np.bool_(True), "n")
+    with pytest.raises(InvalidArgumentError, match="n must be <= 4"):
+        as_int(5, "n", maximum=4)
+    with pytest.raises(LayoutError):             # a caller's own error class, for types too
+        as_int(1.0, "n", error=LayoutError)

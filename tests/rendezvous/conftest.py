@@ -1,0 +1,21 @@
+"""The ``server`` fixture: each backend of tests/rendezvous/_backends.py that runs here, one
+server per test module, always closed."""
+
+from __future__ import annotations
+
+import pytest
+
+from _backends import BACKENDS, make_server, why_not
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request):
+    why = why_not(request.param)
+    if why:
+        pytest.skip(why)
+    srv = make_server(request.param)
+    srv.kind = request.param
+    try:
+        yield srv
+    finally:
+        srv.close()
