@@ -99,7 +99,7 @@ _U32 = struct.Struct("<I")
 MAX_MESSAGE = 65536
 #: Pages one request may name: what fits one control message (with a 255-byte id and a tag).
 #: the most bytes of ``meta`` a REQUEST carries (``Messenger.receive(meta=)``, ``Request.meta``)
-MAX_META = 1024
+MAX_META = 256
 MAX_PAGES = (MAX_MESSAGE - _HDR.size - _REQ.size - 3 - 1024 - _REQ_TAIL.size - MAX_META - TAG_BYTES) // 4
 _MAX_REASON = 1024
 _U64 = 2**64

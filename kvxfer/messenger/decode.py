@@ -94,6 +94,18 @@ class Receive:
     write of this request can land any more (always after done and after a successful abort;
     after a failure once every leg was fenced or its peer torn down): until then the
     messenger refuses its pages to new requests. ``legs``: one per prefill peer written to.
+
+    Attributes: ``request_id``, ``dst_pages`` (read-only), ``num_tokens``, ``first_token``,
+    ``meta`` (as given to ``receive``), ``peer``/``peers`` (the first leg's / every leg's
+    PeerGroup), ``imm`` (the first leg's), ``error`` (why it failed: ``RejectedError`` =
+    recompute, ``PeerError`` = the peer is gone, ``TimeoutError``, ``ClosedError``),
+    ``t_start``, ``t_done``, ``t_fenced`` (monotonic seconds), ``arrived``, ``expected``,
+    ``context``.
+
+    Threads: every method and property may be called from any thread, concurrently.
+    ``wait`` blocks the caller; ``abort(timeout=0)`` never does (it sends the ABORTs and
+    returns; the fence finishes in the background: ``fenced`` and ``poll()`` say when).
+    Callbacks run on the messenger's dispatcher thread (``kvxfer-msg-cb``), one at a time.
     """
 
     def __init__(self, dec: "Decoder", legs: list[Leg], rid: Any, pages: np.ndarray, num_tokens: int,
@@ -103,17 +115,17 @@ class Receive:
         self.peer: PeerGroup = legs[0].peer          #: the first leg's peer
         self.peers: tuple[PeerGroup, ...] = tuple(leg.peer for leg in legs)
         self.imm: int = legs[0].imm                  #: the first leg's imm
-        self.request_id = rid
-        self.dst_pages = pages
-        self.num_tokens = num_tokens
-        self.first_token = 0
-        self.meta = b""
+        self.request_id = rid                        #: the id given to ``receive``
+        self.dst_pages = pages                       #: this decoder's pages (read-only)
+        self.num_tokens = num_tokens                 #: tokens of the request
+        self.first_token = 0                         #: tokens before it were held here already
+        self.meta = b""                              #: the bytes given to ``receive(meta=)``
         self._slot = slot
         self._slot_cell = [slot]
         self._deadline = deadline
         self._state = "pending"
-        self.error: Optional[BaseException] = None
-        self.fenced = False
+        self.error: Optional[BaseException] = None  #: why it failed (None otherwise)
+        self.fenced = False                          #: no write of it can land any more: pages reusable
         self._event = threading.Event()
         self._armed = threading.Event()     # every leg's counter exists (ANNOUNCEs handled) or final
         self._callbacks: list[Callable[[Receive], Any]] = []
@@ -121,9 +133,9 @@ class Receive:
         self._fail_now = False              # final at once (a peer died, a REJECT), fenced later
         self._released = False
         self._hot = False
-        self.t_start = time.monotonic()
-        self.t_done: Optional[float] = None
-        self.t_fenced: Optional[float] = None
+        self.t_start = time.monotonic()              #: when ``receive`` made it (monotonic)
+        self.t_done: Optional[float] = None          #: when it became final
+        self.t_fenced: Optional[float] = None        #: when it became fenced
 
     # -- public -----------------------------------------------------------------------
     @property
@@ -215,7 +227,10 @@ class Receive:
         was already done); then the pages may be reused. False if a peer did not answer
         within ``timeout`` (None: until it answers or is declared dead), or died: the pages
         stay quarantined until ``fenced`` turns True (the dead peer torn down, the others'
-        writes fenced)."""
+        writes fenced). ``abort(timeout=0)`` is the scheduler loop's non-blocking abort: it
+        asks every peer and returns at once (False unless already fenced); the fence
+        finishes in the background and ``Messenger.poll()`` reports the Receive once
+        ``fenced``."""
         timeout = _args.timeout(timeout)
         with self._dec.node.lock:
             if self._state == "done":

@@ -386,7 +386,7 @@ class Messenger:
         prefix-cache hit; the decoder holds tokens ``[0, first_token)`` and ``dst_pages``
         start with the page holding ``first_token`` (page-aligned or not); the prefiller
         writes only tokens ``[first_token, num_tokens)`` (kvxfer/messenger/prefix.py).
-        ``meta``: up to ``MAX_META`` (1024) bytes of the engine's own that reach the
+        ``meta``: up to ``MAX_META`` (256) bytes of the engine's own that reach the
         prefiller as ``Request.meta``."""
         self._check_open()
         return self._decode.receive(peer, request_id, dst_pages, num_tokens, timeout, hot, first_token, meta)

@@ -36,27 +36,32 @@ class PeerGroup:
     connect got no answer in time: ``error``; never up, nothing was sent to it but HELLO) or
     ``"dead"`` (it died, left or broke the protocol: ``error``). ``torn_down`` is True once its
     engine connection was disconnected after its death: nothing of it lands any more.
-    Read-only outside the messenger; any thread may read it."""
+    Read-only outside the messenger; any thread may read it.
+
+    Attributes: ``uid`` (the peer messenger's id), ``handshake`` (its decoded blob),
+    ``layout``, ``sharding``, ``ranks`` (the TP ranks it holds), ``state``, ``alive``,
+    ``error``, ``left`` (it said BYE), ``torn_down``; ``peer``, ``remote`` and
+    ``context_region`` are the engine objects the messenger writes through."""
 
     def __init__(self, owner: "Peers", hs: C.Handshake, peer: Any, remote: dict, ctx: Any) -> None:
-        self.owner = owner
-        self.handshake = hs
-        self.uid: int = hs.uid
-        self.layout: KVLayout = hs.layout
-        self.sharding: Sharding = hs.sharding
-        self.ranks: tuple[int, ...] = hs.ranks
+        self.owner = owner                #: the Peers room holding it
+        self.handshake = hs               #: the peer's decoded handshake
+        self.uid: int = hs.uid            #: the peer messenger's uid
+        self.layout: KVLayout = hs.layout         #: the peer's KV layout
+        self.sharding: Sharding = hs.sharding     #: the peer's sharding
+        self.ranks: tuple[int, ...] = hs.ranks    #: the TP ranks the peer holds
         self.peer = peer                 #: the engine ``Peer``
         self.remote = remote             #: rank -> list of RemoteRegion, by region id
-        self.context_region = ctx
-        self.state = "connecting"
-        self.error: Optional[KvxferError] = None
+        self.context_region = ctx        #: the peer's context slots (a RemoteRegion), or None
+        self.state = "connecting"        #: connecting, up, failed or dead
+        self.error: Optional[KvxferError] = None     #: why it failed or died
         self.last_heard = time.monotonic()
         self.last_sent = 0.0
         self.send_seq = 0
         self.recv_seq = 0
         self.send_lock = threading.Lock()
         self.resend: deque = deque()     # one-shot messages the engine refused: (type, fields, since)
-        self.torn_down = False
+        self.torn_down = False           #: its engine connection is gone: nothing of it lands
         self.acked = threading.Event()
         self.heartbeat = min(owner.node.peer_timeout, hs.peer_timeout) / 4
         self.geometry = hs.layout.resolve(hs.sharding)

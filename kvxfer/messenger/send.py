@@ -33,24 +33,33 @@ __all__ = ["Request", "Send", "StreamState"]
 
 
 class Request:
-    """A request a decoder sent to this messenger (the prefiller). ``slot`` is the decoder's
-    context slot this messenger writes, -1 when it writes no context (none, or another peer
-    of a per-rank prefill instance writes it)."""
+    """A request a decoder sent to this messenger (the prefiller), from ``requests()`` or
+    ``on_request``. Its attributes are read-only; read them from any thread. Hand it to
+    ``send``/``stream`` once (any thread), or ``reject`` it.
+
+    Attributes: ``request_id`` (str, bytes or int: the decoder's id), ``num_tokens`` (tokens
+    of the request), ``first_token`` (the decoder holds ``[0, first_token)`` already: only the
+    rest is written), ``meta`` (the decoder engine's bytes, at most ``MAX_META``),
+    ``dst_pages`` (the decoder's pages, read-only int64 array, covering ``[first_token,
+    num_tokens)``), ``peer`` (the decoder's ``PeerGroup``), ``slot`` (the decoder's context
+    slot this messenger writes; -1 when it writes none: no slots, or another rank process of
+    a per-rank instance writes it), ``imm`` (the request's imm on this leg), ``aborted``,
+    ``rejected``, ``send`` (its Send once made), ``t_arrived``, ``room``."""
 
     def __init__(self, room: "Prefiller", pg: PeerGroup, msg: C.Control) -> None:
-        self.room = room              #: the Prefiller that received it
-        self.peer = pg
-        self.request_id = msg.request_id
-        self.num_tokens = msg.num_tokens
-        self.first_token = msg.first_token
-        self.meta = msg.meta
-        self.dst_pages: np.ndarray = msg.pages
+        self.room = room                          #: the Prefiller (room) that received it
+        self.peer = pg                            #: the decoder's PeerGroup
+        self.request_id = msg.request_id          #: the decoder's request id (str, bytes or int)
+        self.num_tokens = msg.num_tokens          #: tokens of the request, ``[0, num_tokens)``
+        self.first_token = msg.first_token        #: tokens before it the decoder holds (not written)
+        self.meta = msg.meta                      #: the decoder engine's bytes (``receive(meta=)``)
+        self.dst_pages: np.ndarray = msg.pages    #: the decoder's pages, from ``first_token``'s page
         self.dst_pages.flags.writeable = False
-        self.imm = msg.imm
-        self.slot = msg.slot
+        self.imm = msg.imm                        #: this leg's imm (every write of it carries it)
+        self.slot = msg.slot                      #: the decoder's context slot written here, -1: none
         self.aborted = False          #: the decoder aborted it before ``send`` (or it was rejected)
         self.rejected: Optional[str] = None   #: the reason given to ``reject``
-        self.send: Optional[Send] = None
+        self.send: Optional[Send] = None      #: its Send, once ``send``/``stream`` made one
         self.t_arrived = time.monotonic()     #: when the REQUEST was read (monotonic)
 
     def reject(self, reason: str) -> None:
@@ -102,7 +111,15 @@ class StreamState:
 
 class Send:
     """The writes of one request. ``done`` (final: done, failed or aborted) is the moment the
-    source pages may be freed; ``add_done_callback`` says so on the dispatcher thread."""
+    source pages may be freed; ``Messenger.poll()`` reports it, ``add_done_callback`` says so
+    on the dispatcher thread. ``state``: ``"pending"``, ``"transferring"`` (announced), then
+    ``"done"``, ``"failed"`` (``error``) or ``"aborted"``; ``request``: its Request.
+
+    Threads: ``finish``, ``abort``, ``add`` and the properties may be called from any thread
+    (``add`` from one at a time); ``wait`` blocks the caller, every other call returns
+    without waiting for the network (``abort(timeout=0)`` only asks). A partial last page is
+    copied whole on the page path (the source's bytes past ``num_tokens`` travel into that
+    page); the token path (page sizes differ, or a prefix) moves exactly the tokens."""
 
     def __init__(self, room: "Prefiller", req: Request, stream: Optional[StreamState] = None) -> None:
         self._room = room

@@ -29,8 +29,10 @@ class Cluster:
     decoder (context slots of 32 bytes); ``peer``: what ``d.receive`` takes; every source
     byte from ``logical``; ``close()`` closes all (bounded)."""
 
-    def __init__(self, provider: str, per_rank: bool, *, context_slots: int = 8, **dkw) -> None:
+    def __init__(self, provider: str, per_rank: bool, *, context_slots: int = 8, layout: KVLayout = LAYOUT,
+                 **dkw) -> None:
         self.per_rank = per_rank
+        self.layout = LAYOUT = layout
         self.cache = logical(LAYOUT, 11)
         self.engines, self.pre = [], []
         self.src = [ref.RankMemory(LAYOUT, SRC_SH, r, fill=0) for r in range(2)]
@@ -78,7 +80,6 @@ class Cluster:
     def view(self, layer: int, plane: int, pages, first: int, end: int, mem=None) -> np.ndarray:
         """Tokens ``[first, end)`` of ``pages`` (a request's pages in order) as
         ``[heads, tokens, head bytes]`` of the decoder (or of ``mem``, a logical cache)."""
-        ps = LAYOUT.page_size
         if mem is None:
             v = self.mem.page_view(layer, plane)[np.asarray(pages)]
         else:
@@ -91,8 +92,8 @@ class Cluster:
         else tokens ``[first_token, num_tokens)`` exactly (``dst_pages`` cover that range,
         ``src_pages`` the whole request), and the tokens of ``dst_pages`` before
         ``first_token``'s page offset untouched."""
-        ps = LAYOUT.page_size
-        for layer in range(LAYOUT.num_layers):
+        ps = self.layout.page_size
+        for layer in range(self.layout.num_layers):
             for plane in range(2):
                 if num_tokens is None:
                     got = self.mem.page_view(layer, plane)[np.asarray(dst_pages)]
@@ -108,7 +109,7 @@ class Cluster:
 
     def untouched(self, dst_pages) -> bool:
         return all((self.mem.page_view(layer, plane)[np.asarray(dst_pages)] == FILL).all()
-                   for layer in range(LAYOUT.num_layers) for plane in range(2))
+                   for layer in range(self.layout.num_layers) for plane in range(2))
 
     def close(self) -> None:
         self.d.close()
