@@ -391,3 +391,26 @@ def test_metrics_count_outcomes_bytes_times_and_peers(provider):
         assert d.metrics()["peers"]["left"] == 1 and d.metrics()["peers"]["dead"] == 0
     finally:
         cl.close()
+
+
+@pytest.mark.parametrize("n, first, pages", [(9, 0, [1, 2]), (13, 4, [1, 2]), (4, 4, [1]), (0, 0, [1])])
+def test_prefiller_checks_tokens_against_pages_too(provider, n, first, pages):
+    """A REQUEST crafted past receive()'s checks (9 tokens into 2 pages of 4, a prefix range
+    that needs more pages, an empty range) is refused by the prefiller: RejectedError."""
+    from kvxfer.messenger import _codec as C
+    from kvxfer.messenger.decode import Leg, Receive
+
+    cl = Cluster(provider, False)
+    try:
+        d, pg = cl.d, cl.pgs[0]
+        imm = 2**31 - 7
+        r = Receive(d._decode, [Leg(pg, imm, -1)], "crafted", np.array(pages), max(n, 1), -1, None)
+        with d._lock:
+            d._decode.receives[imm] = r
+        d._send(pg, C.REQUEST, imm=imm, num_tokens=n, slot=-1, request_id="crafted", pages=np.array(pages),
+                first_token=first)
+        with pytest.raises(RejectedError, match="do not fit"):
+            r.wait(10)
+        assert cl.pre[0].stats().get("drop_bad_request") == 1 and cl.pre[0].requests(timeout=0.1) == []
+    finally:
+        cl.close()
