@@ -414,3 +414,24 @@ def test_prefiller_checks_tokens_against_pages_too(provider, n, first, pages):
         assert cl.pre[0].stats().get("drop_bad_request") == 1 and cl.pre[0].requests(timeout=0.1) == []
     finally:
         cl.close()
+
+
+@pytest.mark.parametrize("first", [4, 6])
+def test_streamed_prefix_hit_moves_only_the_tokens_asked(cl, first):
+    """A prefix request streamed layer by layer (stream + schedule, two chunks, each rank's
+    own counter): only tokens [first, num_tokens) are written, aligned or not."""
+    n = 18
+    dst = np.arange(20, 20 + (-(-n // 4) - first // 4))
+    src = np.array([9, 8, 7, 6, 5])
+    r = cl.d.receive(cl.peer, f"spfx{first}", dst, n, first_token=first)
+    qs = cl.requests(1)
+    sends = [p.stream(q[0], src[:2]) for p, q in zip(cl.pre, qs)]
+    for a, b in ((0, 8), (8, n)):
+        for p, s in zip(cl.pre, sends):
+            p.schedule([(s, a, b, src[:-(-b // 4)])])
+            for _ in range(LAYOUT.num_layers):
+                p.layer_counter.bump()
+    for s in sends:
+        s.finish(b"s")
+    assert r.wait(10) == "done" and all(s.wait(10) == "done" for s in sends)
+    cl.check(dst, src, num_tokens=n, first_token=first)
