@@ -37,6 +37,7 @@ from kvxfer.errors import (
     InvalidArgumentError,
     KvxferError,
     PeerError,
+    PlanError,
     UnsupportedError,
 )
 from kvxfer.layout import KVLayout, Sharding
@@ -396,7 +397,7 @@ class Messenger:
         (None: forever), returns [] if none came."""
         return self._prefill.take(_args.timeout(timeout))
 
-    def send(self, request: Request, src_pages: Any = None, *, context: Any = _OPEN) -> Send:
+    def send(self, request: Request, src_pages: Any = None, *, context: Any = _OPEN, chunked: bool = False) -> Send:
         """Post every layer of ``request`` from the ranks this messenger holds:
         ``src_pages[i]`` of this layout becomes ``request.dst_pages[i]`` at the decoder.
         Returns a ``Send``; call ``finish(context)`` after it, or pass ``context=`` (bytes,
@@ -404,12 +405,15 @@ class Messenger:
         posted on bad pages (``PlanError``) or a request that was already sent; a request the
         decoder aborted meanwhile gives a Send that is already ``"aborted"``.
 
-        Without ``src_pages`` nothing is posted yet: chunked prefill, ``Send.add(src_pages
-        so far, end_token)`` after each chunk is computed, the last one (``end_token ==
-        num_tokens``) announcing the total, then ``finish``."""
+        ``chunked=True`` (without ``src_pages``) posts nothing yet: chunked prefill,
+        ``Send.add(src_pages so far, end_token)`` after each chunk is computed, the last one
+        (``end_token == num_tokens``) announcing the total, then ``finish``."""
         self._check_open()
-        if context is not _OPEN and src_pages is None:
-            raise InvalidArgumentError("context= finishes a send: it needs src_pages (chunked: finish after the last add)")
+        if chunked and (src_pages is not None or context is not _OPEN):
+            raise InvalidArgumentError("send(request, chunked=True) takes no src_pages or context: add() and "
+                                       "finish() give them")
+        if not chunked and src_pages is None:
+            raise PlanError("src_pages must be the request's source pages (chunked prefill: chunked=True)")
         if context is not _OPEN and isinstance(request, Request):
             context_view(request.peer, context)        # refused before anything is posted
         s = self._prefill.send(request, src_pages)

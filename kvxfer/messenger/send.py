@@ -137,7 +137,7 @@ class Send:
         self._event = threading.Event()
         self._callbacks: list[Callable[[Send], Any]] = []
         self._stream = stream
-        self._chunks: Optional[dict] = None    # a chunked Send (send(request) without pages): its progress
+        self._chunks: Optional[dict] = None    # a chunked Send (send(request, chunked=True)): its progress
 
     # -- public -----------------------------------------------------------------------
     @property
@@ -235,9 +235,9 @@ class Send:
             self._abort_flags |= C.ABORTED_REJECTED
         self.request_abort(by_prefiller=True)
 
-    # -- chunked prefill (send(request) without src_pages) ------------------------------------
+    # -- chunked prefill (send(request, chunked=True)) ------------------------------------
     def open_chunks(self) -> None:
-        """Made by ``send(request)`` without pages: ``add`` posts, chunk by chunk."""
+        """Made by ``send(request, chunked=True)``: ``add`` posts, chunk by chunk."""
         with self._lock:
             self._chunks = {"next": 0, "src": None, "last": False, "adding": False}
             self._posting_done = True            # between adds an abort cancels at once
@@ -254,7 +254,7 @@ class Send:
         aborted or failed meanwhile posts nothing and returns. One thread at a time."""
         ch = self._chunks
         if ch is None:
-            raise InvalidArgumentError("add() is for a Send made by send(request) without src_pages")
+            raise InvalidArgumentError("add() is for a Send made by send(request, chunked=True), without src_pages")
         if isinstance(end_token, bool) or not isinstance(end_token, (int, np.integer)):
             raise InvalidArgumentError(f"end_token must be an int, got {end_token!r}")
         end, req = int(end_token), self.request

@@ -272,7 +272,7 @@ def test_chunked_adds_post_as_computed(cl, first):
     src = np.array([30, 2, 28, 4, 26, 6])
     r = cl.d.receive(cl.peer, f"chunks{first}", dst, n, first_token=first)
     qs = cl.requests(1)
-    sends = [p.send(q[0]) for p, q in zip(cl.pre, qs)]
+    sends = [p.send(q[0], chunked=True) for p, q in zip(cl.pre, qs)]
     ends = [5, 8, 13, 20, 23]
     for i, end in enumerate(ends):
         known = src[:-(-end // 4)]
@@ -306,7 +306,7 @@ def test_chunked_add_refusals_and_abort(cl):
 
     r = cl.d.receive(cl.peer, "ab-chunks", [0, 1, 2, 3], 16)
     qs = cl.requests(1)
-    sends = [p.send(q[0]) for p, q in zip(cl.pre, qs)]
+    sends = [p.send(q[0], chunked=True) for p, q in zip(cl.pre, qs)]
     s = sends[0]
     with pytest.raises(InvalidArgumentError):
         s.add([1, 2], 0)
@@ -318,8 +318,10 @@ def test_chunked_add_refusals_and_abort(cl):
         s.add([9, 6, 7], 12)
     with pytest.raises(PlanError):
         s.add([5], 12)
-    with pytest.raises(InvalidArgumentError, match="context"):
-        cl.pre[0].send(qs[0][0], None, context=b"")
+    with pytest.raises(InvalidArgumentError, match="chunked"):
+        cl.pre[0].send(qs[0][0], chunked=True, context=b"")
+    with pytest.raises(PlanError, match="src_pages"):
+        cl.pre[0].send(qs[0][0])
     assert r.abort(10) is True and r.state == "aborted" and r.fenced
     for x in sends:
         assert x.wait(10) == "aborted"

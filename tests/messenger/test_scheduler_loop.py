@@ -81,7 +81,7 @@ def test_scheduler_loop_through_poll_only(provider, per_rank):
                         call("reject", q.reject, "evicted")
                     elif mode == "chunks":
                         sends_made += 1
-                        chunked.append([call("send", p.send, q), src, 0])
+                        chunked.append([call("send", p.send, q, chunked=True), src, 0])
                     else:
                         sends_made += 1
                         call("send", p.send, q, src, context=q.request_id.encode())
