@@ -18,6 +18,7 @@ __all__ = [
     "OutOfBoundsError",
     "DescriptorError",
     "PeerError",
+    "RejectedError",
     "TimeoutError",
     "ClosedError",
     "LayoutError",
@@ -68,6 +69,12 @@ class DescriptorError(KvxferError, ValueError):
 
 class PeerError(KvxferError, ConnectionError):
     """A peer is unreachable or died with transfers pending."""
+
+
+class RejectedError(KvxferError):
+    """The prefiller refused the request (``Request.reject``: its KV is gone, it was
+    preempted, the id is unknown; or the request itself was malformed). Not a dead peer:
+    the engine recomputes (or asks again), it need not pick another peer."""
 
 
 class TimeoutError(KvxferError, _builtins.TimeoutError):  # noqa: A001 - deliberately shadows the built-in

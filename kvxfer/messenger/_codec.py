@@ -46,11 +46,13 @@ type   name         payload
 2      HELLO_ACK    empty
 3      REQUEST      ``<I Q i I>`` imm, num_tokens, context slot (-1: none), page count;
                     request id (u8 kind: 0 str, 1 bytes, 2 int; u16 length; bytes);
-                    pages as u32
+                    pages as u32; ``<Q H>`` first_token, meta length; meta (at most
+                    ``MAX_META`` bytes)
 4      ANNOUNCE     ``<I Q>`` imm, messages the prefiller posts for it (context included)
 5      ABORT        ``<I>`` imm
 6      ABORTED      ``<I Q B>`` imm, messages posted, flags (1: request unknown,
-                    2: the prefiller gave up on its own)
+                    2: the prefiller gave up on its own, 4: with 2, it rejected
+                    the request after posting: ``Request.reject``)
 7      REJECT       ``<I>`` imm, then a UTF-8 reason
 8      HEARTBEAT    empty
 9      BYE          empty
@@ -78,7 +80,7 @@ __all__ = [
     "Handshake", "Control", "RequestId", "encode_request_id", "decode_request_id",
     "HANDSHAKE_VERSION", "HANDSHAKE_SEALED_VERSION", "CONTROL_VERSION", "TAG_BYTES", "MSG_TYPES",
     "HELLO", "HELLO_ACK", "REQUEST", "ANNOUNCE", "ABORT", "ABORTED", "REJECT", "HEARTBEAT", "BYE",
-    "ABORTED_UNKNOWN", "ABORTED_BY_PREFILLER", "MAX_PAGES",
+    "ABORTED_UNKNOWN", "ABORTED_BY_PREFILLER", "ABORTED_REJECTED", "MAX_PAGES", "MAX_META",
 ]
 
 HANDSHAKE_MAGIC = b"KXHS"
@@ -96,9 +98,11 @@ MSG_TYPES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", REQUEST: "REQUEST", ANNOUNC
              ABORT: "ABORT", ABORTED: "ABORTED", REJECT: "REJECT", HEARTBEAT: "HEARTBEAT", BYE: "BYE"}
 ABORTED_UNKNOWN = 1
 ABORTED_BY_PREFILLER = 2
+ABORTED_REJECTED = 4          # with BY_PREFILLER: Request.reject after writes were posted
 
 _HDR = struct.Struct("<2sBBQQQ")
 _REQ = struct.Struct("<IQiI")
+_REQ_TAIL = struct.Struct("<QH")         # first_token, meta length
 _ANN = struct.Struct("<IQ")
 _IMM = struct.Struct("<I")
 _ABD = struct.Struct("<IQB")
@@ -108,7 +112,9 @@ _U32 = struct.Struct("<I")
 #: The largest control message the engine carries (Engine.send: 64 KiB).
 MAX_MESSAGE = 65536
 #: Pages one request may name: what fits one control message (with a 255-byte id and a tag).
-MAX_PAGES = (MAX_MESSAGE - _HDR.size - _REQ.size - 3 - 1024 - TAG_BYTES) // 4
+#: the most bytes of ``meta`` a REQUEST carries (``Messenger.receive(meta=)``, ``Request.meta``)
+MAX_META = 256
+MAX_PAGES = (MAX_MESSAGE - _HDR.size - _REQ.size - 3 - 1024 - _REQ_TAIL.size - MAX_META - TAG_BYTES) // 4
 _MAX_REASON = 1024
 _U64 = 2**64
 
@@ -437,14 +443,16 @@ class Control:
     """One decoded control message. Fields not carried by its type stay at their defaults."""
 
     __slots__ = ("type", "src", "dst", "seq", "imm", "count", "num_tokens", "slot", "request_id", "pages",
-                 "flags", "reason", "blob")
+                 "flags", "reason", "blob", "first_token", "meta")
 
     def __init__(self, type: int, src: int, dst: int, seq: int, *, imm: int = 0, count: int = 0,
                  num_tokens: int = 0, slot: int = -1, request_id: Any = None, pages: Optional[np.ndarray] = None,
-                 flags: int = 0, reason: str = "", blob: bytes = b"") -> None:
+                 flags: int = 0, reason: str = "", blob: bytes = b"", first_token: int = 0,
+                 meta: bytes = b"") -> None:
         self.type, self.src, self.dst, self.seq = type, src, dst, seq
         self.imm, self.count, self.num_tokens, self.slot = imm, count, num_tokens, slot
         self.request_id, self.pages, self.flags, self.reason, self.blob = request_id, pages, flags, reason, blob
+        self.first_token, self.meta = first_token, meta
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Control):
@@ -473,8 +481,12 @@ class Control:
             pages = np.ascontiguousarray(self.pages, dtype="<u4")
             if len(pages) > MAX_PAGES:
                 raise InvalidArgumentError(f"a request names at most {MAX_PAGES} pages, got {len(pages)}")
+            meta = bytes(self.meta)
+            if len(meta) > MAX_META:
+                raise InvalidArgumentError(f"a request's meta is at most {MAX_META} bytes, got {len(meta)}")
             body = (_REQ.pack(self.imm, self.num_tokens, self.slot, len(pages))
-                    + encode_request_id(self.request_id) + pages.tobytes())
+                    + encode_request_id(self.request_id) + pages.tobytes()
+                    + _REQ_TAIL.pack(self.first_token, len(meta)) + meta)
         elif t == ANNOUNCE:
             body = _ANN.pack(self.imm, self.count)
         elif t == ABORT:
@@ -513,9 +525,14 @@ class Control:
             elif t == REQUEST:
                 m.imm, m.num_tokens, m.slot, n = _REQ.unpack_from(body)
                 m.request_id, pos = decode_request_id(body, _REQ.size)
-                if n > MAX_PAGES or len(body) != pos + 4 * n:
+                end = pos + 4 * n
+                if n > MAX_PAGES or len(body) < end + _REQ_TAIL.size:
                     raise DescriptorError("REQUEST page list does not match its count")
                 m.pages = np.frombuffer(body, dtype="<u4", count=n, offset=pos).astype(np.int64)
+                m.first_token, mlen = _REQ_TAIL.unpack_from(body, end)
+                if mlen > MAX_META or len(body) != end + _REQ_TAIL.size + mlen:
+                    raise DescriptorError("REQUEST meta does not match its length")
+                m.meta = bytes(body[end + _REQ_TAIL.size:])
             elif t == ANNOUNCE:
                 _exact(body, _ANN.size, t)
                 m.imm, m.count = _ANN.unpack(body)
@@ -525,7 +542,7 @@ class Control:
             elif t == ABORTED:
                 _exact(body, _ABD.size, t)
                 m.imm, m.count, m.flags = _ABD.unpack(body)
-                if m.flags & ~(ABORTED_UNKNOWN | ABORTED_BY_PREFILLER):
+                if m.flags & ~(ABORTED_UNKNOWN | ABORTED_BY_PREFILLER | ABORTED_REJECTED):
                     raise DescriptorError("ABORTED has unknown flags")
             elif t == REJECT:
                 if len(body) < 4 or len(body) > 4 + _MAX_REASON:

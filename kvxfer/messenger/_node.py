@@ -8,10 +8,13 @@ keep no other link between them; the ``Messenger`` wires their events together.
 from __future__ import annotations
 
 import queue
+from collections import deque
 import threading
 import traceback
 from collections.abc import Callable
 from typing import Any, Optional
+
+from kvxfer.messenger.metrics import Histograms
 
 __all__ = ["Node", "FINAL"]
 
@@ -31,6 +34,15 @@ class Node:
         self.counts: dict[str, int] = {}
         self.closed = False
         self._cbq: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.hist = Histograms()              # seconds of the transitions (kvxfer/messenger/metrics.py)
+        self.polling = False                  # Messenger.poll() was called: transitions are kept
+        self.events: deque = deque()          # Receives and Sends that turned final or fenced
+
+    def report(self, obj: Any) -> None:
+        """``obj`` (a Receive or Send) turned final, or a Receive fenced: kept for ``poll``
+        once polling is on (an append: no lock the poller could wait for)."""
+        if self.polling:
+            self.events.append(obj)
 
     def count(self, key: str, n: int = 1) -> None:
         with self.lock:

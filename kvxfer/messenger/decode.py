@@ -30,11 +30,13 @@ from kvxfer.errors import (
     KvxferError,
     LayoutError,
     PeerError,
+    RejectedError,
     TimeoutError,
 )
 from kvxfer.layout import KVLayout, Sharding
 from kvxfer.messenger import _args
 from kvxfer.messenger import _codec as C
+from kvxfer.messenger import prefix
 from kvxfer.messenger._node import FINAL, Node
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
 from kvxfer.planner import request_seed, writing_ranks
@@ -92,6 +94,18 @@ class Receive:
     write of this request can land any more (always after done and after a successful abort;
     after a failure once every leg was fenced or its peer torn down): until then the
     messenger refuses its pages to new requests. ``legs``: one per prefill peer written to.
+
+    Attributes: ``request_id``, ``dst_pages`` (read-only), ``num_tokens``, ``first_token``,
+    ``meta`` (as given to ``receive``), ``peer``/``peers`` (the first leg's / every leg's
+    PeerGroup), ``imm`` (the first leg's), ``error`` (why it failed: ``RejectedError`` =
+    recompute, ``PeerError`` = the peer is gone, ``TimeoutError``, ``ClosedError``),
+    ``t_start``, ``t_done``, ``t_fenced`` (monotonic seconds), ``arrived``, ``expected``,
+    ``context``.
+
+    Threads: every method and property may be called from any thread, concurrently.
+    ``wait`` blocks the caller; ``abort(timeout=0)`` never does (it sends the ABORTs and
+    returns; the fence finishes in the background: ``fenced`` and ``poll()`` say when).
+    Callbacks run on the messenger's dispatcher thread (``kvxfer-msg-cb``), one at a time.
     """
 
     def __init__(self, dec: "Decoder", legs: list[Leg], rid: Any, pages: np.ndarray, num_tokens: int,
@@ -101,15 +115,17 @@ class Receive:
         self.peer: PeerGroup = legs[0].peer          #: the first leg's peer
         self.peers: tuple[PeerGroup, ...] = tuple(leg.peer for leg in legs)
         self.imm: int = legs[0].imm                  #: the first leg's imm
-        self.request_id = rid
-        self.dst_pages = pages
-        self.num_tokens = num_tokens
+        self.request_id = rid                        #: the id given to ``receive``
+        self.dst_pages = pages                       #: this decoder's pages (read-only)
+        self.num_tokens = num_tokens                 #: tokens of the request
+        self.first_token = 0                         #: tokens before it were held here already
+        self.meta = b""                              #: the bytes given to ``receive(meta=)``
         self._slot = slot
         self._slot_cell = [slot]
         self._deadline = deadline
         self._state = "pending"
-        self.error: Optional[BaseException] = None
-        self.fenced = False
+        self.error: Optional[BaseException] = None  #: why it failed (None otherwise)
+        self.fenced = False                          #: no write of it can land any more: pages reusable
         self._event = threading.Event()
         self._armed = threading.Event()     # every leg's counter exists (ANNOUNCEs handled) or final
         self._callbacks: list[Callable[[Receive], Any]] = []
@@ -117,8 +133,9 @@ class Receive:
         self._fail_now = False              # final at once (a peer died, a REJECT), fenced later
         self._released = False
         self._hot = False
-        self.t_start = time.monotonic()
-        self.t_done: Optional[float] = None
+        self.t_start = time.monotonic()              #: when ``receive`` made it (monotonic)
+        self.t_done: Optional[float] = None          #: when it became final
+        self.t_fenced: Optional[float] = None        #: when it became fenced
 
     # -- public -----------------------------------------------------------------------
     @property
@@ -210,7 +227,10 @@ class Receive:
         was already done); then the pages may be reused. False if a peer did not answer
         within ``timeout`` (None: until it answers or is declared dead), or died: the pages
         stay quarantined until ``fenced`` turns True (the dead peer torn down, the others'
-        writes fenced)."""
+        writes fenced). ``abort(timeout=0)`` is the scheduler loop's non-blocking abort: it
+        asks every peer and returns at once (False unless already fenced); the fence
+        finishes in the background and ``Messenger.poll()`` reports the Receive once
+        ``fenced``."""
         timeout = _args.timeout(timeout)
         with self._dec.node.lock:
             if self._state == "done":
@@ -250,27 +270,41 @@ class Decoder:
         self.receives: dict[int, Receive] = {}                  # any leg's imm -> Receive (not retired)
         self.rids: dict[Any, Receive] = {}                      # request id -> Receive in flight
         self.fencing: set[Receive] = set()
+        self.queued: dict[Receive, None] = {}                   # waiting for a connecting peer (in order)
         self._next_imm = 1 + int.from_bytes(os.urandom(3), "little")
 
     # -- asking ---------------------------------------------------------------------------
     def receive(self, peers: Any, request_id: Any, dst_pages: Any, num_tokens: Any, timeout: Any,
-                hot: bool) -> Receive:
+                hot: bool, first_token: Any = 0, meta: Any = b"") -> Receive:
         groups = self.peers.instance(peers)
         timeout = _args.timeout(timeout)
         pages = _args.dst_pages(dst_pages, self.layout.num_pages, C.MAX_PAGES)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
-            raise InvalidArgumentError(f"num_tokens must be an int, got {num_tokens!r}")
-        if not 0 < int(num_tokens) <= len(pages) * self.layout.page_size:
-            raise InvalidArgumentError(f"num_tokens {num_tokens} does not fit {len(pages)} page(s) of "
-                                       f"{self.layout.page_size} tokens")
+        for name, v in (("num_tokens", num_tokens), ("first_token", first_token)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise InvalidArgumentError(f"{name} must be an int, got {v!r}")
+        num_tokens, first_token = int(num_tokens), int(first_token)
+        ps = self.layout.page_size
+        if not 0 <= first_token < num_tokens < 2**63:
+            raise InvalidArgumentError(f"tokens [{first_token}, {num_tokens}) are not a request: 0 <= first_token "
+                                       "< num_tokens")
+        need = prefix.dst_page_count(num_tokens, first_token, ps)
+        if len(pages) < need:           # the prefiller checks again (against this handshake)
+            raise InvalidArgumentError(f"num_tokens {num_tokens} (from first_token {first_token}) do not fit "
+                                       f"{len(pages)} page(s) of {ps} tokens: {need} needed")
+        try:
+            meta = bytes(memoryview(meta))
+        except TypeError:
+            raise InvalidArgumentError(f"meta must be bytes, got {type(meta).__name__}") from None
+        if len(meta) > C.MAX_META:
+            raise InvalidArgumentError(f"meta is at most {C.MAX_META} bytes, got {len(meta)}")
         rid_bytes = C.encode_request_id(request_id)
         if isinstance(request_id, bytearray):
             request_id = bytes(request_id)        # a key of the in-flight table; the prefiller sees bytes
         first = groups[0]
         # replicas are dealt chunks of the source's page list: where the page sizes differ it
         # is ceil(num_tokens / the source's page size) long (planner: "Page sizes that differ")
-        src_n = len(pages) if first.layout.page_size == self.layout.page_size else \
-            -(-int(num_tokens) // first.layout.page_size)
+        src_n = len(pages) if first.layout.page_size == self.layout.page_size and not first_token else \
+            prefix.source_pages(num_tokens, first_token, first.layout.page_size, ps)
         writers = writing_ranks(first.layout, first.sharding, self.layout, self.sharding, self.ranks, src_n,
                                 seed=request_seed(rid_bytes))
         by_rank = {r: pg for pg in groups for r in pg.ranks}
@@ -307,6 +341,7 @@ class Decoder:
                 legs.append(Leg(pg, self._alloc_imm(legs), slot if i == 0 else -1))
             deadline = None if timeout is None else time.monotonic() + timeout
             r = Receive(self, legs, request_id, pages, int(num_tokens), slot, deadline)
+            r.first_token, r.meta = first_token, meta
             if hot:
                 node.engine.hold_awake(True)
                 r._hot = True
@@ -315,12 +350,18 @@ class Decoder:
                 self.receives[leg.imm] = r
             self.rids[request_id] = r
             node.count("receives")
+            queued = any(pg.state == "connecting" for pg in legs_of)
+            if queued:                   # sent by peer_up once every leg's peer is up
+                self.queued[r] = None
+                node.count("receives_queued")
         if slot >= 0:
             weakref.finalize(r, self.free_cell, r._slot_cell)
+        if queued:
+            return r
         for i, leg in enumerate(r.legs):
             try:
                 self.peers.send(leg.peer, C.REQUEST, imm=leg.imm, num_tokens=int(num_tokens), slot=leg.slot,
-                                request_id=request_id, pages=pages)
+                                request_id=request_id, pages=pages, first_token=first_token, meta=meta)
             except KvxferError as exc:
                 err = PeerError(f"could not send the request to peer {leg.peer.uid:016x}: {exc}")
                 self._unsent(r, i, err)
@@ -344,6 +385,39 @@ class Decoder:
             r._released = True
             self.free_cell(r._slot_cell)
         self._finished(r, final)
+
+    # -- queued for a connecting peer (connect(wait=False)) -----------------------------------
+    def _dequeue(self, r: Receive) -> bool:
+        """Under the lock: ``r`` waited for a peer (nothing sent): every leg fenced now."""
+        if r not in self.queued:
+            return False
+        del self.queued[r]
+        for leg in r.legs:
+            leg.abort_sent = leg.fence_ok = True
+            self._fence_leg(leg)
+        return True
+
+    def peer_up(self, pg: PeerGroup) -> None:
+        """``pg`` answered its HELLO: send the REQUESTs of the queued receives whose peers
+        are all up now (messenger thread; resent while refused)."""
+        with self.node.lock:
+            ready = [r for r in self.queued if any(leg.peer is pg for leg in r.legs)
+                     and all(leg.peer.state == "up" for leg in r.legs)]
+            for r in ready:
+                del self.queued[r]
+        for r in ready:
+            for leg in r.legs:
+                self.peers.try_send(leg.peer, C.REQUEST, retry=True, imm=leg.imm, num_tokens=r.num_tokens,
+                                    slot=leg.slot, request_id=r.request_id, pages=r.dst_pages,
+                                    first_token=r.first_token, meta=r.meta)
+
+    def connect_failed(self, pg: PeerGroup, err: KvxferError) -> None:
+        """``pg``'s connect failed: the receives queued for it fail with its error, fenced."""
+        with self.node.lock:
+            victims = [r for r in self.queued if any(leg.peer is pg for leg in r.legs)]
+        for r in victims:
+            self.fail(r, err, fence=lambda leg: True)
+            self.release(r)
 
     def _alloc_imm(self, taken: list) -> int:
         while True:
@@ -371,6 +445,9 @@ class Decoder:
         """``r`` is aborting: the legs an ABORT must go to now (marked sent), but ``skip``
         (a leg whose peer stopped by itself)."""
         r._aborting = True
+        if self._dequeue(r):
+            self._finished(r, self._progress(r))     # nothing was sent: fenced now
+            return []
         out = [leg for leg in r.legs if not leg.fenced and not leg.abort_sent and leg is not skip]
         for leg in out:
             leg.abort_sent = True
@@ -420,8 +497,18 @@ class Decoder:
                 self.rids.pop(r.request_id, None)
                 cbs, r._callbacks = r._callbacks, []
                 self.node.count("receive_" + state)
+                if state == "failed" and isinstance(r.error, (RejectedError, TimeoutError)):
+                    self.node.count("receive_rejected" if isinstance(r.error, RejectedError) else "receive_timed_out")
+                elif state == "done":
+                    g = self.geometry
+                    self.node.count("receive_bytes", len(self.ranks) * len(r.dst_pages) * g.num_layers * g.planes
+                                    * g.block_bytes)
+                self.node.hist.observe("receive", r.t_done - r.t_start)
+                self.node.report(r)
         if not r.fenced and all(leg.fenced for leg in r.legs):
             r.fenced = True
+            r.t_fenced = time.monotonic()
+            self.node.report(r)
             self.busy_pages[r.dst_pages] = False
             self.fencing.discard(r)
         elif r.fenced or not any(leg.fence_target is not None and not leg.fenced for leg in r.legs):
@@ -447,6 +534,7 @@ class Decoder:
                 r.error = err
             if r._state not in FINAL:
                 r._fail_now = True
+            self._dequeue(r)
             for leg in r.legs:
                 if fence(leg):
                     self._fence_leg(leg)
@@ -507,6 +595,7 @@ class Decoder:
                 leg.announced = m.count
             if r._state == "pending":
                 r._state = "transferring"
+                node.hist.observe("receive_announce", time.monotonic() - r.t_start)
         if bad:     # writes may still land, none counted: only a teardown frees the pages
             self.peers.broke_protocol(pg, f"it announced {m.count} writes for request {r.request_id!r}, not "
                                           f"{least} to {most}")
@@ -547,7 +636,10 @@ class Decoder:
             if not trusted:
                 node.count("drop_bad_count")
             else:
-                if m.flags & C.ABORTED_BY_PREFILLER and r.error is None:
+                if m.flags & C.ABORTED_REJECTED and r.error is None:
+                    r.error = RejectedError(f"the prefiller rejected request {r.request_id!r} after posting "
+                                            f"{target} write(s) (fenced)")
+                elif m.flags & C.ABORTED_BY_PREFILLER and r.error is None:
                     r.error = PeerError(f"the prefiller gave up on request {r.request_id!r}")
                 leg.fence_target = target
                 leg.fence_since = time.monotonic()
@@ -569,9 +661,13 @@ class Decoder:
         r, leg = self._leg_of(pg, m.imm)
         if r is None or r._state in FINAL:
             return
-        # fenced only if nothing was announced or fenced: else writes may land
+        # fenced only if nothing was announced or fenced: else writes may land (only an
+        # ABORTED's count, or a teardown, fences that leg then)
         quiet = leg.announced is None and leg.fence_target is None
-        self.fail(r, InvalidArgumentError(f"the prefiller rejected the request: {m.reason}"),
+        if not quiet:
+            with self.node.lock:
+                r._aborting = True
+        self.fail(r, RejectedError(f"the prefiller rejected request {r.request_id!r}: {m.reason}"),
                   fence=lambda x: x is leg and quiet, cause=leg)
 
     def check_fence(self, r: Receive, leg: Leg, now: Optional[float] = None) -> None:
@@ -582,9 +678,13 @@ class Decoder:
             got = max(got, c.count)
         if got >= target:
             with self.node.lock:
+                was = leg.fenced
                 leg.fence_ok = True
                 self._fence_leg(leg)
                 cbs = self._progress(r)
+            if not was:
+                self.node.count("fences")
+                self.node.hist.observe("fence", time.monotonic() - leg.fence_since)
             self._finished(r, cbs)
         elif now is not None and now - leg.fence_since > self.node.peer_timeout and leg.peer.alive:
             # writes the peer says it posted have not landed in peer_timeout: they never will

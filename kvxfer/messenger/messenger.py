@@ -37,6 +37,7 @@ from kvxfer.errors import (
     InvalidArgumentError,
     KvxferError,
     PeerError,
+    PlanError,
     UnsupportedError,
 )
 from kvxfer.layout import KVLayout, Sharding
@@ -44,13 +45,18 @@ from kvxfer.messenger import _args
 from kvxfer.messenger import _codec as C
 from kvxfer.messenger._node import Node
 from kvxfer.messenger.decode import IMM_LIMIT, Decoder, Receive
+from kvxfer.messenger.metrics import snapshot as metrics_snapshot
 from kvxfer.messenger.paged import LayoutRegions, register_layout
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
 from kvxfer.messenger.prefill import Prefiller
-from kvxfer.messenger.send import Request, Send
+from kvxfer.messenger.send import Request, Send, context_view
 from kvxfer.messenger.stream import LayerCounter, Pass, Streamer
 
 __all__ = ["Messenger", "PeerGroup", "Receive", "Request", "Send", "context_stride", "IMM_LIMIT"]
+
+
+#: ``send``'s default ``context``: leave the Send open for ``finish``
+_OPEN: Any = object()
 
 
 def _close_at_exit(ref: "weakref.ref[Messenger]") -> None:
@@ -186,6 +192,7 @@ class Messenger:
         self._ctx_mr = None
         self._peers_room = Peers(node, layout, sharding, slots, cbytes, lambda: self._blob, self._peer_gone)
         dec = self._decode = Decoder(node, self._peers_room, layout, sharding, self.ranks, slots, cbytes)
+        self._peers_room.on_up, self._peers_room.on_failed = dec.peer_up, dec.connect_failed
         try:
             for r, objs in zip(self.ranks, regions):
                 self._local[r] = register_layout(engine, layout, sharding, objs)
@@ -302,6 +309,39 @@ class Messenger:
         with self._node.lock:
             return dict(self._node.counts)
 
+    def metrics(self) -> dict[str, Any]:
+        """Counters and histograms as plain data (dicts of ints; histograms as ``count``,
+        ``sum`` and cumulative ``buckets`` of seconds): requests by outcome, bytes, transfer
+        times, fences and their wait, peers up / left (a clean BYE) / dead / closed, control
+        messages dropped by reason (kvxfer/messenger/metrics.py says what each is). Any
+        thread; ``kvxfer.messenger.metrics.serve_prometheus([m], port)`` exports them."""
+        with self._node.lock:
+            counts = dict(self._node.counts)
+        return metrics_snapshot(counts, self._node.hist)
+
+    def poll(self) -> list[Receive | Send]:
+        """The ``Receive``s and ``Send``s that became final (done, failed or aborted) since the
+        last call, in the order they did, and the ``Receive``s whose pages became safe to
+        reuse (``fenced`` turned True, at ``t_fenced``). A Receive final and fenced by then
+        appears once; one final before its fence appears again once fenced (read ``fenced``
+        to tell). Never blocks, takes no lock the messenger's threads hold for long, runs no
+        callback: the call for an engine's scheduler loop (vLLM's ``get_finished``, SGLang's
+        ``poll``). The first call turns reporting on and returns ``[]`` (call it once at
+        start-up): a messenger never polled keeps nothing. Any thread may call it; two
+        threads polling at once each get a part."""
+        node = self._node
+        if not node.polling:
+            node.polling = True
+            return []
+        q = node.events
+        out = []
+        for _ in range(len(q)):          # bounded: what is there now; later ones wait
+            try:
+                out.append(q.popleft())
+            except IndexError:
+                break
+        return list(dict.fromkeys(out))
+
     def _check_open(self) -> None:
         if self._node.closed:
             raise ClosedError("messenger is closed")
@@ -311,14 +351,20 @@ class Messenger:
         self._peers_room.send(pg, t, timeout, **fields)
 
     # -- the public calls -------------------------------------------------------------------
-    def connect(self, blob: bytes, timeout: Optional[float] = None) -> PeerGroup:
+    def connect(self, blob: bytes, timeout: Optional[float] = None, *, wait: bool = True) -> PeerGroup:
         """Connect to the messenger whose ``handshake()`` this is: check versions, layouts,
         shardings and engine parameters up front, exchange HELLOs, and return its group once
         it answered (``PeerError`` after ``timeout``, default ``peer_timeout``). Each rank
-        process of a per-rank prefill instance is connected on its own."""
+        process of a per-rank prefill instance is connected on its own.
+
+        ``wait=False``: the checks and the HELLO only (no round trip), the group returned at
+        once in ``state`` ``"connecting"``; it turns ``"up"``, or ``"failed"`` with ``error``
+        after ``timeout`` (the messenger thread decides). ``receive()`` on a connecting group
+        queues its REQUEST, sent once every peer of the request is up; if the connect fails
+        the Receive fails with the connect's error (fenced: nothing was sent)."""
         self._check_open()
         timeout = self.peer_timeout if timeout is None else _args.timeout(timeout)
-        return self._peers_room.connect(blob, timeout)
+        return self._peers_room.connect(blob, timeout, bool(wait))
 
     def drop_peer(self, peer: PeerGroup, error: Optional[KvxferError] = None) -> None:
         """Declare ``peer`` dead now, as ``peer_timeout`` of silence would: its requests fail on
@@ -337,7 +383,8 @@ class Messenger:
             self._peers_room.gone(peer, error, notify=True)
 
     def receive(self, peer: PeerGroup | Sequence[PeerGroup], request_id: Any, dst_pages: Any, num_tokens: int, *,
-                timeout: Optional[float] = None, hot: bool = False) -> Receive:
+                timeout: Optional[float] = None, hot: bool = False, first_token: int = 0,
+                meta: bytes = b"") -> Receive:
         """Ask a prefill instance for ``request_id``'s KV into ``dst_pages`` (indices of this
         messenger's layout, on every rank it holds). ``peer``: the instance's one PeerGroup
         (a node) or a sequence of them (one per prefill rank process) that together hold
@@ -347,23 +394,48 @@ class Messenger:
         landed. With ``timeout``, a request not done by then is aborted (with the fence) and
         fails with ``TimeoutError``. ``hot``: keep the engine's progress threads polling until
         the request is final (``Engine.hold_awake``), so each streamed layer lands without a
-        sleeping thread's wake-up (costs CPU meanwhile)."""
+        sleeping thread's wake-up (costs CPU meanwhile).
+
+        ``num_tokens`` is checked here and again by the prefiller: ``dst_pages`` hold at least
+        the pages tokens ``[first_token, num_tokens)`` need (``InvalidArgumentError``). A partial
+        last page is copied whole (the source's bytes past ``num_tokens`` travel) unless the
+        token path runs (page sizes differ, or ``first_token``). ``first_token``: a local
+        prefix-cache hit; the decoder holds tokens ``[0, first_token)`` and ``dst_pages``
+        start with the page holding ``first_token`` (page-aligned or not); the prefiller
+        writes only tokens ``[first_token, num_tokens)`` (kvxfer/messenger/prefix.py).
+        ``meta``: up to ``MAX_META`` (256) bytes of the engine's own that reach the
+        prefiller as ``Request.meta``."""
         self._check_open()
-        return self._decode.receive(peer, request_id, dst_pages, num_tokens, timeout, hot)
+        return self._decode.receive(peer, request_id, dst_pages, num_tokens, timeout, hot, first_token, meta)
 
     def requests(self, timeout: Optional[float] = None) -> list[Request]:
         """Requests received and not yet handed out; waits up to ``timeout`` s for the first
         (None: forever), returns [] if none came."""
         return self._prefill.take(_args.timeout(timeout))
 
-    def send(self, request: Request, src_pages: Any) -> Send:
+    def send(self, request: Request, src_pages: Any = None, *, context: Any = _OPEN, chunked: bool = False) -> Send:
         """Post every layer of ``request`` from the ranks this messenger holds:
         ``src_pages[i]`` of this layout becomes ``request.dst_pages[i]`` at the decoder.
-        Returns a ``Send``; call ``finish(context)`` after it. Raises before anything is
+        Returns a ``Send``; call ``finish(context)`` after it, or pass ``context=`` (bytes,
+        a buffer, or None for none) to send and finish in one call. Raises before anything is
         posted on bad pages (``PlanError``) or a request that was already sent; a request the
-        decoder aborted meanwhile gives a Send that is already ``"aborted"``."""
+        decoder aborted meanwhile gives a Send that is already ``"aborted"``.
+
+        ``chunked=True`` (without ``src_pages``) posts nothing yet: chunked prefill,
+        ``Send.add(src_pages so far, end_token)`` after each chunk is computed, the last one
+        (``end_token == num_tokens``) announcing the total, then ``finish``."""
         self._check_open()
-        return self._prefill.send(request, src_pages)
+        if chunked and (src_pages is not None or context is not _OPEN):
+            raise InvalidArgumentError("send(request, chunked=True) takes no src_pages or context: add() and "
+                                       "finish() give them")
+        if not chunked and src_pages is None:
+            raise PlanError("src_pages must be the request's source pages (chunked prefill: chunked=True)")
+        if context is not _OPEN and isinstance(request, Request):
+            context_view(request.peer, context)        # refused before anything is posted
+        s = self._prefill.send(request, src_pages)
+        if context is not _OPEN:
+            s.finish(context)
+        return s
 
     @property
     def layer_counter(self) -> LayerCounter:
@@ -483,4 +555,5 @@ class Messenger:
         elif t == C.REJECT:
             self._decode.on_reject(pg, m)
         elif t == C.BYE:
+            pg.left = True
             peers.gone(pg, PeerError(f"peer {pg.uid:016x} closed"), notify=False)

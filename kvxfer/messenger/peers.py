@@ -35,36 +35,47 @@ HEARTBEAT_SEND_S = 0.05   # the most a heartbeat may wait for the engine to take
 class PeerGroup:
     """A connected messenger (its TP ranks, regions and engine parameters).
 
-    ``state``: ``"connecting"``, ``"up"``, ``"dead"``. ``torn_down`` is True once its engine
-    connection was disconnected after its death: nothing of it lands any more."""
+    ``state``: ``"connecting"`` (HELLO sent, no answer yet), ``"up"``, then ``"failed"`` (the
+    connect got no answer in time: ``error``; never up, nothing was sent to it but HELLO) or
+    ``"dead"`` (it died, left or broke the protocol: ``error``). ``torn_down`` is True once its
+    engine connection was disconnected after its death: nothing of it lands any more.
+    Read-only outside the messenger; any thread may read it.
+
+    Attributes: ``uid`` (the peer messenger's id), ``handshake`` (its decoded blob),
+    ``layout``, ``sharding``, ``ranks`` (the TP ranks it holds), ``state``, ``alive``,
+    ``error``, ``left`` (it said BYE), ``torn_down``; ``peer``, ``remote`` and
+    ``context_region`` are the engine objects the messenger writes through."""
 
     def __init__(self, owner: "Peers", hs: C.Handshake, peer: Any, remote: dict, ctx: Any) -> None:
-        self.owner = owner
-        self.handshake = hs
-        self.uid: int = hs.uid
-        self.layout: KVLayout = hs.layout
-        self.sharding: Sharding = hs.sharding
-        self.ranks: tuple[int, ...] = hs.ranks
+        self.owner = owner                #: the Peers room holding it
+        self.handshake = hs               #: the peer's decoded handshake
+        self.uid: int = hs.uid            #: the peer messenger's uid
+        self.layout: KVLayout = hs.layout         #: the peer's KV layout
+        self.sharding: Sharding = hs.sharding     #: the peer's sharding
+        self.ranks: tuple[int, ...] = hs.ranks    #: the TP ranks the peer holds
         self.peer = peer                 #: the engine ``Peer``
         self.remote = remote             #: rank -> list of RemoteRegion, by region id
-        self.context_region = ctx
-        self.state = "connecting"
-        self.error: Optional[KvxferError] = None
+        self.context_region = ctx        #: the peer's context slots (a RemoteRegion), or None
+        self.state = "connecting"        #: connecting, up, failed or dead
+        self.error: Optional[KvxferError] = None     #: why it failed or died
         self.last_heard = time.monotonic()
         self.last_sent = 0.0
         self.send_seq = 0
         self.recv_seq = 0
         self.send_lock = threading.Lock()
         self.resend: deque = deque()     # one-shot messages the engine refused: (type, fields, since)
-        self.torn_down = False
+        self.torn_down = False           #: its engine connection is gone: nothing of it lands
         self.acked = threading.Event()
         self.heartbeat = min(owner.node.peer_timeout, hs.peer_timeout) / 4
         self.geometry = hs.layout.resolve(hs.sharding)
         self.cache: dict[str, Any] = {}  # the prefill side's per-peer templates and region pairs
+        self.connect_deadline: Optional[float] = None   # a connect(wait=False) fails after it
+        self.left = False                #: it said BYE (a clean leave, not a death)
 
     @property
     def alive(self) -> bool:
-        return self.state != "dead"
+        """Connecting or up: not failed, not dead."""
+        return self.state in ("connecting", "up")
 
     def __repr__(self) -> str:
         return (f"<PeerGroup {self.uid:016x} TP{self.sharding.tp_size} ranks {list(self.ranks)} "
@@ -87,6 +98,9 @@ class Peers:
         self.table: dict[int, PeerGroup] = {}
         self.dead: set[int] = set()
         self._seqs: dict[int, tuple[int, int]] = {}     # uid -> seqs of a timed-out connect
+        # set by the messenger: a group came up / its connect failed (the decoder's queue)
+        self.on_up: Callable[[PeerGroup], None] = lambda pg: None
+        self.on_failed: Callable[[PeerGroup, KvxferError], None] = lambda pg, err: None
 
     def live(self) -> list[PeerGroup]:
         with self.node.lock:
@@ -129,12 +143,14 @@ class Peers:
                     raise InvalidArgumentError(f"source rank {r} is held by two of the peers")
                 held[r] = pg.uid
         for pg in groups:
+            if pg.state == "failed":
+                raise pg.error or PeerError(f"the connect to peer {pg.uid:016x} failed")
             if not pg.alive:
                 raise PeerError(f"peer {pg.uid:016x} is dead") from pg.error
         return groups
 
     # -- connecting ---------------------------------------------------------------------
-    def connect(self, blob: bytes, timeout: float) -> PeerGroup:
+    def connect(self, blob: bytes, timeout: Optional[float], wait: bool = True) -> PeerGroup:
         node = self.node
         hs = C.safe_decode_handshake(blob, node.secret)
         with node.lock:
@@ -145,19 +161,51 @@ class Peers:
             pg = self.make_group(hs)
         if pg.state == "up":
             return pg
+        with node.lock:
+            if not wait and pg.connect_deadline is not None and pg.state == "connecting":
+                return pg                       # a connect(wait=False) of it is under way
+            # the messenger thread's tick fails it after this (None: no limit)
+            pg.connect_deadline = time.monotonic() + (float("inf") if timeout is None else timeout)
         self.send(pg, C.HELLO, blob=self._blob())
+        if not wait:
+            return pg
         if not pg.acked.wait(timeout):
-            with node.lock:
-                if pg.state == "connecting":
-                    self.table.pop(pg.uid, None)
-                    # a retry's group goes on from these: its HELLO must be newer than this
-                    # one, which the peer may have accepted after our timeout
-                    self._seqs[pg.uid] = (pg.send_seq, pg.recv_seq)
-                    self.disconnect(pg.peer)
-            raise PeerError(f"peer {hs.uid:016x} did not answer the handshake within {timeout} s")
-        if pg.state == "dead":
+            self.connect_failed(pg, PeerError(f"peer {hs.uid:016x} did not answer the handshake within {timeout} s"))
+        if pg.state in ("failed", "dead"):       # (failed: by this wait or the messenger thread's tick)
             raise pg.error or PeerError("peer died while connecting")
         return pg
+
+    def connect_failed(self, pg: PeerGroup, err: KvxferError) -> bool:
+        """A connect of ``pg`` got no answer in time: ``"failed"`` (False if it is not
+        connecting any more), out of the table; the decoder fails what it queued for it."""
+        node = self.node
+        with node.lock:
+            if pg.state != "connecting":
+                return False
+            pg.state = "failed"
+            pg.error = err
+            self.table.pop(pg.uid, None)
+            # a retry's group goes on from these: its HELLO must be newer than this one,
+            # which the peer may have accepted after our timeout
+            self._seqs[pg.uid] = (pg.send_seq, pg.recv_seq)
+            node.count("connects_failed")
+        self.disconnect(pg.peer)
+        pg.acked.set()
+        self.on_failed(pg, err)
+        return True
+
+    def _up(self, pg: PeerGroup) -> None:
+        """``pg`` answered: up, and what the decoder queued for it goes."""
+        with self.node.lock:
+            was = pg.state
+            if was in ("connecting", "up"):
+                pg.state = "up"
+        if was not in ("connecting", "up"):
+            return
+        pg.acked.set()
+        if was == "connecting":
+            self.node.count("peers_up")
+            self.on_up(pg)
 
     def make_group(self, hs: C.Handshake) -> PeerGroup:
         node, eng = self.node, self.node.engine
@@ -271,6 +319,10 @@ class Peers:
         for pg in self.all():
             if pg.state == "dead":
                 continue
+            if pg.state == "connecting" and pg.connect_deadline is not None and now >= pg.connect_deadline:
+                self.connect_failed(pg, PeerError(f"peer {pg.uid:016x} did not answer the handshake within "
+                                                  "its connect's timeout"))
+                continue
             if pg.resend:
                 self._resend_pending(pg, now)
                 if pg.state == "dead":
@@ -293,7 +345,8 @@ class Peers:
             pg.error = err
             pg.resend.clear()
             self.dead.add(pg.uid)
-            self.node.count("peers_dead")
+            # a clean BYE (``left``) and this messenger's close are not deaths
+            self.node.count("peers_left" if pg.left else "peers_closed" if self.node.closed else "peers_dead")
         pg.acked.set()
         return True
 
@@ -348,10 +401,8 @@ class Peers:
         elif not self.accept(pg, m):
             return
         node.count("recv_HELLO")
-        pg.state = "up"
-        pg.acked.set()
         self.try_send(pg, C.HELLO_ACK, retry=True)
+        self._up(pg)
 
     def on_hello_ack(self, pg: PeerGroup) -> None:
-        pg.state = "up"
-        pg.acked.set()
+        self._up(pg)

@@ -20,10 +20,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from kvxfer.errors import ClosedError, InvalidArgumentError, KvxferError
+from kvxfer.errors import ClosedError, InvalidArgumentError, KvxferError, PlanError
 from kvxfer.layout import KVLayout, Sharding
 from kvxfer.messenger import _args
 from kvxfer.messenger import _codec as C
+from kvxfer.messenger import prefix
 from kvxfer.messenger._node import Node
 from kvxfer.messenger.paged import LayoutRegions, plan_batches
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
@@ -90,8 +91,9 @@ class Prefiller:
             reason = f"page {int(pages.max())} is outside the decoder's {hs.layout.num_pages} pages"
         elif len(pages) > 1 and len(np.unique(pages)) != len(pages):
             reason = "a destination page is named twice"
-        elif not 0 < m.num_tokens <= len(pages) * hs.layout.page_size:
-            reason = f"num_tokens {m.num_tokens} does not fit {len(pages)} pages"
+        elif not 0 <= m.first_token < m.num_tokens < 2**63 or \
+                len(pages) < prefix.dst_page_count(m.num_tokens, m.first_token, hs.layout.page_size):
+            reason = f"tokens [{m.first_token}, {m.num_tokens}) do not fit {len(pages)} pages"
         elif not (m.slot == -1 or (hs.context_slots and 0 <= m.slot < hs.context_slots)):
             reason = f"context slot {m.slot} does not exist"
         elif not 0 < m.imm < 2**32:
@@ -140,6 +142,36 @@ class Prefiller:
         else:
             send.request_abort(by_prefiller=False)
 
+    def reject(self, req: Request, reason: Any) -> None:
+        """``Request.reject``: before a Send, forget the request and answer REJECT; after
+        one, the Send stops and answers ABORTED flagged REJECTED."""
+        if not isinstance(reason, str):
+            raise InvalidArgumentError(f"reason must be a str, got {type(reason).__name__}")
+        pg = req.peer
+        with self.node.lock:
+            s = req.send
+            if s is None:
+                if req.aborted:
+                    return                      # the decoder aborted it (answered), or rejected already
+                req.aborted = True              # a later send()/stream() posts nothing
+                req.rejected = reason
+                self.requests.pop((pg.uid, req.imm), None)
+                try:
+                    self.inbox.remove(req)
+                except ValueError:
+                    pass
+                self.node.count("requests_rejected")
+            elif s.done:
+                raise InvalidArgumentError(f"request {req.request_id!r} is already {s.state}: too late to reject")
+            else:
+                req.rejected = reason
+                self.node.count("requests_rejected")
+        if s is None:
+            if pg.alive:
+                self.peers.try_send(pg, C.REJECT, imm=req.imm, reason=reason, retry=True)
+        else:
+            s.reject()
+
     def peer_gone(self, pg: PeerGroup, err: KvxferError) -> None:
         """Before ``pg``'s teardown: its requests are forgotten, its Sends fail now."""
         with self.node.lock:
@@ -166,6 +198,7 @@ class Prefiller:
             request.send = s
             if request.aborted or not pg.alive:
                 s.refuse(request.aborted)
+                self.node.report(s)
                 self.requests.pop((pg.uid, request.imm), None)
                 if stream is None:
                     return s
@@ -175,11 +208,53 @@ class Prefiller:
     def send(self, request: Any, src_pages: Any) -> Send:
         if not isinstance(request, Request) or request.room is not self:
             raise InvalidArgumentError("request must come from this messenger's requests()")
+        if src_pages is None:                   # chunked: Send.add posts, the last announces
+            s = self.attach(request)
+            s.open_chunks()
+            return s
         posts = self._posts(request.peer, request, src_pages)
         s = self.attach(request)
         if not s.done:
             s.post(posts, self.rails)
         return s
+
+    # -- chunks (Send.add) --------------------------------------------------------------------
+    def chunk_posts(self, request: Request, known: Optional[np.ndarray], src_pages: Any, start: int,
+                    end: int) -> tuple:
+        """``(source pages known now, posts)`` of chunk ``[start, end)`` of ``request``: by
+        stream.py's chunk rule (the pages the chunk completes; where the page sizes differ or
+        the decoder holds a prefix, the chunk's own tokens), every layer, one ``(src rank,
+        post)`` per source rank. Raises (``PlanError``) before anything is posted."""
+        pg, ps = request.peer, self.layout.page_size
+        token_path = pg.layout.page_size != ps or request.first_token > 0
+        n_src = -(-request.num_tokens // ps) if token_path else len(request.dst_pages)
+        sp = _args.src_prefix(src_pages, n_src, self.layout.num_pages)
+        if known is not None and not np.array_equal(sp[:len(known)], known[:len(sp)]):
+            raise PlanError(f"request {request.request_id!r}'s source pages changed between chunks")
+        if known is not None and len(known) > len(sp):
+            sp = known
+        if token_path:
+            need = -(-end // ps)
+            if len(sp) < need:
+                raise PlanError(f"chunk [{start}, {end}) of request {request.request_id!r} needs {need} source "
+                                f"pages but only {len(sp)} are known")
+            layers = self.token_layer_batches(pg, request, sp, start, end)
+        else:
+            # stream.py's pages_completed: the pages whose last token lies in [start, end)
+            last = np.minimum(np.arange(1, -(-request.num_tokens // ps) + 1, dtype=np.int64) * ps,
+                              request.num_tokens) - 1
+            idx = np.nonzero((last >= start) & (last < end))[0]
+            if len(idx) and int(idx[-1]) >= len(sp):
+                raise PlanError(f"chunk [{start}, {end}) of request {request.request_id!r} completes page "
+                                f"{int(idx[-1])} but only {len(sp)} source pages are known")
+            layers = self.layer_batches(pg, request, request.dst_pages[idx], sp[idx]) if len(idx) else []
+        by_src: dict[int, list] = {}
+        for batches in layers:
+            for src, dst, sr, dr, so, do, ln in batches:
+                by_src.setdefault(src, []).append((self.local[src][sr], pg.remote[dst][dr], so, do, ln))
+        eng = self.node.engine
+        return sp, [(src, lambda imm, rail, g=g: eng.write_groups(pg.peer, g, imm=imm, rail=rail))
+                    for src, g in by_src.items()]
 
     def _posts(self, pg: PeerGroup, request: Request, src_pages: Any) -> list:
         """A request's writes from this messenger's ranks as ``(src rank, post)``, one per
@@ -187,7 +262,8 @@ class Prefiller:
         region pairs, or ``write_groups``) and returns one ``Transfer``."""
         eng = self.node.engine
         n = len(request.dst_pages)
-        if chooses_replicas(self.layout, self.sharding) or self.layout.page_size != pg.layout.page_size:
+        if chooses_replicas(self.layout, self.sharding) or self.layout.page_size != pg.layout.page_size \
+                or request.first_token:
             p = self._plan(pg, request, src_pages, request.num_tokens)
             out = []
             for s_, d in p.pairs:
@@ -216,12 +292,13 @@ class Prefiller:
         pages ``src_pages`` / ``request.dst_pages`` whole otherwise), with the request's
         replica seed."""
         seed = request_seed(C.encode_request_id(request.request_id))
-        if self.layout.page_size == pg.layout.page_size:
+        if self.layout.page_size == pg.layout.page_size and not request.first_token:
             return plan(self.layout, self.sharding, pg.layout, pg.sharding, src_pages, request.dst_pages, seed=seed)
-        sp = np.asarray(src_pages)[:-(-end // self.layout.page_size)]
-        dp = request.dst_pages[:-(-end // pg.layout.page_size)]
-        return plan(self.layout, self.sharding, pg.layout, pg.sharding, sp, dp, seed=seed, num_tokens=end,
-                    first_token=first)
+        # kvxfer/messenger/prefix.py: both lists from a common token, the prefix left out
+        sp, dp, n, a = prefix.plan_lists(src_pages, request.dst_pages, request.first_token, first, end,
+                                         self.layout.page_size, pg.layout.page_size, pg.layout.num_pages)
+        return plan(self.layout, self.sharding, pg.layout, pg.sharding, sp, dp, seed=seed, num_tokens=n,
+                    first_token=a)
 
     def template(self, pg: PeerGroup) -> PageTemplate:
         """The per-page template from this messenger's ranks to ``pg``'s (made once per peer)."""
@@ -250,6 +327,8 @@ class Prefiller:
         """``layer_batches`` of tokens ``[start, end)`` where the page sizes differ (a chunk of
         a streamed prefill: its own tokens, whatever pages they share with other chunks)."""
         out: list[list] = [[] for _ in range(self.layout.num_layers)]
+        if end <= request.first_token:
+            return out                          # the decoder holds these tokens already
         return self._by_layer(self._plan(pg, request, src_pages, end, start), pg, out)
 
     def _by_layer(self, p: Any, pg: PeerGroup, out: list) -> list:
@@ -316,10 +395,16 @@ class Prefiller:
                 return
             self.requests.pop((req.peer.uid, req.imm), None)
             self.node.count("send_" + state)
+            if req.rejected is not None:
+                self.node.count("send_rejected")
+            self.node.count("send_bytes", sum(int(getattr(t, "nbytes", 0) or 0) for t in s.transfers
+                                              if getattr(t, "state", "done") != "disarmed"))
+            self.node.report(s)
             staged = self._staged.pop(s, None)
             if staged is not None:
                 stride, slot = staged
                 self._staging.setdefault(stride, []).append(slot)
+        self.node.hist.observe("send", time.monotonic() - req.t_arrived)
         s.wake()
         for fn in cbs:
             self.node.dispatch(fn, s)

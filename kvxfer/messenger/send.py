@@ -13,6 +13,7 @@ writes; the Send records the chunk and announces at the last). Its room
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -32,24 +33,65 @@ __all__ = ["Request", "Send", "StreamState"]
 
 
 class Request:
-    """A request a decoder sent to this messenger (the prefiller). ``slot`` is the decoder's
-    context slot this messenger writes, -1 when it writes no context (none, or another peer
-    of a per-rank prefill instance writes it)."""
+    """A request a decoder sent to this messenger (the prefiller), from ``requests()`` or
+    ``on_request``. Its attributes are read-only; read them from any thread. Hand it to
+    ``send``/``stream`` once (any thread), or ``reject`` it.
+
+    Attributes: ``request_id`` (str, bytes or int: the decoder's id), ``num_tokens`` (tokens
+    of the request), ``first_token`` (the decoder holds ``[0, first_token)`` already: only the
+    rest is written), ``meta`` (the decoder engine's bytes, at most ``MAX_META``),
+    ``dst_pages`` (the decoder's pages, read-only int64 array, covering ``[first_token,
+    num_tokens)``), ``peer`` (the decoder's ``PeerGroup``), ``slot`` (the decoder's context
+    slot this messenger writes; -1 when it writes none: no slots, or another rank process of
+    a per-rank instance writes it), ``imm`` (the request's imm on this leg), ``aborted``,
+    ``rejected``, ``send`` (its Send once made), ``t_arrived``, ``room``."""
 
     def __init__(self, room: "Prefiller", pg: PeerGroup, msg: C.Control) -> None:
-        self.room = room              #: the Prefiller that received it
-        self.peer = pg
-        self.request_id = msg.request_id
-        self.num_tokens = msg.num_tokens
-        self.dst_pages: np.ndarray = msg.pages
+        self.room = room                          #: the Prefiller (room) that received it
+        self.peer = pg                            #: the decoder's PeerGroup
+        self.request_id = msg.request_id          #: the decoder's request id (str, bytes or int)
+        self.num_tokens = msg.num_tokens          #: tokens of the request, ``[0, num_tokens)``
+        self.first_token = msg.first_token        #: tokens before it the decoder holds (not written)
+        self.meta = msg.meta                      #: the decoder engine's bytes (``receive(meta=)``)
+        self.dst_pages: np.ndarray = msg.pages    #: the decoder's pages, from ``first_token``'s page
         self.dst_pages.flags.writeable = False
-        self.imm = msg.imm
-        self.slot = msg.slot
-        self.aborted = False          #: the decoder aborted it before ``send``
-        self.send: Optional[Send] = None
+        self.imm = msg.imm                        #: this leg's imm (every write of it carries it)
+        self.slot = msg.slot                      #: the decoder's context slot written here, -1: none
+        self.aborted = False          #: the decoder aborted it before ``send`` (or it was rejected)
+        self.rejected: Optional[str] = None   #: the reason given to ``reject``
+        self.send: Optional[Send] = None      #: its Send, once ``send``/``stream`` made one
+        self.t_arrived = time.monotonic()     #: when the REQUEST was read (monotonic)
+
+    def reject(self, reason: str) -> None:
+        """Refuse this request (its KV is gone, it was preempted, the id is unknown): the
+        decoder's Receive fails with ``RejectedError`` (meaning "recompute", not "peer dead").
+        Before ``send``/``stream`` nothing was posted: a REJECT carries ``reason`` (UTF-8, at
+        most 1024 bytes travel) and the decoder's pages are free at once. After it, posting
+        stops and the decoder fences on what was posted (ABORTED); ``reason`` stays here.
+        Raises ``InvalidArgumentError`` once the Send is final; a request the decoder
+        aborted meanwhile is left alone. Any thread."""
+        self.room.reject(self, reason)
 
     def __repr__(self) -> str:
         return f"<Request {self.request_id!r} {len(self.dst_pages)} pages from {self.peer.uid:016x}>"
+
+
+def context_view(pg: PeerGroup, context: Any) -> Optional[memoryview]:
+    """``context`` (bytes, a C-contiguous buffer or None) as bytes for ``pg``'s slots
+    (``InvalidArgumentError`` if it is not one or does not fit)."""
+    if context is None:
+        return None
+    try:
+        data = memoryview(context).cast("B") if not isinstance(context, (bytes, bytearray)) \
+            else memoryview(context)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError("context must be bytes or a C-contiguous buffer") from None
+    if data.nbytes and not pg.handshake.context_slots:
+        raise InvalidArgumentError("the decoder has no context slots; finish() takes no context")
+    if data.nbytes > pg.handshake.context_bytes:
+        raise InvalidArgumentError(f"context of {data.nbytes} bytes exceeds the decoder's "
+                                   f"{pg.handshake.context_bytes}-byte slots")
+    return data
 
 
 class StreamState:
@@ -69,7 +111,15 @@ class StreamState:
 
 class Send:
     """The writes of one request. ``done`` (final: done, failed or aborted) is the moment the
-    source pages may be freed; ``add_done_callback`` says so on the dispatcher thread."""
+    source pages may be freed; ``Messenger.poll()`` reports it, ``add_done_callback`` says so
+    on the dispatcher thread. ``state``: ``"pending"``, ``"transferring"`` (announced), then
+    ``"done"``, ``"failed"`` (``error``) or ``"aborted"``; ``request``: its Request.
+
+    Threads: ``finish``, ``abort``, ``add`` and the properties may be called from any thread
+    (``add`` from one at a time); ``wait`` blocks the caller, every other call returns
+    without waiting for the network (``abort(timeout=0)`` only asks). A partial last page is
+    copied whole on the page path (the source's bytes past ``num_tokens`` travel into that
+    page); the token path (page sizes differ, or a prefix) moves exactly the tokens."""
 
     def __init__(self, room: "Prefiller", req: Request, stream: Optional[StreamState] = None) -> None:
         self._room = room
@@ -87,6 +137,7 @@ class Send:
         self._event = threading.Event()
         self._callbacks: list[Callable[[Send], Any]] = []
         self._stream = stream
+        self._chunks: Optional[dict] = None    # a chunked Send (send(request, chunked=True)): its progress
 
     # -- public -----------------------------------------------------------------------
     @property
@@ -155,19 +206,7 @@ class Send:
         then the send completes once every write completed. Call it exactly once, also with
         no context (and on every rank of a per-rank instance: only the one holding the slot
         writes it). Too much context raises before anything is written."""
-        pg = self.request.peer
-        data: Optional[memoryview] = None
-        if context is not None:
-            try:
-                data = memoryview(context).cast("B") if not isinstance(context, (bytes, bytearray)) \
-                    else memoryview(context)
-            except (TypeError, ValueError):
-                raise InvalidArgumentError("context must be bytes or a C-contiguous buffer") from None
-            if data.nbytes and not pg.handshake.context_slots:
-                raise InvalidArgumentError("the decoder has no context slots; finish() takes no context")
-            if data.nbytes > pg.handshake.context_bytes:
-                raise InvalidArgumentError(f"context of {data.nbytes} bytes exceeds the decoder's "
-                                           f"{pg.handshake.context_bytes}-byte slots")
+        data = context_view(self.request.peer, context)
         if self._stream is not None:
             return self._finish_stream(data)
         with self._lock:
@@ -175,6 +214,9 @@ class Send:
                 if self.stopped:
                     return self
                 raise InvalidArgumentError("finish() was already called")
+            if self._chunks is not None and not self._chunks["last"] and not self.stopped:
+                raise InvalidArgumentError(f"finish() before request {self.request.request_id!r}'s last chunk "
+                                           "(add(..., num_tokens))")
             self._finished = True
             if self.request.slot >= 0:
                 try:
@@ -183,6 +225,103 @@ class Send:
                     self._fail_locked(exc)
         self._room.queue_reap(self)
         return self
+
+    def reject(self) -> None:
+        """``Request.reject`` after this Send began: stop with the decoder told it was a
+        rejection (ABORTED flagged REJECTED, with the posted count: it fences on it)."""
+        with self._lock:
+            if self._state in FINAL or self._abort_req:
+                return
+            self._abort_flags |= C.ABORTED_REJECTED
+        self.request_abort(by_prefiller=True)
+
+    # -- chunked prefill (send(request, chunked=True)) ------------------------------------
+    def open_chunks(self) -> None:
+        """Made by ``send(request, chunked=True)``: ``add`` posts, chunk by chunk."""
+        with self._lock:
+            self._chunks = {"next": 0, "src": None, "last": False, "adding": False}
+            self._posting_done = True            # between adds an abort cancels at once
+
+    def add(self, src_pages: Any, end_token: int) -> "Send":
+        """Chunked prefill: tokens up to ``end_token`` are computed; post now, every layer, the
+        writes of the pages they complete (a partial page waits for the chunk that completes
+        it or for the last; where page sizes differ or the decoder holds a prefix, exactly
+        the chunk's tokens). ``src_pages``: the request's source pages so far (a prefix that
+        grows). The chunk runs from the previous ``end_token`` (0 at first); the one ending at
+        ``num_tokens`` is the last: it announces the exact total, then call ``finish``.
+        Raises before anything of the chunk is posted (``PlanError`` for pages,
+        ``InvalidArgumentError`` for a bad range, or a Send not made this way); a Send
+        aborted or failed meanwhile posts nothing and returns. One thread at a time."""
+        ch = self._chunks
+        if ch is None:
+            raise InvalidArgumentError("add() is for a Send made by send(request, chunked=True), without src_pages")
+        if isinstance(end_token, bool) or not isinstance(end_token, (int, np.integer)):
+            raise InvalidArgumentError(f"end_token must be an int, got {end_token!r}")
+        end, req = int(end_token), self.request
+        with self._lock:
+            if self.stopped:
+                return self
+            if ch["adding"]:
+                raise InvalidArgumentError("add() is already running on another thread")
+            if ch["last"]:
+                raise InvalidArgumentError(f"request {req.request_id!r}'s last chunk was already added")
+            start = ch["next"]
+            if not start < end <= req.num_tokens:
+                raise InvalidArgumentError(f"a chunk of request {req.request_id!r} ends after {start} and at most at "
+                                           f"{req.num_tokens}, got {end}")
+            ch["adding"] = True
+            self._posting_done = False           # an abort now is seen below
+        err: Optional[BaseException] = None
+        posts: list = []
+        try:
+            sp, posts = self._room.chunk_posts(req, ch["src"], src_pages, start, end)
+        except BaseException as exc:
+            with self._lock:
+                ch["adding"] = False
+                self._posting_done = True
+                stopped = self._abort_req
+                if stopped:
+                    self._cancel_locked()
+            if stopped:
+                self._room.queue_reap(self)
+            raise exc
+        try:
+            for src, fn in posts:
+                if self._abort_req:
+                    break
+                self._transfers.append(fn(imm=req.imm, rail=self._room.rails.get(src)))
+                self._first_post()
+        except KvxferError as exc:
+            err = exc
+        with self._lock:
+            ch["adding"] = False
+            ch["next"], ch["src"] = end, sp
+            self._posting_done = True
+            if err is not None:
+                self._fail_locked(err)
+            elif self._abort_req:
+                self._cancel_locked()
+            elif end == req.num_tokens:
+                ch["last"] = True
+                self._count = sum(t.num_writes for t in self._transfers) + (1 if req.slot >= 0 else 0)
+                try:
+                    self._room.peers.send(req.peer, C.ANNOUNCE, imm=req.imm, count=self._count)
+                    self._state = "transferring"
+                except KvxferError as exc:
+                    self._fail_locked(PeerError(f"could not announce to peer {req.peer.uid:016x}: {exc}"))
+            stopped = self._abort_req
+        if stopped:
+            self._room.queue_reap(self)
+        return self
+
+    def _first_post(self) -> None:
+        if len(self._transfers) == 1:
+            self._room.node.hist.observe("send_first_post", time.monotonic() - self.request.t_arrived)
+
+    def _cancel_locked(self) -> None:
+        for t in self._transfers:
+            t.cancel()
+        self._finished = True
 
     def abort(self, timeout: Optional[float] = None) -> bool:
         """Give up: post nothing more, tell the decoder what was posted (it fences and fails
@@ -256,6 +395,7 @@ class Send:
                 if self._abort_req:
                     break
                 self._transfers.append(fn(imm=req.imm, rail=rails.get(src)))
+                self._first_post()
         except KvxferError as exc:
             err = exc
         count = sum(t.num_writes for t in self._transfers) + (1 if req.slot >= 0 else 0)

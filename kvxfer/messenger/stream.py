@@ -313,7 +313,7 @@ class Streamer:
             sp = send.src_pages
             # where the two sides' page sizes differ a chunk moves its own tokens (the planner's
             # token path), each side's pages in its own size; else the pages it completes
-            differ = req.peer.layout.page_size != self.page_size
+            differ = req.peer.layout.page_size != self.page_size or req.first_token > 0
             n_src = -(-req.num_tokens // self.page_size) if differ else len(req.dst_pages)
             if len(ch) == 4:
                 new = _args.src_prefix(ch[3], n_src, self.num_pages)

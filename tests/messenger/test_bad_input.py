@@ -11,6 +11,7 @@ import pytest
 import kvxfer
 from kvxfer import KVLayout, Sharding
 from kvxfer.errors import (
+    RejectedError,
     ClosedError,
     DescriptorError,
     InvalidArgumentError,
@@ -175,7 +176,7 @@ def test_prefiller_rejects_hostile_request(pair):
 
     p, d, pg, src, dst = pair
     r = hostile_request(d, pg)
-    with pytest.raises(InvalidArgumentError, match="rejected"):
+    with pytest.raises(RejectedError, match="rejected"):
         r.wait(10)
     assert p.stats().get("drop_bad_request") == 1
     assert p.requests(timeout=0.2) == []

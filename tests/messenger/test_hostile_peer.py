@@ -15,7 +15,7 @@ import pytest
 
 import kvxfer
 from kvxfer import KVLayout
-from kvxfer.errors import InvalidArgumentError, PeerError
+from kvxfer.errors import InvalidArgumentError, PeerError, RejectedError
 from kvxfer.messenger import _codec as C
 from _pair import LAYOUT, SECRET, SH, open_pair, regions
 
@@ -158,7 +158,7 @@ def test_reject_after_announce_does_not_free_the_pages(pair):
     r = _request(p, d, pg, "late-reject", 7)
     p._send(back, C.ANNOUNCE, imm=r.imm, count=3)
     p._send(back, C.REJECT, imm=r.imm, reason="changed my mind")
-    with pytest.raises(InvalidArgumentError, match="rejected"):
+    with pytest.raises(RejectedError, match="rejected"):
         r.wait(5)
     assert not r.fenced and _page_busy(d, pg, 7)
 

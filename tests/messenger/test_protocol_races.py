@@ -13,7 +13,7 @@ import pytest
 
 import kvxfer
 from kvxfer import KVLayout, Sharding
-from kvxfer.errors import InvalidArgumentError, PeerError
+from kvxfer.errors import InvalidArgumentError, PeerError, RejectedError
 from kvxfer.errors import TimeoutError as KTimeoutError
 from kvxfer.messenger import _codec as C
 from _data import wait_for as _until
@@ -266,7 +266,7 @@ def test_refused_one_shot_message_is_resent(pair, monkeypatch, provider, lost):
 
         state = _refuse_once(monkeypatch, p.engine, mtype)
         r = hostile_request(d, pg)
-        with pytest.raises(InvalidArgumentError, match="rejected"):
+        with pytest.raises(RejectedError, match="rejected"):
             r.wait(20)
         _resent(p, "REJECT")
     elif lost == "ANNOUNCE":                         # the Send fails; the decoder is told what was posted

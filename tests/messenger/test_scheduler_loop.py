@@ -1,0 +1,128 @@
+"""An engine's scheduler loop on the messenger's non-blocking API only (issue 23): one thread
+drives 200 concurrent requests through ``poll()`` on both sides, with random aborts
+(``abort(timeout=0)``), rejections, prefix offsets, one-shot sends and chunked ``add()``s; every
+done request byte-exact, every page fenced at the end. The longest single call is recorded as a
+figure (printed; docs/benchmarks.md), asserted only against a generous bound."""
+
+from __future__ import annotations
+
+import random
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from kvxfer import KVLayout
+from kvxfer.errors import RejectedError
+
+from _api import Cluster
+
+BIG = KVLayout.vllm(2, 4, 8, 4, 1024, "float16")
+N = 200
+
+
+def _plan_of(rid: str) -> tuple:
+    """A request's fixed shape from its id: (num_tokens, first_token, source pages, mode)."""
+    rng = random.Random(zlib.crc32(rid.encode()))
+    n = rng.randint(1, 16)
+    first = rng.randrange(n) if rng.random() < 0.3 else 0
+    src = [rng.randrange(BIG.num_pages) for _ in range(-(-n // 4))]
+    mode = rng.choices(["reject", "one", "chunks"], [0.1, 0.4, 0.5])[0]
+    return n, first, np.array(src), mode
+
+
+@pytest.mark.parametrize("per_rank", [False, True], ids=["node", "per_rank"])
+def test_scheduler_loop_through_poll_only(provider, per_rank):
+    cl = Cluster(provider, per_rank, layout=BIG, context_slots=N)
+    rng = random.Random(23)
+    longest = {"t": 0.0, "what": ""}
+    by_call: dict = {}
+
+    def call(what, fn, *a, **kw):
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        dt = time.perf_counter() - t0
+        by_call[what] = max(by_call.get(what, 0.0), dt)
+        if dt > longest["t"]:
+            longest.update(t=dt, what=what)
+        return out
+
+    try:
+        d = cl.d
+        call("poll", d.poll)
+        for p in cl.pre:
+            call("poll", p.poll)
+        free = list(range(BIG.num_pages))
+        rng.shuffle(free)
+        recvs, meta = {}, {}
+        for i in range(N):
+            rid = f"s{i}"
+            n, first, src, mode = _plan_of(rid)
+            k = -(-n // 4) - first // 4
+            dst = np.array([free.pop() for _ in range(k)])
+            recvs[rid] = call("receive", d.receive, cl.peer, rid, dst, n, first_token=first, meta=rid.encode())
+            meta[rid] = (n, first, src, mode, dst)
+        final, fenced = {}, set()
+        chunked: list = []                        # (send, src, next end)
+        sends_final = 0
+        sends_made = 0
+        aborted = set()
+        deadline = time.monotonic() + 120
+        steps = 0
+        while len(fenced) < N or sends_final < sends_made or chunked:
+            assert time.monotonic() < deadline, (len(fenced), sends_final, sends_made, len(chunked))
+            steps += 1
+            for pi, p in enumerate(cl.pre):
+                for q in call("requests", p.requests, 0):
+                    n, first, src, mode, _ = meta[q.request_id]
+                    assert q.meta == q.request_id.encode() and q.first_token == first and q.num_tokens == n
+                    if mode == "reject" and pi == 0:
+                        call("reject", q.reject, "evicted")
+                    elif mode == "chunks":
+                        sends_made += 1
+                        chunked.append([call("send", p.send, q, chunked=True), src, 0])
+                    else:
+                        sends_made += 1
+                        call("send", p.send, q, src, context=q.request_id.encode())
+            for c in list(chunked):
+                s, src, done_to = c
+                n = s.request.num_tokens
+                end = min(n, done_to + rng.randint(1, 6))
+                call("add", s.add, src[:-(-end // 4)], end)
+                c[2] = end
+                if end == n or s.stopped:
+                    if not s.stopped:
+                        call("finish", s.finish, s.request.request_id.encode())
+                    chunked.remove(c)
+            for rid, r in recvs.items():          # the engine gives up on some (preemption)
+                if not r.done and rid not in aborted and rng.random() < 0.04:
+                    aborted.add(rid)
+                    call("abort", r.abort, 0)
+            for r in call("poll", d.poll):
+                final[r.request_id] = r.state
+                if r.fenced:
+                    fenced.add(r.request_id)
+            for p in cl.pre:
+                sends_final += len(call("poll", p.poll))
+        outcomes = {"done": 0, "failed": 0, "aborted": 0}
+        for rid, r in recvs.items():
+            n, first, src, mode, dst = meta[rid]
+            outcomes[r.state] += 1
+            assert r.fenced
+            if r.state == "done":
+                assert mode != "reject"
+                cl.check(dst, src, num_tokens=n, first_token=first)
+                assert bytes(r.context) == rid.encode()
+            elif r.state == "failed":
+                assert isinstance(r.error, RejectedError) and mode == "reject", (rid, r.error)
+            else:
+                assert rid in aborted
+        assert outcomes["done"] > N // 3 and outcomes["failed"] > 0 and outcomes["aborted"] > 0, outcomes
+        assert not d._busy_pages.any()
+        print(f"\nscheduler loop [{provider}, {'per-rank' if per_rank else 'node'}]: {N} requests, {steps} steps, "
+              f"outcomes {outcomes}, longest call {longest['t'] * 1e3:.2f} ms ({longest['what']}); by call (ms): "
+              + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(by_call.items())))
+        assert longest["t"] < 1.0, longest            # generous: a figure, not a speed goal
+    finally:
+        cl.close()
