@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from typing import Any, Optional
 
 import numpy as np
 
 from kvxfer.errors import ArgumentTypeError, InvalidArgumentError, OutOfBoundsError
 
-__all__ = ["is_int", "as_int", "MAX_TIMEOUT", "as_timeout", "check_triples"]
+__all__ = ["is_int", "as_int", "MAX_TIMEOUT", "as_timeout", "check_triples", "as_cpus"]
 
 
 def is_int(value: Any) -> bool:
@@ -97,3 +98,19 @@ def check_triples(src_offsets: np.ndarray, dst_offsets: np.ndarray, lengths: np.
         if int(de[j]) > dst_size:
             raise OutOfBoundsError(f"destination write {j} ends at byte {int(de[j])}, beyond the {dst_size}-byte "
                                    "remote region")
+
+
+def as_cpus(cpus: Any) -> tuple[int, ...]:
+    """CPU numbers this process may run on (a thread's pinning), as plain ints; ``None``
+    means none (unpinned): ``()``."""
+    if cpus is None:
+        return ()
+    try:
+        cpus = tuple(cpus)
+    except TypeError:
+        raise InvalidArgumentError(f"cpus must list CPU numbers, got {cpus!r}") from None
+    allowed = os.sched_getaffinity(0)
+    bad = [c for c in cpus if not is_int(c) or c not in allowed]
+    if bad:
+        raise InvalidArgumentError(f"cpus {bad} are not CPUs this process may run on {sorted(allowed)}")
+    return tuple(int(c) for c in cpus)

@@ -3,17 +3,16 @@
 Each raises the precise kvxfer.errors exception before anything is posted. Ints, timeouts and
 the triples' bounds are checked by ``kvxfer._check`` (one of each for every layer); the
 private names here are the ones the engine has always used, and other modules import some of
-them (``_check_cpus``). A leaf of the engine package: numpy, os and kvxfer._check only.
+them (``_check_cpus``). A leaf of the engine package: numpy and kvxfer._check only.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
 
-from kvxfer._check import MAX_TIMEOUT, as_int, as_timeout, is_int
+from kvxfer._check import MAX_TIMEOUT, as_cpus, as_int, as_timeout
 from kvxfer.errors import ArgumentTypeError, InvalidArgumentError, OutOfBoundsError
 
 _U32 = 2**32
@@ -106,17 +105,7 @@ def _check_rail(rail, n: int) -> int:
 
 def _check_cpus(cpus) -> tuple:
     """The progress threads' CPUs (from the caller or a placement): ones this process may use."""
-    if cpus is None:
-        return ()
-    try:
-        cpus = tuple(cpus)
-    except TypeError:
-        raise InvalidArgumentError(f"cpus must list CPU numbers, got {cpus!r}") from None
-    allowed = os.sched_getaffinity(0)
-    bad = [c for c in cpus if not is_int(c) or c not in allowed]
-    if bad:
-        raise InvalidArgumentError(f"cpus {bad} are not CPUs this process may run on {sorted(allowed)}")
-    return tuple(int(c) for c in cpus)
+    return as_cpus(cpus)
 
 
 def _check_nics(nics) -> Optional[list[str]]:

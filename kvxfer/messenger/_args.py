@@ -7,13 +7,12 @@ non-negative number of seconds; ``inf`` means None; NaN, bools and strings are r
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any, Optional
 
 import numpy as np
 
-from kvxfer._check import as_timeout, is_int
+from kvxfer._check import as_cpus, as_timeout, is_int
 from kvxfer.errors import InvalidArgumentError, OutOfBoundsError, PlanError
 
 __all__ = ["timeout", "bounded_int", "callback", "dst_pages", "src_pages", "src_prefix", "cpus", "watch"]
@@ -94,17 +93,7 @@ def src_prefix(pages: Any, n: int, num_pages: int) -> np.ndarray:
 
 def cpus(value: Optional[Iterable[int]]) -> Optional[tuple]:
     """CPUs a watcher may be pinned to: ones this process may run on (None: unpinned)."""
-    if value is None:
-        return None
-    try:
-        cs = tuple(value)
-    except TypeError:
-        raise InvalidArgumentError(f"cpus must list CPU numbers, got {value!r}") from None
-    allowed = os.sched_getaffinity(0)
-    bad = [c for c in cs if not is_int(c) or c not in allowed]
-    if bad:
-        raise InvalidArgumentError(f"cpus {bad} are not CPUs this process may run on {sorted(allowed)}")
-    return tuple(int(c) for c in cs)
+    return None if value is None else as_cpus(value)
 
 
 def watch(poll_us: Any, rt_priority: Any, prefix: str = "watch_") -> tuple[float, int]:

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Optional
 
-from kvxfer.errors import InvalidArgumentError, KvxferError, PeerError, RendezvousError
+from kvxfer.errors import InvalidArgumentError, KvxferError, PeerError
 from kvxfer.rendezvous.store import Lease, Store, Watch, check_key, check_seconds
 
 
