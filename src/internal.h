@@ -302,6 +302,7 @@ void kx_walk_init(kx_transfer *x, const uint64_t *src_off, const uint64_t *dst_o
                   size_t n, size_t iov, uint64_t max_write, uint64_t pack_min);
 int kx_walk_next(kx_transfer *x);    /* build the next message into x->piece_*; 0 at the end */
 int kx_pump_queue(kx_rail *r);
+void kx_transfer_submit(kx_rail *r, kx_transfer *x, int64_t budget);   /* link, post up to budget, queue the rest */
 /* a transfer over a private copy of the triples, its walk ready; `kind`: KX_OP_WRITE or KX_OP_READ */
 kx_transfer *kx_transfer_new(const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length,
                              size_t n, size_t iov, uint64_t max_write, uint64_t pack_min, int need_ctx, int kind);

@@ -293,6 +293,40 @@ static int kx_sweep_cancelled(kx_rail *r)
     return finished;
 }
 
+/* Start a transfer the caller built: link it to the rail, post up to `budget` bytes of it
+ * from the caller's thread (unless transfers are already queued, whose order it keeps), and
+ * queue the rest for the progress thread, which posts it with the transfer's own pump (a
+ * write's kx_pump, a read's kx_pump_read). One submit for writes and reads. */
+void kx_transfer_submit(kx_rail *r, kx_transfer *x, int64_t budget)
+{
+    pthread_mutex_lock(&r->hub->lock);
+    kx_transfer_link_locked(r, x);
+    int queued = r->q_head != NULL;   /* keep order behind transfers already queued */
+    pthread_mutex_unlock(&r->hub->lock);
+
+    int walk_ended = 0;
+    if (!queued && kx_enter(r)) {
+        kx_posting_begin(r);
+        walk_ended = x->pump ? x->pump(r, x, budget) : kx_pump(r, x, budget);
+        kx_posting_end(r);
+        kx_leave(r);
+    }
+    pthread_mutex_lock(&r->hub->lock);
+    if (walk_ended || r->stop) {
+        if (r->stop && !walk_ended && !x->error)
+            x->error = FI_ECANCELED;
+        kx_transfer_finish_posting_locked(r, x);
+    } else {
+        if (r->q_tail)
+            r->q_tail->qnext = x;
+        else
+            r->q_head = x;
+        r->q_tail = x;
+    }
+    pthread_mutex_unlock(&r->hub->lock);
+    kx_wake(r);
+}
+
 /* The progress thread's share of posting: drive the queue head until the provider is full.
  * Returns the number of transfers whose posting finished (activity, for the idle logic). */
 int kx_pump_queue(kx_rail *r)
@@ -400,32 +434,7 @@ int kx_write(kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *des
     x->flags = FI_COMPLETION | (has_imm ? FI_REMOTE_CQ_DATA : 0) | (r->delivery_complete ? FI_DELIVERY_COMPLETE : 0);
     x->imm = imm;
 
-    pthread_mutex_lock(&r->hub->lock);
-    kx_transfer_link_locked(r, x);
-    int queued = r->q_head != NULL;   /* keep order behind transfers already queued */
-    pthread_mutex_unlock(&r->hub->lock);
-
-    int walk_ended = 0;
-    if (!queued && kx_enter(r)) {
-        kx_posting_begin(r);
-        walk_ended = kx_pump(r, x, KX_CALLER_BUDGET);
-        kx_posting_end(r);
-        kx_leave(r);
-    }
-    pthread_mutex_lock(&r->hub->lock);
-    if (walk_ended || r->stop) {
-        if (r->stop && !walk_ended && !x->error)
-            x->error = FI_ECANCELED;
-        kx_transfer_finish_posting_locked(r, x);
-    } else {
-        if (r->q_tail)
-            r->q_tail->qnext = x;
-        else
-            r->q_head = x;
-        r->q_tail = x;
-    }
-    pthread_mutex_unlock(&r->hub->lock);
-    kx_wake(r);
+    kx_transfer_submit(r, x, KX_CALLER_BUDGET);
     *out = x;
     return 0;
 }

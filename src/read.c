@@ -141,32 +141,7 @@ int kx_read(kx_rail *r, fi_addr_t peer, uint32_t gen, char *local_base, void *de
     x->flags = FI_COMPLETION;
     x->pump = kx_pump_read;       /* the progress thread posts what the caller leaves */
 
-    pthread_mutex_lock(&r->hub->lock);
-    kx_transfer_link_locked(r, x);
-    int queued = r->q_head != NULL;   /* keep order behind transfers already queued */
-    pthread_mutex_unlock(&r->hub->lock);
-
-    int walk_ended = 0;
-    if (!queued && kx_enter(r)) {
-        kx_posting_begin(r);
-        walk_ended = kx_pump_read(r, x, KX_READ_CALLER_BUDGET);
-        kx_posting_end(r);
-        kx_leave(r);
-    }
-    pthread_mutex_lock(&r->hub->lock);
-    if (walk_ended || r->stop) {
-        if (r->stop && !walk_ended && !x->error)
-            x->error = FI_ECANCELED;
-        kx_transfer_finish_posting_locked(r, x);
-    } else {
-        if (r->q_tail)
-            r->q_tail->qnext = x;
-        else
-            r->q_head = x;
-        r->q_tail = x;
-    }
-    pthread_mutex_unlock(&r->hub->lock);
-    kx_wake(r);
+    kx_transfer_submit(r, x, KX_READ_CALLER_BUDGET);
     *out = x;
     return 0;
 }
