@@ -38,8 +38,8 @@ _LAZY = {
 }
 
 # public submodules, imported on first attribute access (``kvxfer.share.send_handles``)
-_SUBMODULES = ("buffers", "cli", "demo", "engine", "errors", "layout", "messenger", "planner", "rendezvous", "share",
-               "topology", "wire")
+_SUBMODULES = ("buffers", "cli", "demo", "engine", "errors", "integrations", "layout", "messenger", "planner",
+               "rendezvous", "share", "topology", "wire")
 
 __all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
 
