@@ -1,9 +1,11 @@
 """The ``server`` fixture: each backend of tests/rendezvous/_backends.py that runs here, one
-server per test module, always closed."""
+server per test module, always closed; ``store``: a client of it, emptied first."""
 
 from __future__ import annotations
 
 import pytest
+
+import kvxfer.rendezvous as R
 
 from _backends import BACKENDS, make_server, why_not
 
@@ -19,3 +21,12 @@ def server(request):
         yield srv
     finally:
         srv.close()
+
+
+@pytest.fixture
+def store(server):
+    s = R.open(server.url, op_timeout=1.0)
+    for k in s.list(""):
+        s.delete(k)
+    yield s
+    s.close()

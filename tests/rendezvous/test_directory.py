@@ -57,15 +57,6 @@ class _Node:
 
 
 @pytest.fixture
-def store(server):
-    s = R.open(server.url, op_timeout=1.0)
-    for k in s.list(""):
-        s.delete(k)
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def nodes():
     made = []
     yield made

@@ -29,15 +29,6 @@ def _until(pred, timeout=10.0, step=0.02):
     return True
 
 
-@pytest.fixture
-def store(server):
-    s = R.open(server.url, op_timeout=1.0)
-    for k in s.list(""):
-        s.delete(k)
-    yield s
-    s.close()
-
-
 def test_bytes_round_trip_and_namespaces(server, store):
     value = bytes(range(256)) * 3
     store.put("a/b/c", value)
