@@ -66,7 +66,9 @@ def context_for(rid: str) -> bytes:
 
 
 def emit(tag: str, payload: Any) -> None:
-    print(f"{tag} {json.dumps(payload)}", flush=True)
+    """One tagged line on stdout, written whole (several threads emit)."""
+    sys.stdout.write(f"{tag} {json.dumps(payload)}\n")
+    sys.stdout.flush()
 
 
 def _regions(lay: Any, sharding: Any, fill: int) -> list:
@@ -92,9 +94,15 @@ def _prefill(a: argparse.Namespace) -> int:
     eng = kvxfer.Engine(a.provider, a.node)
     served = [0]
     errors: list[str] = []
+    hold = threading.Event()         # "hold": new requests stay unserved (in flight) until the kill
+    unserved: list[Any] = []
 
     def on_request(req: Any) -> None:
         rid = req.request_id.decode() if isinstance(req.request_id, bytes) else str(req.request_id)
+        if hold.is_set():
+            unserved.append(req)
+            emit("HELD", {"held": len(unserved), "request": rid})
+            return
         try:
             m.send(req, src_pages(rid, len(req.dst_pages))).finish(context_for(rid))
             served[0] += 1
@@ -122,6 +130,8 @@ def _prefill(a: argparse.Namespace) -> int:
         for line in sys.stdin:
             if line.strip() == "exit":
                 break
+            if line.strip() == "hold":
+                hold.set()
             if line.strip() == "stats":
                 emit("STATS", {"served": served[0], "lease": ann.state, "errors": errors[-5:], "stats": m.stats(),
                                "silence": {k: round(v, 3) for k, v in silence.items()},

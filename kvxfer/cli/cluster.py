@@ -245,6 +245,12 @@ def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: i
                 time.sleep(0.02)
 
         progress(40)
+        # the kill must find requests in flight on p0: p0 stops serving new requests and the
+        # kill comes once one of them reached it (its rank 0 process: every request has a leg there)
+        for p in pre["p0"]:
+            p.send("hold")
+        held = pre["p0"][0].next("HELD", 60)
+        event(f"p0 holds request {held['request']} unserved")
         for p in pre["p0"]:
             p.kill()
         t_kill = time.time()
