@@ -111,8 +111,6 @@ class FileStore(Store):
         top = os.path.join(self.root, *head.split("/")) if head else self.root
         if not os.path.isdir(self.root):
             raise RendezvousError(f"{self.url}: directory {self.root} is gone")
-        if not os.path.isdir(top):
-            return out
         for dirpath, dirnames, filenames in os.walk(top):
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             for name in filenames:
@@ -125,4 +123,8 @@ class FileStore(Store):
                 v = unpack_entry(self._read(path))
                 if v is not None:
                     out[key] = v
+        # a directory that went away during the walk gave a partial (or empty) list: an
+        # unreachable store is not an empty one
+        if not os.path.isdir(self.root):
+            raise RendezvousError(f"{self.url}: directory {self.root} is gone")
         return out
