@@ -53,10 +53,12 @@ def _stream_prefill(conn, spec):
         ref = _ref()
         eng = _engine(spec["provider"])
         cache = logical(layout, spec["seed"])
-        mems = {r: ref.RankMemory(layout, sh, r, fill=0) for r in range(sh.tp_size)}
+        # per-rank (``ranks``): this process holds only those ranks, as a TP rank process does
+        ranks = spec.get("ranks") or list(range(sh.tp_size))
+        mems = {r: ref.RankMemory(layout, sh, r, fill=0) for r in ranks}
         for mem in mems.values():
             scatter(mem, cache)
-        m = kvxfer.Messenger(eng, layout, sh, {r: mems[r].regions for r in mems})
+        m = kvxfer.Messenger(eng, layout, sh, {r: mems[r].regions for r in mems}, ranks=ranks)
         conn.send(("ready", m.handshake(), os.getpid()))
         while True:
             cmd, *args = conn.recv()
@@ -81,10 +83,13 @@ def _stream_prefill(conn, spec):
 
 
 def _serve(m, layout, *, expect: int, budget: int, layer_delay: float, mirror: str, abandon=None,
-           finish_early: bool = True, gather: bool = False, close_at=None, timeout: float = 60.0) -> dict:
+           finish_early: bool = True, gather: bool = False, close_at=None, timeout: float = 60.0,
+           mirror_word: int = 0) -> dict:
     """Serve ``expect`` requests with chunked prefill: each pass gives at most ``budget``
     tokens, first come first served; the model bumps every layer after ``layer_delay`` s.
-    ``abandon=(pass index, layers)``: that pass is abandoned after that many layers."""
+    ``abandon=(pass index, layers)``: that pass is abandoned after that many layers.
+    ``mirror_word``: the mirror's word this node's counter is mirrored in (one per rank
+    process in per-rank streaming)."""
     lc = m.layer_counter
     L = layout.num_layers
     mir = _mirror(mirror)
@@ -136,7 +141,7 @@ def _serve(m, layout, *, expect: int, budget: int, layer_delay: float, mirror: s
                 early = [t for s in p.sends for t in s.entries if t.threshold < p.end and not t.fired]
                 out["unfired_before_last_bump"].append(len(early))
                 out.setdefault("last_bump", []).append(time.monotonic())
-            mir[0] = lc.value + 1
+            mir[mirror_word] = lc.value + 1
             lc.bump()
         if close_at is not None and close_at[0] == npass:
             t0 = time.monotonic()
@@ -147,7 +152,7 @@ def _serve(m, layout, *, expect: int, budget: int, layer_delay: float, mirror: s
             return out
         if stop_at < L:
             out["abandoned"].append((p.base, p.end, p.abandon(), [repr(s.request.request_id) for s in p.sends]))
-            mir[0] = lc.value
+            mir[mirror_word] = lc.value
             active = [s for s in active if s not in p.sends]
         for s, a, b, _ in chunks:
             if not finish_early and s.last_chunk and not s.done:
@@ -192,8 +197,10 @@ def _stream_decode(conn, spec):
         watch = {}
         while True:
             cmd, *args = conn.recv()
-            if cmd == "connect":
-                peer = m.connect(args[0], timeout=20)
+            if cmd == "connect":              # one blob, or a list (a per-rank prefill instance)
+                blobs = args[0]
+                peer = ([m.connect(b, timeout=20) for b in blobs] if isinstance(blobs, list)
+                        else m.connect(blobs, timeout=20))
                 conn.send(("ok", None))
             elif cmd == "receive":            # [(rid, pages, num_tokens)], hot
                 for rid, pages, nt in args[0]:
@@ -205,6 +212,14 @@ def _stream_decode(conn, spec):
                 watch["thread"] = threading.Thread(
                     target=_watch_layers, args=(mems, cache, [recvs[r] for r in rids], src_layout, _mirror(mirror),
                                                 watch["result"]), daemon=True)
+                watch["thread"].start()
+                conn.send(("ok", None))
+            elif cmd == "watch_legs":         # per source rank: the mirror word of that rank's process
+                rids, mirror, legs = args
+                watch["result"] = {w: [None] * layout.num_layers for w, _ in legs}
+                watch["thread"] = threading.Thread(
+                    target=_watch_legs, args=(mems, cache, [recvs[r] for r in rids], src_layout, _mirror(mirror),
+                                              legs, watch["result"]), daemon=True)
                 watch["thread"].start()
                 conn.send(("ok", None))
             elif cmd == "watched":
@@ -285,6 +300,34 @@ def _watch_layers(mems, cache, recvs, src_layout, mir, result) -> None:
                                       for mem, lay, plane, pages, w in want[nxt]):
             result[nxt] = (int(mir[0]), time.monotonic())
             nxt += 1
+        time.sleep(0.0002)
+
+
+def _watch_legs(mems, cache, recvs, src_layout, mir, legs, result) -> None:
+    """Per-rank streaming: for each leg ``(word, heads)`` (the destination heads one source
+    rank writes, its process mirroring its counter in ``mir[word]``), store ``mir[word]``
+    when all of layer l's bytes of those heads landed."""
+    (mem,) = mems.values()                 # a TP1 decoder: one rank holds every head
+    todo = {}
+    for word, heads in legs:
+        per_layer = []
+        for layer in range(cache.shape[0]):
+            parts = []
+            for r in recvs:
+                src = src_pages_for(r.request_id, len(r.dst_pages), src_layout.num_pages)
+                for plane in range(cache.shape[1]):
+                    parts.append((layer, plane, r.dst_pages, cache[layer, plane][src][:, heads]))
+            per_layer.append(parts)
+        todo[word] = (heads, per_layer)
+    nxt = {w: 0 for w in todo}
+    t_end = time.monotonic() + 60
+    while any(nxt[w] < cache.shape[0] for w in todo) and time.monotonic() < t_end:
+        for w, (heads, per_layer) in todo.items():
+            while nxt[w] < len(per_layer) and all(
+                    np.array_equal(mem.page_view(lay, plane)[pages][:, heads], want)
+                    for lay, plane, pages, want in per_layer[nxt[w]]):
+                result[w][nxt[w]] = (int(mir[w]), time.monotonic())
+                nxt[w] += 1
         time.sleep(0.0002)
 
 
