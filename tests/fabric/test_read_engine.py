@@ -207,6 +207,7 @@ def test_a_read_the_target_refuses_fails_its_transfer(provider):
         t = a.read_pages(local, [1], peer, remote, [1], PAGE)
         if provider == "shm":
             t.wait(30)
+            assert (mine[PAGE:2 * PAGE] == 5).all()     # no key checked: the mapped memory is read
             b.close()
             t2 = a.read_pages(local, [2], peer, remote, [2], PAGE)
             with pytest.raises(KvxferError):

@@ -12,7 +12,6 @@ import signal
 import time
 
 import numpy as np
-import pytest
 
 import kvxfer
 from kvxfer.errors import KvxferError
