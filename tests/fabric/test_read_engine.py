@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvxfer
 from kvxfer import wire
@@ -220,3 +222,43 @@ def test_a_read_the_target_refuses_fails_its_transfer(provider):
     finally:
         a.close()
         b.close()
+
+
+_offsets = st.one_of(
+    st.lists(st.integers(-3, N + 5), max_size=6),
+    st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=3),
+    st.lists(st.floats(0, N), min_size=1, max_size=3),
+    st.just([[0, 1]]), st.just("x"), st.just(None),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_read_batches_read_exactly_or_nothing(pair, data):
+    """Random triples (negative, huge, float, mismatched, not arrays): a call either reads
+    exactly its triples or raises a kvxfer.errors class having read nothing."""
+    a, b = pair
+    theirs = np.arange(N, dtype=np.uint64).astype(np.uint8)
+    mine = np.zeros(N, np.uint8)
+    local, tr = a.register(mine, remote=False), b.register(theirs, readable=True)
+    try:
+        peer, remote = a.connect(b.address), a.remote(tr.descriptor(reads_only=True))
+        lo, ro, ln = (data.draw(_offsets) for _ in range(3))
+        try:
+            t = a.read_batch(local, peer, remote, lo, ro, ln)
+        except KvxferError:
+            assert not mine.any(), "a refused read_batch read something"
+            return
+        t.wait(30)
+        want = np.zeros(N, np.uint8)
+        cover = np.zeros(N, np.int64)
+        for x, y, n in zip(lo, ro, ln):
+            want[x:x + n] = theirs[y:y + n]
+            cover[x:x + n] += 1
+        if cover.max(initial=0) > 1:        # overlapping reads land in any order: only the rest is checked
+            assert not mine[cover == 0].any()
+        else:
+            np.testing.assert_array_equal(mine, want)
+    finally:
+        local.close()
+        tr.close()
