@@ -562,13 +562,6 @@ class Engine(_Writes, _Reads, _Counters):
         else:
             self._fence_stuck.append(slot)
 
-    def _pack_min(self, host_share: Optional[wire.HostShare]) -> int:
-        """Rule 3's bound for writes into a region whose descriptor carries ``host_share``:
-        none (0) with one, since a direct write's memcpy gains nothing from sending small
-        pieces alone (the RMA fallback packs them too, so the count never depends on the
-        path); ``pack_min`` otherwise."""
-        return 0 if host_share is not None else self.pack_min
-
     # -- control messages ----------------------------------------------------------------
     def send(self, peer: Peer, data: bytes, timeout: Optional[float] = 30.0) -> None:
         """A small control message (at most 64 KiB) over FI_MSG, for protocol coordination.

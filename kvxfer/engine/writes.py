@@ -2,7 +2,7 @@
 
 ``_Writes`` is a base of ``Engine`` holding its write calls: ``write``, ``write_pages``,
 ``write_batch``, ``region_pairs``, ``write_groups``, ``write_pairs`` and ``count_writes``
-(what the message rule makes of a batch). Nothing is posted on bad input; what the progress
+(what the message rule makes of a batch, with rule 3's bound per region, ``_pack_min``). Nothing is posted on bad input; what the progress
 thread reads is copied and owned natively (a ``Transfer``'s handles).
 """
 
@@ -40,6 +40,13 @@ def _check_remote(region: RemoteRegion, peer: Peer, keys: tuple, op: str) -> Non
 
 class _Writes:
     """``Engine``'s write calls (a base class: they use its rails, iov, max_write and lock)."""
+
+    def _pack_min(self, host_share: Optional[wire.HostShare]) -> int:
+        """Rule 3's bound for writes into a region whose descriptor carries ``host_share``:
+        none (0) with one, since a direct write's memcpy gains nothing from sending small
+        pieces alone (the RMA fallback packs them too, so the count never depends on the
+        path); ``pack_min`` otherwise."""
+        return 0 if host_share is not None else self.pack_min
 
     # -- writes --------------------------------------------------------------------------
     def _endpoints(self, src, peer, dst):
