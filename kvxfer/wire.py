@@ -7,18 +7,20 @@ Address, version 1::
 
     b"KXA" | u8 version | u8 len + provider name | u8 rails | per rail: u16 len + fi_getname bytes
 
-Memory descriptor, versions 1, 2 and 3 (little-endian)::
+Memory descriptor, versions 1 to 4 (little-endian)::
 
     b"KXM" | u8 version | u8 flags | u8 len + provider name | u64 base | u64 nbytes
            | 8-byte owner | u8 keys | per key: u8 len + key bytes
-           [versions 2, 3, flag HOST_SHARE: u32 pid | u32 fd | u64 dev | u64 inode | u64 offset]
-           [version 3, flag FENCE: u32 fd | u32 slot | u32 generation | u64 dev | u64 inode]
+           [versions 2-4, flag HOST_SHARE: u32 pid | u32 fd | u64 dev | u64 inode | u64 offset]
+           [versions 3-4, flag FENCE: u32 fd | u32 slot | u32 generation | u64 dev | u64 inode]
+           [version 4, flag READABLE: u8 read keys | per key: u8 len + key bytes]
 
 flags: bit 0 VIRT_ADDR (remote addresses are base + offset, else offsets), bit 1 RAW keys
 (provider raw keys, mapped with fi_mr_map_raw; otherwise each key is a u64), bit 2 device
-memory, bit 3 HOST_SHARE (version 2 and 3 only), bit 4 FENCE (version 3 only, where it is
-required, and only with HOST_SHARE). One key per rail, so a region registered on
-several NICs travels as one descriptor. ``owner`` is ``owner_digest(address)`` of the engine
+memory, bit 3 HOST_SHARE (version 2 and later), bit 4 FENCE (version 3, where it is
+required, and 4; only with HOST_SHARE), bit 5 READABLE (version 4 only, where it is
+required). One key per rail, so a region registered on several NICs travels as one
+descriptor. ``owner`` is ``owner_digest(address)`` of the engine
 that registered the region: an engine refuses to use a descriptor with a peer other than its
 owner.
 
@@ -37,6 +39,16 @@ region (src/direct.c). A sender given a share without a fence (version 2) does n
 directly: it writes over RMA, which the target's deregistration stops. Whether the
 descriptor carries a host share, not a fence, decides the count. The version is the least
 that holds the fields: 1 without a share, 2 with one without a fence, 3 with a fence.
+
+Version 4 adds the **read keys** (``Descriptor.read_keys``, one per rail, of the same kind as
+the keys): the region was registered readable (``Engine.register(..., readable=True)``), and
+these are the keys of its separate read registration (``FI_REMOTE_READ`` only); the keys
+before them are the write registration's. A version 4 descriptor may carry no write keys at
+all (``MemoryRegion.descriptor(reads_only=True)``: a reader that may not write). Only a
+readable descriptor is written as version 4 (a share and its fence are optional there, as
+their flags say); every other descriptor keeps its version 1-3 bytes. An engine reads from a
+remote region only with its read keys: a descriptor without them is refused by
+``Engine.read_pages`` before anything is posted.
 """
 
 from __future__ import annotations
@@ -56,14 +68,15 @@ __all__ = ["Address", "Descriptor", "HostShare", "Fence", "count_writes", "strip
 ADDRESS_MAGIC = b"KXA"
 DESCRIPTOR_MAGIC = b"KXM"
 ADDRESS_VERSION = 1
-DESCRIPTOR_VERSION = 3          # the newest this kvxfer writes; it reads 1, 2 and 3
-DESCRIPTOR_VERSIONS = (1, 2, 3)
+DESCRIPTOR_VERSION = 4          # the newest this kvxfer writes; it reads 1 to 4
+DESCRIPTOR_VERSIONS = (1, 2, 3, 4)
 
 FLAG_VIRT_ADDR = 1
 FLAG_RAW_KEY = 2
 FLAG_DEVICE = 4
 FLAG_HOST_SHARE = 8
 FLAG_FENCE = 16
+FLAG_READABLE = 32              # version 4: read keys follow
 
 
 class _Reader:
@@ -214,7 +227,8 @@ class HostShare:
 
 @dataclass(frozen=True)
 class Descriptor:
-    """What a peer needs to write into a registered region: base, size and keys per rail."""
+    """What a peer needs to write into (``keys``) or read from (``read_keys``, version 4) a
+    registered region: base, size and keys per rail."""
 
     provider: str
     base: int
@@ -225,6 +239,17 @@ class Descriptor:
     device: bool = False
     owner: bytes = bytes(8)
     host_share: Optional[HostShare] = None      # version 2: a shm peer may map the memory itself
+    read_keys: tuple[bytes, ...] = ()           # version 4: the region may be read, with these
+
+    @property
+    def readable(self) -> bool:
+        """The region was offered for reading (version 4, its read keys)."""
+        return bool(self.read_keys)
+
+    @property
+    def writable(self) -> bool:
+        """The descriptor carries write keys (every version but a reads-only version 4)."""
+        return bool(self.keys)
 
     def _owner(self) -> bytes:
         if len(self.owner) != 8:
@@ -236,27 +261,30 @@ class Descriptor:
         fence = share.fence if share is not None else None
         flags = (FLAG_VIRT_ADDR if self.virt_addr else 0) | (FLAG_RAW_KEY if self.raw else 0) | (
             FLAG_DEVICE if self.device else 0
-        ) | (FLAG_HOST_SHARE if share is not None else 0) | (FLAG_FENCE if fence is not None else 0)
-        if not 0 < len(self.keys) < 256:
-            raise InvalidArgumentError("a descriptor needs 1..255 keys")
+        ) | (FLAG_HOST_SHARE if share is not None else 0) | (FLAG_FENCE if fence is not None else 0) | (
+            FLAG_READABLE if self.read_keys else 0)
+        if not (0 if self.read_keys else 1) <= len(self.keys) < 256 or len(self.read_keys) >= 256:
+            raise InvalidArgumentError("a descriptor needs 1..255 keys (0..255 write keys with read keys)")
+        version = 4 if self.read_keys else 3 if fence is not None else 2 if share is not None else 1
         out = [
             DESCRIPTOR_MAGIC,
-            bytes([3 if fence is not None else 2 if share is not None else 1, flags]),  # the least that holds it
+            bytes([version, flags]),  # the least that holds it
             _name(self.provider),
             struct.pack("<QQ", self.base, self.nbytes),
             self._owner(),
-            bytes([len(self.keys)]),
         ]
-        for k in self.keys:
+        for k in self.keys + self.read_keys:
             if not 0 < len(k) < 256:
                 raise InvalidArgumentError("a key must be 1..255 bytes")
-            out += [bytes([len(k)]), k]
+        out += _keys(self.keys)
         if share is not None:
             if share.offset + self.nbytes > 2**63:
                 raise InvalidArgumentError("host share lies beyond any file")
             out.append(share.encode())
         if fence is not None:
             out.append(fence.encode())
+        if self.read_keys:
+            out += _keys(self.read_keys)
         return b"".join(out)
 
     @classmethod
@@ -267,30 +295,48 @@ class Descriptor:
         version = _header(r, DESCRIPTOR_MAGIC, DESCRIPTOR_VERSIONS)
         flags = r.u8()
         known = FLAG_VIRT_ADDR | FLAG_RAW_KEY | FLAG_DEVICE | (FLAG_HOST_SHARE if version >= 2 else 0) | (
-            FLAG_FENCE if version >= 3 else 0)
+            FLAG_FENCE if version >= 3 else 0) | (FLAG_READABLE if version >= 4 else 0)
         if flags & ~known:
             raise DescriptorError(f"descriptor has unknown flags {flags:#x} for version {version}")
-        # version 3 exists for the fence, and a fence belongs to a host share
-        if (version >= 3) != bool(flags & FLAG_FENCE) or (flags & FLAG_FENCE and not flags & FLAG_HOST_SHARE):
+        # version 3 exists for the fence, version 4 for the read keys; a fence belongs to a host share
+        if ((version == 3) != bool(flags & FLAG_FENCE and not flags & FLAG_READABLE)
+                or (version == 4) != bool(flags & FLAG_READABLE)
+                or (flags & FLAG_FENCE and not flags & FLAG_HOST_SHARE)):
             raise DescriptorError(f"descriptor has flags {flags:#x} that version {version} does not allow")
         prov = r.take(r.u8()).decode("utf-8", "replace")
         base, nbytes = r.u64(), r.u64()
         owner = r.take(8)
-        n = r.u8()
-        if n == 0:
-            raise DescriptorError("descriptor has no keys")
-        keys = tuple(r.take(r.u8()) for _ in range(n))
         raw = bool(flags & FLAG_RAW_KEY)
-        if any(len(k) == 0 or (not raw and len(k) != 8) for k in keys):
-            raise DescriptorError("descriptor key has the wrong length")
+        keys = _read_keys(r, raw, empty=bool(flags & FLAG_READABLE))    # a reads-only one has none
         if base + nbytes > 2**64:
             raise DescriptorError("descriptor range wraps around the address space")
         share = HostShare.read(r, nbytes) if flags & FLAG_HOST_SHARE else None
         if flags & FLAG_FENCE:
             share = dataclasses.replace(share, fence=Fence.read(r))
+        read_keys = _read_keys(r, raw, empty=False) if flags & FLAG_READABLE else ()
         r.end()
         return cls(prov, base, nbytes, keys, bool(flags & FLAG_VIRT_ADDR), raw, bool(flags & FLAG_DEVICE), owner,
-                   share)
+                   share, read_keys)
+
+
+def _keys(keys: tuple[bytes, ...]) -> list[bytes]:
+    """A key list as it travels: u8 count, then per key u8 length + bytes."""
+    out = [bytes([len(keys)])]
+    for k in keys:
+        out += [bytes([len(k)]), k]
+    return out
+
+
+def _read_keys(r: _Reader, raw: bool, empty: bool) -> tuple[bytes, ...]:
+    """``_keys``'s reverse; a key of the wrong length (8 bytes unless raw) is refused, and so
+    is an empty list unless ``empty`` allows it (a reads-only descriptor's write keys)."""
+    n = r.u8()
+    if n == 0 and not empty:
+        raise DescriptorError("descriptor has no keys")
+    keys = tuple(r.take(r.u8()) for _ in range(n))
+    if any(len(k) == 0 or (not raw and len(k) != 8) for k in keys):
+        raise DescriptorError("descriptor key has the wrong length")
+    return keys
 
 
 def owner_digest(address: bytes) -> bytes:

@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 
 import kvxfer
+from kvxfer.cli._bw_read import serve_read
 from kvxfer.cli._cases import Checker, parse_case
 from kvxfer.cli._channel import ADDR_PREFIX, Channel, RemoteFailure, wait_counter
 from kvxfer.cli._machine import machine_info
@@ -40,11 +41,13 @@ def serve(eng: "kvxfer.Engine", *, parent_pid: Optional[int] = None, idle_timeou
     ch.send("hello", info=eng.info, machine=machine_info(), pid=os.getpid())
     try:
         while True:
-            req = ch.recv(("bw", "lat", "bye"), idle_timeout)
+            req = ch.recv(("bw", "bw_read", "lat", "bye"), idle_timeout)
             if req["t"] == "bye":
                 return 0
             if req["t"] == "bw":
                 _serve_bw(eng, ch, req, alive)
+            elif req["t"] == "bw_read":     # --op read (kvxfer/cli/_bw_read.py)
+                serve_read(eng, ch, req)
             else:
                 _serve_lat(eng, ch, req, alive)
     except (TimeoutError, PeerError, RemoteFailure) as exc:

@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, Callable, Optional, Sequence, TextIO
 
 from kvxfer.cli._args import positive_int, writable_file, write_json
 from kvxfer.cli._cases import DEFAULT_CASES, TARGET_MEMORY, Case, fmt_size, parse_case, parse_size
@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bw.add_argument("--case", action="append", type=_case_arg, metavar="CASE",
                     help="a case to run; repeat for several (default: all of the list below)")
+    bw.add_argument("--op", action="append", choices=("write", "read"), metavar="OP",
+                    help="write (default) or read (the initiator pulls each case with Engine.read_pages from a "
+                         "readable target region, checked at the reader); repeat for both, each case both ways "
+                         "back to back in the same run")
     bw.add_argument("--seconds", type=float, default=3.0, metavar="S",
                     help="time to spend on each case after warm-up, checks included (default: 3)")
     bw.add_argument("--iters", type=int, metavar="N", help="exactly N timed iterations per case (overrides --seconds)")
@@ -558,6 +562,10 @@ def run_bw(args: argparse.Namespace) -> int:
                 case = cases[i]
                 ours: list[dict] = []
                 theirs: dict[str, list[dict]] = {peer: [] for peer, _, _ in opened}
+                ops = list(dict.fromkeys(args.op or ("write",))) if case.kind != "memmove" else ["write"]
+                if ops == ["read"]:
+                    _read_rows(run, case, args, args.seed + i, warmup, bar, one, memmove)
+                    continue
                 for r in range(args.rounds):
                     label = f"{run.provider} {case.label}" + (f" round {r + 1}" if args.rounds > 1 else "")
                     res = run.ini.bw(case, args.seed + i, warmup=warmup, iters=args.iters, budget=args.seconds,
@@ -590,6 +598,8 @@ def run_bw(args: argparse.Namespace) -> int:
                         t = one(got)
                         rec["results"].append(t)
                         print(bw_row(f"{peer}/{run.provider}"[:11], t, memmove), flush=True)
+                if "read" in ops:        # --op write --op read: the same case pulled, right after
+                    _read_rows(run, case, args, args.seed + i, warmup, bar, one, memmove)
         finally:
             for _, p, _ in opened:
                 if p is not None:
@@ -614,6 +624,26 @@ def run_bw(args: argparse.Namespace) -> int:
         else:
             print("no comparison: the peer ran no case (see above)", flush=True)
     return status
+
+
+def _read_rows(run: "_Run", case: Case, args: argparse.Namespace, seed: int, warmup: int, bar: Bar,
+               one: Callable, memmove: Optional[float]) -> None:
+    """``--op read``: ``case`` pulled by this process (kvxfer/cli/_bw_read.py), its rounds, its row."""
+    from kvxfer.cli._bw_read import as_read_row, bw_read
+
+    rounds = []
+    for r in range(args.rounds):
+        label = f"{run.provider} read {case.label}" + (f" round {r + 1}" if args.rounds > 1 else "")
+        res = bw_read(run.ini, case, seed, warmup=warmup, iters=args.iters, budget=args.seconds,
+                      min_iters=args.min_iters, max_iters=args.max_iters,
+                      progress=lambda d, n, label=label: bar.update(label, d, n))
+        rounds.append(as_read_row(res.summary()))
+    s = one(rounds)
+    run.record["results"].append(s)
+    bar.clear()
+    print(bw_row(run.provider, s, memmove), flush=True)
+    for prob in s["problems"]:
+        print(f"    {prob}", flush=True)
 
 
 def _floor_pin() -> list:

@@ -3,8 +3,10 @@
 Everything a caller can get wrong is checked here, before anything is posted; the native
 layer then posts whole batches with the GIL released. Its rooms, each one idea:
 
-- ``engine``: ``Engine`` (life cycle, peers, register/remote, counters, control messages);
+- ``engine``: ``Engine`` (life cycle, peers, register/remote, control messages);
 - ``writes``: its write calls (a base class of ``Engine``);
+- ``reads``: its read calls, the mirrors of the writes (a base class; ``ReadTransfer``);
+- ``counters``: ``expect``, ``banked``, ``discard`` (a base class);
 - ``regions``: ``MemoryRegion``, ``RemoteRegion``, ``RegionPairs``, the buffer door
   (``_resolve_buffer``) and the direct-copy fence slots (``_FenceSlot``);
 - ``transfer``: ``Transfer``, ``Counter`` and the callback dispatcher;
@@ -32,6 +34,7 @@ from kvxfer.engine._args import (
     _u64,
 )
 from kvxfer.engine.engine import Engine
+from kvxfer.engine.reads import ReadTransfer
 from kvxfer.engine.rails import PREFERENCE, Peer, _fabric, _message_limits, _need_native, _open_rails, providers
 from kvxfer.engine.regions import (
     FENCE_SLOTS,
@@ -45,5 +48,5 @@ from kvxfer.engine.regions import (
 from kvxfer.engine.transfer import Counter, Transfer
 from kvxfer.engine.watcher import MAX_POLL_US, Watcher, WatchEntry, _check_watch, _check_word
 
-__all__ = ["Engine", "Peer", "MemoryRegion", "RemoteRegion", "RegionPairs", "Transfer", "Counter", "Watcher",
-           "WatchEntry", "providers"]
+__all__ = ["Engine", "Peer", "MemoryRegion", "RemoteRegion", "RegionPairs", "Transfer", "ReadTransfer", "Counter",
+           "Watcher", "WatchEntry", "providers"]

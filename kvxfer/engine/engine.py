@@ -1,4 +1,4 @@
-"""The Engine: its rails, peers (connect/disconnect), register/remote, counters and control messages.
+"""The Engine: its rails, peers (connect/disconnect), register/remote and control messages.
 
 This is the validating face over kvxfer._fabric. Everything a caller can get wrong is
 checked here, before anything is posted; the native layer then posts whole batches with
@@ -27,16 +27,17 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
 from kvxfer import _environ, _maps, _shm, wire
-from kvxfer._check import as_int
-from kvxfer.engine._args import _check_cpus, _check_imm, _check_nics, _check_options, _check_timeout, _timeout
+from kvxfer.engine._args import _check_cpus, _check_nics, _check_options, _check_timeout, _timeout
 from kvxfer.engine.rails import Peer, _fabric, _message_limits, _need_native, _open_rails
 from kvxfer.engine.regions import FENCE_SLOTS, MemoryRegion, RemoteRegion, _FenceSlot, _resolve_buffer
-from kvxfer.engine.transfer import Counter, dispatch
+from kvxfer.engine.transfer import Counter
+from kvxfer.engine.counters import _Counters
+from kvxfer.engine.reads import _Reads
 from kvxfer.engine.writes import _Writes
 from kvxfer.engine.watcher import Watcher, _check_watch, _check_word
 from kvxfer.errors import (
@@ -64,7 +65,7 @@ def _close_at_exit(ref: "weakref.ref[Engine]", pid: int) -> None:
             pass
 
 
-class Engine(_Writes):
+class Engine(_Writes, _Reads, _Counters):
     """A process's transfer endpoint over one or more rails: each rail one libfabric RDM
     endpoint with its native progress thread (one per NIC in ``nics``, or ``rails`` on one).
 
@@ -401,11 +402,22 @@ class Engine(_Writes):
                 # a provider call to it (else the slot stays, unused, until close)
                 r.av_remove(addr, max(0.0, deadline - time.monotonic()) + 0.1)
 
-    def register(self, obj: Any, *, remote: bool = True) -> MemoryRegion:
+    def register(self, obj: Any, *, remote: bool = True, readable: bool = False) -> MemoryRegion:
         """Register memory for RMA: a writable buffer, a DLPack/CPU-torch tensor, a KVBuffer,
         an object with ``__cuda_array_interface__``, or ``(ptr, nbytes)``. ``remote=False``
-        registers a source only: no peer can write into it, and it has no descriptor."""
+        registers a source only: no peer can write into it or read it, and it has no
+        descriptor. ``readable=True`` (with ``remote``) also offers it for peers' reads: a
+        second registration, ``FI_REMOTE_READ`` only, with its own keys, which travel only as
+        the descriptor's read keys (``descriptor(reads_only=True)``: those alone); the write
+        registration asks ``FI_REMOTE_WRITE`` only. An engine reads only regions offered so
+        (``read_pages``); what each provider itself enforces: docs/architecture.md, "Security"."""
         self._check_open()
+        for name, v in (("remote", remote), ("readable", readable)):
+            if not isinstance(v, (bool, np.bool_)):
+                raise ArgumentTypeError(f"{name} must be True or False, got {v!r}")
+        if readable and not remote:
+            raise InvalidArgumentError("a remote=False region is never readable by peers: register it with "
+                                       "readable=True (and remote=True), and hand out descriptor(reads_only=True)")
         ptr, nbytes, device, iface, ordinal, dmabuf, keep = _resolve_buffer(obj)
         if nbytes <= 0:
             raise InvalidArgumentError("cannot register an empty buffer")
@@ -414,13 +426,17 @@ class Engine(_Writes):
                 f"provider {self.provider!r} engine has no FI_HMEM: device memory ({device}) needs "
                 "Engine(..., hmem=True) on a provider that offers it (shm, efa, verbs)"
             )
-        mrs = []
+        mrs, rds = [], []
         try:
             for r in self._rails:
-                mrs.append(r.mr_reg(ptr, nbytes, iface, ordinal, dmabuf, bool(remote)))
+                mrs.append(r.mr_reg(ptr, nbytes, iface, ordinal, dmabuf,
+                                    _fabric.REMOTE_WRITE if remote else 0))
                 mrs[-1].keep = keep      # a registration keeps its memory alive
+            for r in self._rails if readable else ():
+                rds.append(r.mr_reg(ptr, nbytes, iface, ordinal, dmabuf, _fabric.REMOTE_READ))
+                rds[-1].keep = keep
         except FabricError as exc:
-            for mr in mrs:
+            for mr in rds + mrs:
                 mr.close()
             # a libfabric built without this device's HMEM support (Debian's 1.17 and CUDA)
             # answers ENOSYS/EOPNOTSUPP from fi_mr_regattr: say which feature is missing
@@ -429,7 +445,7 @@ class Engine(_Writes):
                                        "without that device's HMEM support") from exc
             raise
         except BaseException:
-            for mr in mrs:
+            for mr in rds + mrs:
                 mr.close()
             raise
         finally:
@@ -440,7 +456,7 @@ class Engine(_Writes):
         fence = self._fence_take(share, nbytes) if share is not None else None
         if fence is not None:         # the share names it: peers copy only while it allows
             share = dataclasses.replace(share, fence=fence.wire())
-        region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote), share, fence)
+        region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote), share, fence, rds)
         if fence is not None:
             # the slot lives as long as the registration, not the MemoryRegion object: a region
             # dropped while a transfer from it still holds its registration keeps taking its
@@ -465,21 +481,22 @@ class Engine(_Writes):
         virt = bool(self._rails[0].mr_mode & _fabric.MR_VIRT_ADDR)
         if d.virt_addr != virt:
             raise DescriptorError("descriptor's addressing mode does not match this provider's mr_mode")
-        keys = []
-        for i, r in enumerate(self._rails):
-            k = d.keys[i % len(d.keys)]
-            if d.raw:
-                mapped = r.map_raw(d.base, np.frombuffer(k, dtype=np.uint8))
-                self._raw_keys.append((r, mapped))
-                keys.append(mapped)
-            else:
-                keys.append(int.from_bytes(k, "little"))
+        keys, read_keys = [], []
+        for kind, out in ((d.keys, keys), (d.read_keys, read_keys)):
+            for i, r in enumerate(self._rails if kind else ()):
+                k = kind[i % len(kind)]
+                if d.raw:
+                    mapped = r.map_raw(d.base, np.frombuffer(k, dtype=np.uint8))
+                    self._raw_keys.append((r, mapped))
+                    out.append(mapped)
+                else:
+                    out.append(int.from_bytes(k, "little"))
         direct = None
         share = d.host_share
         # only a fenced share (descriptor version 3) is written directly: the target revokes
         # its fence when it closes the region, and the copies stop (src/direct.c); an older
         # share has no such stop, so it is written over RMA (counted the same: pack_min 0)
-        if self.direct and share is not None and share.fence is not None and not d.device:
+        if self.direct and share is not None and share.fence is not None and not d.device and d.keys:
             f = share.fence
             try:
                 direct = _fabric.DirectMap(f"/proc/{share.pid}/fd/{share.fd}", share.dev, share.inode, share.offset,
@@ -487,9 +504,9 @@ class Engine(_Writes):
                                                       f.generation, d.owner))
             except KvxferError:
                 direct = None   # another host or namespace, no permission, a stale share: RMA
-        return RemoteRegion(self, d, tuple(keys), direct)
+        return RemoteRegion(self, d, tuple(keys), direct, tuple(read_keys))
 
-    # -- progress and the watcher (writes: kvxfer/engine/writes.py) ---------------------
+    # -- progress and the watcher (writes, reads, counters: writes.py, reads.py, counters.py)
     def hold_awake(self, hold: bool = True) -> None:
         """Take (``hold=True``) or release a hold that keeps every rail's progress thread
         polling instead of sleeping in its back-off: arrivals are expected soon (a streamed
@@ -544,74 +561,6 @@ class Engine(_Writes):
             self._fence_free.append(slot)
         else:
             self._fence_stuck.append(slot)
-
-    def _pack_min(self, host_share: Optional[wire.HostShare]) -> int:
-        """Rule 3's bound for writes into a region whose descriptor carries ``host_share``:
-        none (0) with one, since a direct write's memcpy gains nothing from sending small
-        pieces alone (the RMA fallback packs them too, so the count never depends on the
-        path); ``pack_min`` otherwise."""
-        return 0 if host_share is not None else self.pack_min
-
-    # -- counters ------------------------------------------------------------------------
-    def expect(self, imm: int, count: int, callback: Optional[Callable[[Counter], Any]] = None) -> Counter:
-        """Expect ``count`` writes carrying ``imm``. Arrivals already banked are credited.
-
-        ``callback(counter)`` runs once, on the engine's dispatcher thread, when all arrived.
-        """
-        self._check_open()
-        checked = _check_imm(imm)
-        if checked is None:
-            raise InvalidArgumentError("expect needs an imm")
-        imm = checked
-        count = as_int(count, "count", minimum=1)
-        if callback is not None and not callable(callback):
-            raise InvalidArgumentError("callback must be callable")
-        if count >= 2**63:
-            raise InvalidArgumentError(f"count {count} is beyond any transfer")
-        # the lock orders registration before the dispatcher can pop a counter that
-        # completes at once from banked arrivals
-        with self._lock:
-            try:
-                handle = self._rails[0].expect(imm, int(count), callback is not None)
-            except InvalidArgumentError:
-                raise InvalidArgumentError(f"imm {imm} already has an unfinished expectation") from None
-            c = Counter(handle, imm, int(count), callback)
-            if callback is not None:
-                self._callbacks[handle.address] = c
-                if self._dispatcher is None:
-                    self._dispatcher = threading.Thread(target=dispatch, name="kvxfer-dispatch", daemon=True,
-                                                        args=(self._rails[0], self._lock, self._callbacks))
-                    self._dispatcher.start()
-        return c
-
-    def banked(self, imm: int) -> int:
-        """Arrivals of ``imm`` received and not yet consumed by an expectation."""
-        self._check_open()
-        checked = _check_imm(imm)
-        if checked is None:
-            raise InvalidArgumentError("banked needs an imm")
-        return self._rails[0].banked(checked)
-
-    def discard(self, imm: int) -> int:
-        """Retire ``imm``: withdraw its unfinished expectation (its ``Counter`` ends with
-        ``state == "discarded"``, ``wait`` raises ``ClosedError``, no callback runs), drop
-        its banked arrivals, and return how many arrivals were dropped (banked ones plus
-        those credited to the withdrawn expectation).
-
-        Only arrivals received before the call are retired: a write of ``imm`` arriving
-        later is banked as new and credits the next ``expect(imm, ...)``. So retire an imm
-        only once every write that can carry it has arrived, or never use it again. The
-        fence, knowing the sender's final ``Transfer.posted`` = P: ``d = discard(imm)``; if
-        ``d < P``: ``expect(imm, P - d).wait(...)``, then ``discard(imm)`` again."""
-        self._check_open()
-        checked = _check_imm(imm)
-        if checked is None:
-            raise InvalidArgumentError("discard needs an imm")
-        with self._lock:
-            dropped, addr = self._rails[0].discard(checked)
-            if addr:
-                self._callbacks.pop(addr, None)
-        return int(dropped)
 
     # -- control messages ----------------------------------------------------------------
     def send(self, peer: Peer, data: bytes, timeout: Optional[float] = 30.0) -> None:

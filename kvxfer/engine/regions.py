@@ -88,10 +88,14 @@ class MemoryRegion:
 
     def __init__(self, engine: "Engine", handles: list, obj: Any, ptr: int, nbytes: int, device: str,
                  remote: bool = True, host_share: Optional[wire.HostShare] = None,
-                 fence: Optional["_FenceSlot"] = None) -> None:
+                 fence: Optional["_FenceSlot"] = None, read_handles: Optional[list] = None) -> None:
         self.engine = engine
         self.remote = remote
         self._handles = handles      # one RegionHandle (registration) per rail
+        #: the separate read registration (FI_REMOTE_READ only) of a region registered
+        #: ``readable=True``, one per rail; its keys travel only as the descriptor's read keys
+        self._read_handles = read_handles or []
+        self.readable = bool(read_handles)
         self._obj = obj
         self.ptr = ptr
         self.nbytes = nbytes
@@ -99,14 +103,21 @@ class MemoryRegion:
         self._host_share = host_share    # a shared memfd mapping: shm peers may write directly
         self._fence = fence              # its slot in the engine's fence table (with a share)
 
-    def descriptor(self) -> bytes:
-        """Compact, versioned bytes a peer passes to ``Engine.remote`` to write here."""
+    def descriptor(self, *, reads_only: bool = False) -> bytes:
+        """Compact, versioned bytes a peer passes to ``Engine.remote`` to write here (and read,
+        where the region was registered ``readable``: its read keys, descriptor version 4).
+        ``reads_only``: the read keys alone, no write key (a readable region only)."""
         handles = self._live()
         if not self.remote:
             raise InvalidArgumentError("region was registered with remote=False: it has no descriptor")
+        if reads_only and not self.readable:
+            raise InvalidArgumentError("region was not registered readable=True: it has no read keys")
         virt = bool(self.engine._rails[0].mr_mode & _fabric.MR_VIRT_ADDR)
         raw = bool(handles[0].raw_key)
         keys = tuple(h.raw_key if raw else int(h.key).to_bytes(8, "little") for h in handles)
+        read_keys = tuple(h.raw_key if raw else int(h.key).to_bytes(8, "little") for h in self._read_handles)
+        if reads_only:
+            keys = ()
         base = self.ptr if virt else 0
         if raw and handles[0].raw_base:      # what fi_mr_map_raw at the peer expects
             base = int(handles[0].raw_base)
@@ -126,6 +137,7 @@ class MemoryRegion:
             raw=raw,
             device=self.device != "cpu",
             host_share=share,
+            read_keys=read_keys,
         ).encode()
 
     @property
@@ -166,7 +178,9 @@ class MemoryRegion:
         direct copies are stopped here too (the fence: revoked, copies in progress waited
         out), as their RMA writes stop at deregistration; the slot is released after."""
         self._revoke()
-        handles, self._handles, self._obj = self._handles, [], None
+        # the read registration goes first: no peer reads from here on
+        handles, self._handles, self._obj = self._read_handles + self._handles, [], None
+        self._read_handles = []
         fence, self._fence = self._fence, None
         first: Optional[BaseException] = None
         for h in handles:
@@ -209,12 +223,15 @@ class RemoteRegion:
     descriptor's; with one, rule 3 of the message rule does not apply to writes into the
     region (``pack_min`` 0), on every path (direct or RMA)."""
 
-    def __init__(self, engine: "Engine", desc: wire.Descriptor, keys: tuple, direct: Any = None) -> None:
+    def __init__(self, engine: "Engine", desc: wire.Descriptor, keys: tuple, direct: Any = None,
+                 read_keys: tuple = ()) -> None:
         self.engine = engine
         self.descriptor = desc
         self.nbytes = desc.nbytes
         self.base = desc.base
         self.keys = keys          # per local rail: the key of the remote rail it talks to
+        #: per local rail: the read key of the remote rail it talks to (empty: not readable)
+        self.read_keys = read_keys
         self._direct = direct
         #: rule 3's bound for writes into this region (Engine._pack_min)
         self._pack_min = engine._pack_min(desc.host_share)
@@ -227,6 +244,12 @@ class RemoteRegion:
     @property
     def key(self) -> int:
         return self.keys[0]
+
+    @property
+    def readable(self) -> bool:
+        """Its owner offered it for reading (descriptor version 4): ``Engine.read_pages`` reads
+        it with its read keys, and refuses every other remote region."""
+        return bool(self.read_keys)
 
     @property
     def direct(self) -> bool:

@@ -2,7 +2,7 @@
 
 ``_Writes`` is a base of ``Engine`` holding its write calls: ``write``, ``write_pages``,
 ``write_batch``, ``region_pairs``, ``write_groups``, ``write_pairs`` and ``count_writes``
-(what the message rule makes of a batch). Nothing is posted on bad input; what the progress
+(what the message rule makes of a batch, with rule 3's bound per region, ``_pack_min``). Nothing is posted on bad input; what the progress
 thread reads is copied and owned natively (a ``Transfer``'s handles).
 """
 
@@ -24,8 +24,29 @@ from kvxfer.errors import ArgumentTypeError, DescriptorError, InvalidArgumentErr
     UnsupportedError
 
 
+def _check_remote(region: RemoteRegion, peer: Peer, keys: tuple, op: str) -> None:
+    """A peer's region as the other end of a write (``keys``: its descriptor's write keys) or a
+    read (its read keys): its descriptor names this peer as owner and has one key per peer
+    rail; a region without keys for ``op`` was not offered for it (DescriptorError)."""
+    if region.descriptor.owner != peer.owner:
+        raise DescriptorError("the remote region belongs to another engine than this peer")
+    if not keys:
+        raise DescriptorError(f"the remote region was not offered for {op}s: its descriptor has no {op} keys"
+                              + (" (register it readable=True and send its descriptor)" if op == "read" else
+                                 " (a reads-only descriptor)"))
+    if len(keys) != peer.remote_rails:
+        raise DescriptorError(f"descriptor has {len(keys)} rail {op} key(s) but the peer has {peer.remote_rails} rail(s)")
+
+
 class _Writes:
     """``Engine``'s write calls (a base class: they use its rails, iov, max_write and lock)."""
+
+    def _pack_min(self, host_share: Optional[wire.HostShare]) -> int:
+        """Rule 3's bound for writes into a region whose descriptor carries ``host_share``:
+        none (0) with one, since a direct write's memcpy gains nothing from sending small
+        pieces alone (the RMA fallback packs them too, so the count never depends on the
+        path); ``pack_min`` otherwise."""
+        return 0 if host_share is not None else self.pack_min
 
     # -- writes --------------------------------------------------------------------------
     def _endpoints(self, src, peer, dst):
@@ -39,12 +60,7 @@ class _Writes:
             raise PeerError(_errno.ENOTCONN, "peer was disconnected")
         if not isinstance(dst, RemoteRegion) or dst.engine is not self:
             raise InvalidArgumentError("dst must come from this engine's remote()")
-        if dst.descriptor.owner != peer.owner:
-            raise DescriptorError("the remote region belongs to another engine than this peer")
-        if len(dst.descriptor.keys) != peer.remote_rails:
-            raise DescriptorError(
-                f"descriptor has {len(dst.descriptor.keys)} rail key(s) but the peer has {peer.remote_rails} rail(s)"
-            )
+        _check_remote(dst, peer, dst.descriptor.keys, "write")
 
     def _post(self, src, peer, dst, so, do, ln, imm) -> Transfer:
         imm = _check_imm(imm)
@@ -151,11 +167,7 @@ class _Writes:
         for dst in udst:
             if not isinstance(dst, RemoteRegion) or dst.engine is not self:
                 raise InvalidArgumentError("dst must come from this engine's remote()")
-            if dst.descriptor.owner != peer.owner:
-                raise DescriptorError("the remote region belongs to another engine than this peer")
-            if len(dst.descriptor.keys) != peer.remote_rails:
-                raise DescriptorError(f"descriptor has {len(dst.descriptor.keys)} rail key(s) but the peer has "
-                                      f"{peer.remote_rails} rail(s)")
+            _check_remote(dst, peer, dst.descriptor.keys, "write")
         return RegionPairs(self, peer, pairs)
 
     def write_groups(self, peer: Peer, groups: Iterable[tuple], *, imm: Optional[int] = None,

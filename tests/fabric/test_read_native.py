@@ -6,6 +6,8 @@ checks no key or access flag, see docs/reliability.md)."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -206,3 +208,34 @@ def test_read_groups_from_two_regions_byte_exact(sides, provider):
         target.rail.close_endpoint()
         mreg.close()
         oreg.close()
+
+
+def test_what_the_provider_checks_of_a_write_with_a_read_key(provider):
+    """The other half of finding 23: the key of a registration for remote reads only (what a
+    readable region's read keys name), used to write. tcp;ofi_rxm (1.17) checks write access:
+    nothing lands, and with delivery-complete (the engine's default on rxm) the write fails at
+    the sender; without it the sender is told "done" (a refused write's known false success).
+    shm: a write with an imm is refused the same way (nothing lands); one without an imm is the
+    sender's own process_vm_writev and lands (no key or flag checked: the OS user boundary)."""
+    # shm is run as the engine runs it there: without delivery-complete
+    for dc, imm in ((False, None), (False, 7)) if provider == "shm" else ((False, None), (True, None)):
+        target = _Side(provider, _fabric.REMOTE_READ)
+        writer = _Side(provider, 0)
+        try:
+            writer.rail.set_delivery_complete(dc)
+            writer.buf[:] = 6
+            peer, gen = writer.rail.av_insert(np.frombuffer(target.rail.getname(), np.uint8))
+            t = writer.rail.write(peer, gen, writer.buf.ctypes.data, writer.region, target.base, target.region.key,
+                                  None, np.array([0], np.uint64), np.array([0], np.uint64),
+                                  np.array([4096], np.uint64), imm, 1, 1 << 20, 0)
+            finished = t.wait(15.0)
+            lands = provider == "shm" and imm is None
+            deadline = time.monotonic() + (3.0 if not lands else 10.0)   # the bytes may still be on their way
+            while not (target.buf[:4096] == 6).any() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert bool((target.buf[:4096] == 6).all()) == lands, (dc, imm)
+            if provider != "shm":
+                assert finished and (t.errno != 0) == dc, (dc, t.errno)
+        finally:
+            writer.close()
+            target.close()

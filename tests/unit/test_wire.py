@@ -68,7 +68,7 @@ def test_older_descriptors_still_decode_without_a_fence():
     assert (v1[3], v2[3]) == (1, 2)
     assert wire.Descriptor.decode(v2).host_share == share and share.fence is None
     assert wire.Descriptor.decode(v1).host_share is None
-    assert wire.DESCRIPTOR_VERSIONS == (1, 2, 3)
+    assert wire.DESCRIPTOR_VERSIONS[:3] == (1, 2, 3)
 
 
 def test_fence_is_checked():
