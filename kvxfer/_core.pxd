@@ -193,6 +193,11 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
                      void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct, const uint64_t *src_off,
                      const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm, uint32_t imm,
                      size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out)
+    int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, const int64_t *starts,
+                            uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *desc,
+                            uint64_t dst_base, uint64_t key, kx_direct *direct, const uint64_t *src_off,
+                            const uint64_t *dst_off, const uint64_t *length, int has_imm, uint32_t imm, size_t iov,
+                            uint64_t max_write, uint64_t pack_min, kx_watch **out)
     int64_t kx_watch_planned(const kx_watch *e)
     void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out)
     int kx_watch_disarm(kx_watcher *w, kx_watch *e)

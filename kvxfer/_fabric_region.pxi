@@ -16,6 +16,7 @@ cdef class RegionHandle:
     cdef public object keep    # the memory's owner, alive as long as the registration
     cdef public object fence   # the region's fence slot (engine._FenceSlot), released when the registration goes
     cdef readonly list watches # weak references to the watch entries armed from it
+    cdef Py_ssize_t watches_kept # how many the last prune of watches kept (_track_watches)
 
 
     def __cinit__(self, Rail rail, uintptr_t ptr, size_t nbytes, int iface, int device, int dmabuf_fd,
@@ -29,6 +30,7 @@ cdef class RegionHandle:
         self.rail = rail
         self.mr = NULL
         self.watches = []
+        self.watches_kept = 0
         with nogil:
             ret = kx_mr_reg(r, <void *>ptr, nbytes, iface, device, dmabuf_fd, remote,
                             &self.mr, &self.key, &self.desc, raw, &rawlen, &raw_base, &call)

@@ -103,16 +103,14 @@ cdef class WatcherHandle:
                    RegionHandle region, uint64_t dst_base, uint64_t key, DirectMap direct, const uint64_t[::1] src_off,
                    const uint64_t[::1] dst_off, const uint64_t[::1] length, const int64_t[::1] starts, imm,
                    size_t iov, uint64_t max_write, uint64_t pack_min):
-        """Arm group g (triples ``[starts[g], starts[g+1])``) at ``thresholds[g]``, all in one
-        GIL-free loop (the caller checked the triples and the bounds of ``starts``)."""
+        """Arm group g (triples ``[starts[g], starts[g+1])``) at ``thresholds[g]``, in one native
+        call without the GIL, all or nothing (the caller checked the triples and ``starts``)."""
         cdef kx_watcher *w = self._w()
         cdef kx_rail *r = rail._rail()
         cdef Py_ssize_t g, ng = thresholds.shape[0]
         cdef int has_imm = imm is not None
         cdef uint32_t imm_value = imm if has_imm else 0
         cdef int ret = 0
-        cdef Py_ssize_t done_n = 0
-        cdef int64_t a, b
         cdef uint64_t zero = 0
         cdef kx_direct *d = _direct(direct)
         if starts.shape[0] != ng + 1:
@@ -122,22 +120,18 @@ cdef class WatcherHandle:
         import numpy
         ptrs = numpy.zeros(max(ng, 1), dtype=numpy.uintp)
         cdef size_t[::1] pv = ptrs
-        cdef kx_watch *e = NULL
+        cdef const uint64_t *th = &thresholds[0] if ng else &zero
         with nogil:
-            for g in range(ng):
-                a = starts[g]
-                b = starts[g + 1]
-                ret = kx_watch_arm(w, thresholds[g], tag, r, peer, gen, <char *>src_base, region.desc, dst_base, key, d,
-                                   &src_off[a] if b > a else &zero, &dst_off[a] if b > a else &zero,
-                                   &length[a] if b > a else &zero, <size_t>(b - a), has_imm, imm_value, iov,
-                                   max_write, pack_min, &e)
-                if ret:
-                    break
-                pv[g] = <size_t>e
-                done_n += 1
+            if ng:
+                ret = kx_watch_arm_groups(w, <size_t>ng, th, &starts[0], tag, r, peer, gen, <char *>src_base,
+                                          region.desc, dst_base, key, d, &src_off[0] if src_off.shape[0] else &zero,
+                                          &dst_off[0] if dst_off.shape[0] else &zero,
+                                          &length[0] if length.shape[0] else &zero, has_imm, imm_value, iov,
+                                          max_write, pack_min, <kx_watch **>&pv[0])
+        check(ret, "kx_watch_arm_groups")      # all or nothing: no entry armed on an error
         out = []
         cdef WatchHandle h
-        for g in range(done_n):
+        for g in range(ng):
             h = WatchHandle.__new__(WatchHandle)
             h.watcher = self
             h.e = <kx_watch *>pv[g]
@@ -145,10 +139,6 @@ cdef class WatcherHandle:
             h.region = region
             out.append(h)
         _track_watches(region, out)
-        if ret:
-            for x in out:
-                x.disarm()
-            check(ret, "kx_watch_arm")
         return out
 
     def disarm_tag(self, uint64_t tag):
@@ -188,8 +178,11 @@ cdef class WatcherHandle:
 def _track_watches(RegionHandle region, list handles):
     """Remember entries armed from ``region`` (weakly: a dropped entry disarms itself), so
     that closing the region is refused while one may still post from it; forget finished ones."""
-    if len(region.watches) >= 64:
+    # pruned once the list doubled since the last prune: each check takes the watcher's lock,
+    # and a request arms thousands of entries from one region (one per layer and rank pair)
+    if len(region.watches) >= max(64, 2 * region.watches_kept):
         region.watches = [r for r in region.watches if r() is not None and (<WatchHandle>r()).busy]
+        region.watches_kept = len(region.watches)
     region.watches.extend(_weakref.ref(h) for h in handles)
 
 

@@ -60,23 +60,10 @@ to slot `t % pd` of `dst_pages[t // pd]`).
    for layer 0 per pair and shifted on demand: `plan()` costs one layer, and `plan.layer(l)`
    materialises a layer when the messenger needs it.
 
-TransferPlan
-------------
-
-| member | what |
-|---|---|
-| `writes(s, d) -> Writes` | arrays `src_region` (int32), `src_offset`, `dst_region` (int32), `dst_offset`, `length` (int64), `layer` (int32), layer by layer; `len(w)`, `w.nbytes` |
-| `groups(s, d)` | yields `(src_region, dst_region, src_offsets, dst_offsets, lengths)`, one engine `write_batch` each, layer by layer |
-| `layer(l)` | the same plan restricted to layer `l` (shares the template) |
-| `expected_writes[d]`, `expected_bytes[d]` | what destination rank `d` receives (all planned layers) |
-| `writes_per_pair`, `bytes_per_pair` | `[src_tp, dst_tp]` matrices |
-| `num_writes`, `num_bytes`, `pairs` | totals, and the pairs that carry writes |
-| `str(plan)` | summary: writes per layer, bytes per write, the pair matrix, `expected_writes` |
-
-`expected_writes` counts the plan's writes after coalescing. The engine may still pack several
-into one message or split a long one (iovecs per message, maximum message size);
-`kvxfer.count_writes` (engine side) turns a write list into the number of messages, and that is
-what a completion counter should wait for.
+The plan object, ``TransferPlan`` (``writes``, ``groups``, ``layer``, the counts), is in
+kvxfer/_plan.py; the messenger's fast road, one page's writes shifted per page with a replica
+choice as a permutation of the candidates (``PageTemplate``, ``writing_ranks``), in
+kvxfer/_templates.py. Both sets of names are importable from here.
 
 Page sizes that differ
 ----------------------
@@ -142,194 +129,29 @@ Validation
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvxfer._check import is_int
-from kvxfer.errors import LayoutError, PlanError
 from kvxfer._pieces import PagePattern, PieceChunk
+from kvxfer._plan import _EMPTY_I32, _EMPTY_I64, TransferPlan, Writes, _PairTemplate
+from kvxfer.errors import LayoutError, PlanError
 from kvxfer.layout import KVLayout, RankGeometry, Sharding, same_format
 
-__all__ = ["plan", "TransferPlan", "Writes"]
+__all__ = ["plan", "TransferPlan", "Writes", "PageTemplate", "chooses_replicas", "request_seed", "writing_ranks"]
 
-_EMPTY_I64 = np.zeros(0, np.int64)
-_EMPTY_I32 = np.zeros(0, np.int32)
-
-
-@dataclass(frozen=True)
-class Writes:
-    """A list of RDMA writes as parallel arrays; offsets are bytes relative to each region."""
-
-    src_region: np.ndarray  #: int32
-    src_offset: np.ndarray  #: int64
-    dst_region: np.ndarray  #: int32
-    dst_offset: np.ndarray  #: int64
-    length: np.ndarray  #: int64
-    layer: np.ndarray  #: int32
-
-    def __len__(self) -> int:
-        return int(self.length.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes of all writes."""
-        return int(self.length.sum())
+#: The per-page templates and the replica draw live in kvxfer/_templates.py (they plan with
+#: ``plan``); their names stay importable from here.
+_TEMPLATE_NAMES = frozenset({"PageTemplate", "chooses_replicas", "request_seed", "writing_ranks"})
 
 
-_NO_WRITES = Writes(_EMPTY_I32, _EMPTY_I64, _EMPTY_I32, _EMPTY_I64, _EMPTY_I64, _EMPTY_I32)
+def __getattr__(name: str) -> Any:
+    if name in _TEMPLATE_NAMES:
+        from kvxfer import _templates
 
-
-class _PairTemplate:
-    """Layer-0 writes of one (source rank, destination rank), sorted by (src region, dst region,
-    src offset), with the slices where each (src region, dst region) group starts and stops."""
-
-    __slots__ = ("src_region", "src_offset", "dst_region", "dst_offset", "length", "groups", "nbytes")
-
-    def __init__(self, src_region: np.ndarray, src_offset: np.ndarray, dst_region: np.ndarray,
-                 dst_offset: np.ndarray, length: np.ndarray, groups: list[tuple[int, int, int, int]]) -> None:
-        for a in (src_region, src_offset, dst_region, dst_offset, length):
-            a.flags.writeable = False
-        self.src_region, self.src_offset = src_region, src_offset
-        self.dst_region, self.dst_offset = dst_region, dst_offset
-        self.length = length
-        self.groups: list[tuple[int, int, int, int]] = groups
-        self.nbytes = int(length.sum())
-
-    def __len__(self) -> int:
-        return int(self.length.shape[0])
-
-
-class TransferPlan:
-    """The writes that move a set of pages from a prefill TP group to a decode TP group.
-
-    ``writes(s, d)`` gives the arrays for one (source rank, destination rank); ``groups(s, d)``
-    yields them per (source region, destination region), one engine ``write_batch`` each;
-    ``layer(l)`` is the same plan restricted to one layer, for layer-by-layer streaming;
-    ``expected_writes[d]`` is how many writes destination rank ``d`` receives. The engine may
-    still pack or split writes into messages (iovecs per message, maximum message size);
-    ``kvxfer.count_writes`` turns a write list into a message count.
-    """
-
-    def __init__(self, *, src_tp: int, dst_tp: int, layers: tuple[int, ...], num_pages: int,
-                 src_geometry: RankGeometry, dst_geometry: RankGeometry,
-                 src_order: str, dst_order: str, templates: dict[tuple[int, int], _PairTemplate],
-                 num_tokens: int = 0, first_token: int = 0) -> None:
-        self.src_tp = src_tp
-        self.dst_tp = dst_tp
-        self.layers = layers
-        self.num_pages = num_pages  #: source pages
-        self.num_tokens = num_tokens  #: tokens [first_token, num_tokens) move (whole pages: num_pages * page_size)
-        self.first_token = first_token
-        self.src_geometry = src_geometry
-        self.dst_geometry = dst_geometry
-        self.src_order = src_order
-        self.dst_order = dst_order
-        self._t = templates
-        nl = len(layers)
-        wpp = np.zeros((src_tp, dst_tp), np.int64)
-        bpp = np.zeros((src_tp, dst_tp), np.int64)
-        for (s, d), t in templates.items():
-            wpp[s, d] = len(t) * nl
-            bpp[s, d] = t.nbytes * nl
-        wpp.flags.writeable = bpp.flags.writeable = False
-        self.writes_per_pair: np.ndarray = wpp  #: [src_tp, dst_tp] number of writes
-        self.bytes_per_pair: np.ndarray = bpp  #: [src_tp, dst_tp] payload bytes
-
-    # -- counts ---------------------------------------------------------------------------
-    @property
-    def expected_writes(self) -> np.ndarray:
-        """``[dst_tp]`` writes each destination rank receives (all planned layers)."""
-        return self.writes_per_pair.sum(axis=0)
-
-    @property
-    def expected_bytes(self) -> np.ndarray:
-        """``[dst_tp]`` bytes each destination rank receives."""
-        return self.bytes_per_pair.sum(axis=0)
-
-    @property
-    def num_writes(self) -> int:
-        """Total writes; compare HND with NHD here."""
-        return int(self.writes_per_pair.sum())
-
-    @property
-    def num_bytes(self) -> int:
-        return int(self.bytes_per_pair.sum())
-
-    @property
-    def pairs(self) -> list[tuple[int, int]]:
-        """(source rank, destination rank) pairs that carry at least one write."""
-        return sorted(k for k, t in self._t.items() if len(t))
-
-    # -- writes ---------------------------------------------------------------------------
-    def _template(self, src_rank: int, dst_rank: int) -> _PairTemplate | None:
-        if not (0 <= src_rank < self.src_tp and 0 <= dst_rank < self.dst_tp):
-            raise PlanError(f"rank pair ({src_rank}, {dst_rank}) outside TP{self.src_tp} -> TP{self.dst_tp}")
-        return self._t.get((src_rank, dst_rank))
-
-    def writes(self, src_rank: int, dst_rank: int) -> Writes:
-        """All writes from ``src_rank`` to ``dst_rank``, layer by layer in plan order."""
-        t = self._template(src_rank, dst_rank)
-        if t is None or not len(t):
-            return _NO_WRITES
-        sg, dg = self.src_geometry, self.dst_geometry
-        lay = np.asarray(self.layers, np.int64)[:, None]
-        m = len(t)
-
-        def shift(a: np.ndarray, by: int) -> np.ndarray:
-            return (a[None, :] + lay * by).ravel()
-
-        return Writes(
-            src_region=shift(t.src_region, sg.regions_per_layer).astype(np.int32),
-            src_offset=shift(t.src_offset, sg.layer_stride),
-            dst_region=shift(t.dst_region, dg.regions_per_layer).astype(np.int32),
-            dst_offset=shift(t.dst_offset, dg.layer_stride),
-            length=np.tile(t.length, len(self.layers)),
-            layer=np.repeat(np.asarray(self.layers, np.int32), m),
-        )
-
-    def groups(self, src_rank: int, dst_rank: int) -> Iterator[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]:
-        """Yield ``(src_region, dst_region, src_offsets, dst_offsets, lengths)``, one per engine
-        ``write_batch``, layer by layer in plan order."""
-        t = self._template(src_rank, dst_rank)
-        if t is None:
-            return
-        sg, dg = self.src_geometry, self.dst_geometry
-        for layer in self.layers:
-            so, do = layer * sg.layer_stride, layer * dg.layer_stride
-            sr, dr = layer * sg.regions_per_layer, layer * dg.regions_per_layer
-            for s_reg, d_reg, a, b in t.groups:
-                yield (s_reg + sr, d_reg + dr, t.src_offset[a:b] + so, t.dst_offset[a:b] + do, t.length[a:b])
-
-    def layer(self, layer: int) -> TransferPlan:
-        """This plan restricted to one layer (shares the template; nothing is recomputed)."""
-        if layer not in self.layers:
-            raise PlanError(f"layer {layer} is not in this plan (layers {self.layers[0]}..{self.layers[-1]})"
-                            if self.layers else f"layer {layer} is not in this empty plan")
-        return TransferPlan(src_tp=self.src_tp, dst_tp=self.dst_tp, layers=(layer,), num_pages=self.num_pages,
-                            src_geometry=self.src_geometry, dst_geometry=self.dst_geometry,
-                            src_order=self.src_order, dst_order=self.dst_order, templates=self._t,
-                            num_tokens=self.num_tokens, first_token=self.first_token)
-
-    # -- printing -------------------------------------------------------------------------
-    def __repr__(self) -> str:
-        return (f"TransferPlan(TP{self.src_tp} {self.src_order} -> TP{self.dst_tp} {self.dst_order}, "
-                f"{self.num_pages} pages x {len(self.layers)} layers, {self.num_writes} writes, "
-                f"{self.num_bytes} bytes)")
-
-    def __str__(self) -> str:
-        nl = max(len(self.layers), 1)
-        lines = [repr(self),
-                 f"  writes per layer: {self.num_writes // nl}"
-                 f" (avg {self.num_bytes / max(self.num_writes, 1):.0f} B per write)",
-                 "  writes per (src rank, dst rank):"]
-        width = max(len(str(int(self.writes_per_pair.max(initial=0)))), 3)
-        lines.append("    src\\dst " + " ".join(f"{d:>{width}}" for d in range(self.dst_tp)))
-        for s in range(self.src_tp):
-            lines.append(f"    {s:>7} " + " ".join(f"{int(w):>{width}}" for w in self.writes_per_pair[s]))
-        lines.append("  expected_writes: " + " ".join(str(int(w)) for w in self.expected_writes))
-        return "\n".join(lines)
+        return getattr(_templates, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- planning -----------------------------------------------------------------------------
@@ -637,133 +459,3 @@ def _plan_pieces(sg: RankGeometry, dg: RankGeometry, src_sharding: Sharding, dst
                         num_pages=n, src_geometry=sg, dst_geometry=dg, src_order=src_layout.order,
                         dst_order=dst_layout.order, templates=templates, num_tokens=tokens,
                         first_token=first)
-
-
-# -- per-page templates and the writing ranks (the messenger's fast road) -------------------
-#
-# When no replica has to be chosen (the source sharding neither replicates nor has fewer heads
-# than ranks) a page's writes do not depend on the other pages: planning one page once per
-# peer and shifting it by each page's offset (``page * page_stride`` on both sides) gives the
-# writes ``plan`` gives, in its order within a region pair (layer, then source page, then
-# entry), so the engine still coalesces contiguous pages. A prefill rank process plans only
-# its own source ranks; a decoder learns from ``writing_ranks`` which source ranks write to
-# its ranks, without planning pages.
-
-def request_seed(request_id: bytes) -> int:
-    """The replica seed of a request: a hash of its encoded id, so load spreads over the
-    replicas and every process (each prefill rank, the decoder) draws the same owners."""
-    import hashlib
-
-    return int.from_bytes(hashlib.blake2b(bytes(request_id), digest_size=8).digest(), "little")
-
-
-def chooses_replicas(src_layout: KVLayout, src_sharding: Sharding) -> bool:
-    """Whether a plan from this source draws owners per request (replicated or GQA/MLA with
-    fewer heads than ranks): then it depends on the pages and the seed, not one template."""
-    return bool(src_sharding.replicated or src_layout.kv_heads < src_sharding.tp_size)
-
-
-def writing_ranks(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst_sharding: Sharding,
-                  dst_ranks: Iterable[int], num_pages: int, seed: int | None = None) -> tuple[int, ...]:
-    """The source ranks that ``plan(..., seed=seed)`` of ``num_pages`` pages has write to any
-    of ``dst_ranks``: the same draw as ``plan`` (candidates per segment, chunk j of r to the
-    j-th of a permutation), without building a template. Twin of ``plan``'s owner rule."""
-    kv_heads, n = src_layout.kv_heads, int(num_pages)
-    want = set(int(d) for d in dst_ranks)
-    segs = [(d, [int(c) for c in cands]) for d in range(dst_sharding.tp_size)
-            for _, _, cands, _ in _segments(dst_sharding.heads(d, kv_heads), src_sharding, kv_heads)]
-    out: set[int] = set()
-    if all(len(c) <= n for _, c in segs):          # every chunk has a page: every candidate writes
-        for d, cands in segs:
-            if d in want:
-                out.update(cands)
-        return tuple(sorted(out))
-    rng = np.random.default_rng(seed)
-    for d, cands in segs:
-        r = len(cands)
-        owners = [int(c) for c in rng.permutation(np.asarray(cands))] if r > 1 else cands
-        if d in want:
-            out.update(s for j, s in enumerate(owners) if -(-j * n // r) < -(-(j + 1) * n // r))
-    return tuple(sorted(out))
-
-
-class PageTemplate:
-    """The writes of source page 0 -> destination page 0 from ``src_ranks`` to ``dst_ranks``,
-    shifted per page: ``rows`` per (rank pair, region pair) as ``(s, d, src region, dst region,
-    so, do, ln, layer)``; ``pairs`` per rank pair as ``(s, d, [(src region, dst region)], so,
-    do, ln, counts, key)`` with the region pairs' writes concatenated (``counts`` per region
-    pair) and ``key`` = region pair index x layers + layer. Only for a source where
-    ``chooses_replicas`` is False."""
-
-    def __init__(self, src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout,
-                 dst_sharding: Sharding, src_ranks: Iterable[int], dst_ranks: Iterable[int]) -> None:
-        if chooses_replicas(src_layout, src_sharding):
-            raise PlanError("a source that chooses replicas per request has no per-page template")
-        p1 = plan(src_layout, src_sharding, dst_layout, dst_sharding, [0], [0])
-        self.src_stride = p1.src_geometry.page_stride
-        self.dst_stride = p1.dst_geometry.page_stride
-        srcs, dsts = set(src_ranks), set(dst_ranks)
-        rows = []
-        for s, d in p1.pairs:
-            if s not in srcs or d not in dsts:
-                continue
-            w = p1.writes(s, d)
-            key = w.src_region.astype(np.int64) * (1 << 32) + w.dst_region
-            for k in dict.fromkeys(key.tolist()):
-                sel = key == k
-                rows.append((s, d, k >> 32, k & 0xFFFFFFFF, w.src_offset[sel], w.dst_offset[sel], w.length[sel],
-                             w.layer[sel]))
-        self.rows = rows
-        nl = max(1, src_layout.num_layers)
-        by_pair: dict[tuple[int, int], list] = {}
-        for row in rows:
-            by_pair.setdefault((row[0], row[1]), []).append(row)
-        self.pairs = []
-        for (s, d), rs in by_pair.items():
-            self.pairs.append((s, d, [(r[2], r[3]) for r in rs],
-                               np.concatenate([r[4] for r in rs]).astype(np.uint64),
-                               np.concatenate([r[5] for r in rs]).astype(np.uint64),
-                               np.concatenate([r[6] for r in rs]).astype(np.uint64),
-                               np.array([len(r[6]) for r in rs], np.int64),
-                               np.concatenate([i * nl + r[7].astype(np.int64) for i, r in enumerate(rs)])))
-        self._orders: dict[tuple[int, int], np.ndarray] = {}     # (pair, pages) -> the planner's order
-
-    @staticmethod
-    def by_source(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Both page lists ordered by source page (as ``plan`` orders them)."""
-        if len(src_pages) > 1:
-            order = np.argsort(src_pages, kind="stable")
-            return src_pages[order], dst_pages[order]
-        return src_pages, dst_pages
-
-    def pair_writes(self, i: int, sp: np.ndarray, dp: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Rank pair ``i``'s writes for pages ordered by ``by_source``: ``(so, do, ln, counts)``
-        in the planner's order within each region pair (region pair, layer, page, entry)."""
-        _, _, _, so, do, ln, counts, key = self.pairs[i]
-        n = len(sp)
-        if n == 1:
-            return so + int(sp[0]) * self.src_stride, do + int(dp[0]) * self.dst_stride, ln, counts
-        idx = self._orders.get((i, n))
-        if idx is None:
-            m = len(so)
-            idx = np.lexsort((np.tile(np.arange(m), n), np.repeat(np.arange(n), m), np.tile(key, n)))
-            if len(self._orders) < 64:
-                self._orders[(i, n)] = idx
-        a = (so[None, :] + (sp * self.src_stride)[:, None].astype(np.uint64)).ravel()[idx]
-        b = (do[None, :] + (dp * self.dst_stride)[:, None].astype(np.uint64)).ravel()[idx]
-        return a, b, np.tile(ln, n)[idx], counts * n
-
-    def layer_writes(self, sp: np.ndarray, dp: np.ndarray, num_layers: int) -> list[list]:
-        """The writes of these pages (ordered by ``by_source``) per layer: ``[layer] -> [(s, d,
-        src region, dst region, so, do, ln)]``, page then entry within a layer."""
-        out: list[list] = [[] for _ in range(num_layers)]
-        soff = sp * self.src_stride
-        doff = dp * self.dst_stride
-        for s, d, sr, dr, so, do, ln, lay in self.rows:
-            for layer in np.unique(lay).tolist():
-                sel = lay == layer
-                a, b, c = so[sel], do[sel], ln[sel]
-                out[layer].append((s, d, sr, dr, (a[None, :] + soff[:, None]).ravel(),
-                                   (b[None, :] + doff[:, None]).ravel(),
-                                   np.broadcast_to(c, (len(sp), len(c))).ravel()))
-        return out

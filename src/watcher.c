@@ -263,22 +263,20 @@ uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to)
     return v < to ? to : v;
 }
 
-int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen,
-                 char *src_base, void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct,
-                 const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm,
-                 uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out)
+/* one entry, not yet on the list (NULL on ENOMEM) */
+static kx_watch *watch_new(uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen,
+                           char *src_base, void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct,
+                           const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
+                           int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min)
 {
-    /* what kx_write would refuse when the entry fires: refused now, so the entry's count is real */
-    if (!kx_limits_ok(r, iov, max_write, pack_min))
-        return -FI_EINVAL;
     kx_watch *e = calloc(1, sizeof(*e));
     if (!e)
-        return -FI_ENOMEM;
+        return NULL;
     if (n) {
         e->triples = malloc(3 * n * sizeof(uint64_t));
         if (!e->triples) {
             free(e);
-            return -FI_ENOMEM;
+            return NULL;
         }
         memcpy(e->triples, src_off, n * sizeof(uint64_t));
         memcpy(e->triples + n, dst_off, n * sizeof(uint64_t));
@@ -304,24 +302,71 @@ int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi
     e->pack_min = pack_min;
     e->refs = 2;
     e->state = KX_WATCH_ARMED;
+    return e;
+}
+
+static void watch_free_new(kx_watch *e)
+{
+    kx_direct_unref(e->direct);
+    free(e->triples);
+    free(e);
+}
+
+int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, const int64_t *starts, uint64_t tag,
+                        kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *desc, uint64_t dst_base,
+                        uint64_t key, kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off,
+                        const uint64_t *length, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
+                        uint64_t pack_min, kx_watch **out)
+{
+    /* what kx_write would refuse when the entry fires: refused now, so the entry's count is real */
+    if (!kx_limits_ok(r, iov, max_write, pack_min))
+        return -FI_EINVAL;
+    for (size_t g = 0; g < ng; g++) {
+        size_t a = (size_t)starts[g], n = (size_t)(starts[g + 1] - starts[g]);
+        out[g] = watch_new(thresholds[g], tag, r, peer, gen, src_base, desc, dst_base, key, direct,
+                           src_off + a, dst_off + a, length + a, n, has_imm, imm, iov, max_write, pack_min);
+        if (!out[g]) {
+            while (g--)
+                watch_free_new(out[g]);
+            return -FI_ENOMEM;
+        }
+    }
     pthread_mutex_lock(&w->lock);
     if (w->stop) {
         pthread_mutex_unlock(&w->lock);
-        kx_direct_unref(e->direct);
-        free(e->triples);
-        free(e);
+        for (size_t g = 0; g < ng; g++)
+            watch_free_new(out[g]);
         return -FI_ECANCELED;
     }
+    /* after every entry of a lower or equal threshold (arming order within a threshold); the
+     * walk goes on from the last insertion while thresholds do not go down (a rank pair's
+     * layers), so a batch costs one pass over the list, not one per entry */
     kx_watch **p = &w->armed;
-    while (*p && (*p)->threshold <= threshold)
-        p = &(*p)->next;
-    e->next = *p;
-    *p = e;
-    w->narmed++;
-    pthread_cond_signal(&w->cond);
+    for (size_t g = 0; g < ng; g++) {
+        kx_watch *e = out[g];
+        if (g && e->threshold < out[g - 1]->threshold)
+            p = &w->armed;
+        while (*p && (*p)->threshold <= e->threshold)
+            p = &(*p)->next;
+        e->next = *p;
+        *p = e;
+        p = &e->next;
+        w->narmed++;
+    }
+    if (ng)
+        pthread_cond_signal(&w->cond);
     pthread_mutex_unlock(&w->lock);
-    *out = e;
     return 0;
+}
+
+int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen,
+                 char *src_base, void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct,
+                 const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm,
+                 uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out)
+{
+    int64_t starts[2] = {0, (int64_t)n};
+    return kx_watch_arm_groups(w, 1, &threshold, starts, tag, r, peer, gen, src_base, desc, dst_base, key, direct,
+                               src_off, dst_off, length, has_imm, imm, iov, max_write, pack_min, out);
 }
 
 int64_t kx_watch_planned(const kx_watch *e)

@@ -309,6 +309,14 @@ int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi
                  char *src_base, void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct,
                  const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm,
                  uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out);
+/* kx_watch_arm for ng groups at once: group g is triples [starts[g], starts[g+1]) armed at
+ * thresholds[g]; out[g] its entry. All or nothing (nothing armed on an error), one lock and
+ * one wake-up for the batch. */
+int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, const int64_t *starts, uint64_t tag,
+                        kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *desc, uint64_t dst_base,
+                        uint64_t key, kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off,
+                        const uint64_t *length, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
+                        uint64_t pack_min, kx_watch **out);
 int64_t kx_watch_planned(const kx_watch *e);
 void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out);
 /* 1 if the entry was still armed and now never posts; 0 if it was posted (waits for a post

@@ -22,10 +22,12 @@ target stamps its clock (both processes share CLOCK_MONOTONIC) and sends the sta
 is write call → ``landed`` read by the initiator (the check is not in it); ``sender p50`` is
 write call → NIXL reports the request DONE at the initiator.
 
-The provider maps to UCX transports: ``shm`` → ``UCX_TLS=sm`` (shared memory and CMA),
-``tcp;ofi_rxm`` → ``UCX_TLS=tcp`` on the loopback device (NIXL's UCX endpoints want peer
-failure handling, which UCX's shared-memory transports lack, so "shm" keeps tcp beside sm
-for wire-up; ``KVXFER_NIXL_UCX_TLS`` overrides the choice). The control channel is the target's
+The provider maps to UCX transports as NIXL's fastest users run them: ``shm`` →
+``UCX_TLS=sm,self`` (shared memory and CMA only) with the UCX backend created with
+``ucx_error_handling_mode=none`` (NIXL's UCX endpoints ask for peer failure handling by default,
+which UCX's shared-memory transports lack: with it ``createBackend`` fails; until issue 28 "shm"
+kept tcp beside sm, and NIXL's shm rows were partly tcp), ``tcp;ofi_rxm`` → ``UCX_TLS=tcp,self``
+on the loopback device; ``KVXFER_NIXL_UCX_TLS`` overrides the choice. The control channel is the target's
 stdin/stdout (JSON lines), not kvxfer.
 """
 
@@ -45,7 +47,12 @@ from kvxfer.cli._vs import PeerProcess, TargetChannel, VsPeer, record_iteration
 __all__ = ["available", "ucx_env", "NixlPeer"]
 
 #: kvxfer provider → UCX transports for NIXL's UCX backend
-UCX_TLS = {"shm": "sm,tcp,self", "tcp;ofi_rxm": "tcp,self", "tcp": "tcp,self"}
+UCX_TLS = {"shm": "sm,self", "tcp;ofi_rxm": "tcp,self", "tcp": "tcp,self"}
+
+#: UCX transports within one host: with only these NIXL's UCX backend is created with
+#: ``ucx_error_handling_mode=none`` (they have no peer failure handling; with the default
+#: mode ``createBackend`` fails with NIXL_ERR_BACKEND)
+_LOCAL_TLS = frozenset({"sm", "shm", "self", "posix", "sysv", "xpmem", "cma", "knem"})
 
 
 def available() -> Optional[str]:
@@ -69,7 +76,10 @@ def ucx_env(provider: str) -> dict:
 def _agent(name: str, progress_thread: bool):
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+    tls = {t.strip() for t in os.environ.get("UCX_TLS", "").split(",") if t.strip()}
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+    agent.create_backend("UCX", {"ucx_error_handling_mode": "none"} if tls and tls <= _LOCAL_TLS else {})
+    return agent
 
 
 def target_main() -> int:

@@ -50,7 +50,13 @@ PRESETS = {
     "llama-3.1-70b": (80, 8, 128, 8, 4, False, 8000),
     "qwen3-235b-a22b": (94, 4, 128, 4, 8, False, 6000),
     "deepseek-r1": (61, 1, 576, 8, 8, True, 4000),
+    # not a model: issue 28's streaming acceptance shape, TP2 -> TP1, 16 layers of 1.5 MiB at
+    # --tokens 384 (8 KV heads x 128, fp16: 4 KiB per token and layer); not in the default set
+    "stream-tp2-tp1": (16, 8, 128, 2, 1, False, 20000),
 }
+
+#: the presets run when none is named (the models)
+DEFAULT_PRESETS = tuple(k for k in sorted(PRESETS) if not k.startswith("stream-"))
 
 
 def token_list(text: str) -> list[int]:
@@ -115,7 +121,8 @@ def add_parser(sub: Any) -> None:
                     "tail and TTFT overhead against a colocated run, the send-after-prefill tail, bump -> first "
                     "post p50/p99, bytes and writes per layer; a table, --json and --plot PNG.")
     p.add_argument("--preset", action="append", choices=sorted(PRESETS), metavar="NAME",
-                   help=f"model preset, repeatable (default: all): {', '.join(sorted(PRESETS))}")
+                   help=f"model preset, repeatable (default: every model, {', '.join(DEFAULT_PRESETS)}; "
+                        f"also stream-tp2-tp1, the streaming acceptance shape)")
     p.add_argument("--tokens", type=token_list, default="1024", help="prompt lengths, comma-separated (default 1024)")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--layer-ms", type=positive_float, default=None,
@@ -127,6 +134,9 @@ def add_parser(sub: Any) -> None:
                         "0 keeps the preset's rate; default 1.5)")
     p.add_argument("--rt", type=rt_priority, default=0, metavar="PRIO",
                    help="run the prefill node's watcher thread SCHED_FIFO at this priority (default 0: normal)")
+    p.add_argument("--progress-rt", type=rt_priority, default=0, metavar="PRIO",
+                   help="run both nodes' engine progress threads SCHED_FIFO at this priority (default 0: normal; "
+                        "on a loaded machine they otherwise wait for a CPU at every wake-up)")
     p.add_argument("--tokens-per-s", type=positive_float, default=None, help="derive --layer-ms from this prefill rate")
     p.add_argument("--repeat", type=positive_int, default=5, help="requests per mode (default 5)")
     p.add_argument("--max-mib", type=positive_int, default=192,
@@ -177,9 +187,11 @@ def _prefill_main(argv: list[str]) -> int:
     ap.add_argument("--provider", required=True)
     ap.add_argument("--poll-us", type=float, default=10.0)
     ap.add_argument("--rt", type=int, default=0)
+    ap.add_argument("--progress-rt", type=int, default=0)
     args = ap.parse_args(argv)
     node = None if args.provider.startswith("shm") else LOOPBACK
     eng = kvxfer.Engine(args.provider, node)
+    progress_rt(eng, args.progress_rt)
     m = None
     print(json.dumps({"ready": True}), flush=True)
     try:
@@ -203,6 +215,19 @@ def _prefill_main(argv: list[str]) -> int:
             m.close()
         eng.close()
     return 0
+
+
+def progress_rt(eng: Any, prio: int) -> int:
+    """``--progress-rt``: SCHED_FIFO at ``prio`` for the engine's progress threads
+    (``Engine.progress_threads``); returns the priority granted (0: none asked, or refused)."""
+    if not prio:
+        return 0
+    try:
+        for tid in eng.progress_threads():
+            os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(prio))
+    except (OSError, AttributeError):        # no permission (CAP_SYS_NICE), or not Linux
+        return 0
+    return prio
 
 
 def _prefill_run(m: Any, cmd: dict) -> dict:
@@ -276,7 +301,8 @@ def _sleep_until(t: float) -> None:
 class _Prefill:
     def __init__(self, args: Any) -> None:
         self.p = subprocess.Popen([sys.executable, "-m", "kvxfer.cli.kv", "_prefill", "--provider", args.provider,
-                                   "--poll-us", str(args.poll_us), "--rt", str(args.rt)],
+                                   "--poll-us", str(args.poll_us), "--rt", str(args.rt),
+                                   "--progress-rt", str(args.progress_rt)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.read()
 
@@ -390,7 +416,7 @@ def run_kv(args: argparse.Namespace) -> int:
     import kvxfer
     from kvxfer.errors import KvxferError
 
-    presets = args.preset or sorted(PRESETS)
+    presets = args.preset or list(DEFAULT_PRESETS)
     lengths = args.tokens if isinstance(args.tokens, list) else token_list(args.tokens)
     problem = _usage_problem(presets, lengths, args.page_size, args.max_mib)
     if problem is not None:                    # a usage error: exit 2, before anything runs
@@ -399,6 +425,7 @@ def run_kv(args: argparse.Namespace) -> int:
     node = None if args.provider.startswith("shm") else LOOPBACK
     try:  # here first: a provider that cannot open is one line, before a process is spawned
         eng = kvxfer.Engine(args.provider, node)
+        granted_rt = progress_rt(eng, args.progress_rt)
     except (KvxferError, ImportError) as exc:  # ImportError: kvxfer built without its engine
         print(f"kvxfer-bench kv: provider {args.provider!r} cannot be opened here: {type(exc).__name__}: {exc}",
               file=sys.stderr)
@@ -432,6 +459,7 @@ def run_kv(args: argparse.Namespace) -> int:
                 res["provider"] = args.provider
                 res["hot"] = args.hot
                 res["watcher_rt"] = info["rt"]
+                res["progress_rt"] = granted_rt
                 results.append(res)
                 _print_row(res, first=len(results) == 1)
     except (KvxferError, RuntimeError, OSError, ValueError) as exc:  # the run failed: one line

@@ -29,7 +29,8 @@ from kvxfer.messenger._node import Node
 from kvxfer.messenger.paged import LayoutRegions, plan_batches
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
 from kvxfer.messenger.send import Request, Send, StreamState
-from kvxfer.planner import PageTemplate, chooses_replicas, plan, request_seed
+from kvxfer._templates import PageTemplate, plan_layers, request_seed
+from kvxfer.planner import plan
 
 __all__ = ["Prefiller"]
 
@@ -238,7 +239,7 @@ class Prefiller:
             if len(sp) < need:
                 raise PlanError(f"chunk [{start}, {end}) of request {request.request_id!r} needs {need} source "
                                 f"pages but only {len(sp)} are known")
-            layers = self.token_layer_batches(pg, request, sp, start, end)
+            batches = self.token_arm_batches(pg, request, sp, start, end)
         else:
             # stream.py's pages_completed: the pages whose last token lies in [start, end)
             last = np.minimum(np.arange(1, -(-request.num_tokens // ps) + 1, dtype=np.int64) * ps,
@@ -247,11 +248,10 @@ class Prefiller:
             if len(idx) and int(idx[-1]) >= len(sp):
                 raise PlanError(f"chunk [{start}, {end}) of request {request.request_id!r} completes page "
                                 f"{int(idx[-1])} but only {len(sp)} source pages are known")
-            layers = self.layer_batches(pg, request, request.dst_pages[idx], sp[idx]) if len(idx) else []
+            batches = self.arm_batches(pg, request, request.dst_pages[idx], sp[idx]) if len(idx) else []
         by_src: dict[int, list] = {}
-        for batches in layers:
-            for src, dst, sr, dr, so, do, ln in batches:
-                by_src.setdefault(src, []).append((self.local[src][sr], pg.remote[dst][dr], so, do, ln))
+        for src, dst, sr, dr, _, so, do, ln, _ in batches:
+            by_src.setdefault(src, []).append((self.local[src][sr], pg.remote[dst][dr], so, do, ln))
         eng = self.node.engine
         return sp, [(src, lambda imm, rail, g=g: eng.write_groups(pg.peer, g, imm=imm, rail=rail))
                     for src, g in by_src.items()]
@@ -262,8 +262,7 @@ class Prefiller:
         region pairs, or ``write_groups``) and returns one ``Transfer``."""
         eng = self.node.engine
         n = len(request.dst_pages)
-        if chooses_replicas(self.layout, self.sharding) or self.layout.page_size != pg.layout.page_size \
-                or request.first_token:
+        if self.layout.page_size != pg.layout.page_size or request.first_token:
             p = self._plan(pg, request, src_pages, request.num_tokens)
             out = []
             for s_, d in p.pairs:
@@ -278,13 +277,17 @@ class Prefiller:
             pairs = pg.cache["pairs"] = [eng.region_pairs(pg.peer, [(self.local[s_][sr], pg.remote[d][dr])
                                                                     for sr, dr in regs])
                                          for s_, d, regs, *_ in t.pairs]
-        sp, dp = t.by_source(sp, request.dst_pages)
         out = []
-        for i, rp in enumerate(pairs):
-            a, b, c, k = t.pair_writes(i, sp, dp)
-            out.append((t.pairs[i][0], lambda imm, rail, p=rp, a=a, b=b, c=c, k=k:
+        for i, spi, dpi in t.assign(sp, request.dst_pages, self._seed(t, request)):
+            a, b, c, k = t.pair_writes(i, spi, dpi)
+            out.append((t.pairs[i][0], lambda imm, rail, p=pairs[i], a=a, b=b, c=c, k=k:
                         eng.write_pairs(p, a, b, c, k, imm=imm, rail=rail)))
         return out
+
+    @staticmethod
+    def _seed(t: PageTemplate, request: Request) -> Optional[int]:
+        """The request's replica seed where the template draws owners (else none is needed)."""
+        return request_seed(C.encode_request_id(request.request_id)) if t.replicas else None
 
     def _plan(self, pg: PeerGroup, request: Request, src_pages: Any, end: int, first: int = 0) -> Any:
         """The planner's plan of ``request`` from this messenger's ranks to ``pg``'s (tokens
@@ -308,37 +311,24 @@ class Prefiller:
                                                     self.local, pg.remote)
         return t
 
-    def layer_batches(self, pg: PeerGroup, request: Request, dst_pages: np.ndarray, src_pages: np.ndarray) -> list:
-        """The writes of these pages from this messenger's ranks, per layer: ``[layer] ->
-        [(src rank, dst rank, src region, dst region, so, do, ln)]`` in the planner's order
-        within a layer (page, then entry) so contiguous pages coalesce."""
-        nl = self.layout.num_layers
-        if chooses_replicas(self.layout, self.sharding):
-            out: list[list] = [[] for _ in range(nl)]
-            seed = request_seed(C.encode_request_id(request.request_id))
-            p = plan(self.layout, self.sharding, pg.layout, pg.sharding, src_pages, dst_pages, seed=seed)
-            return self._by_layer(p, pg, out)
+    def arm_batches(self, pg: PeerGroup, request: Request, dst_pages: np.ndarray, src_pages: np.ndarray) -> list:
+        """The writes of these pages from this messenger's ranks, for arming: one
+        ``kvxfer._templates.ArmBatch`` per (rank pair, region pair), its layers as groups, in the
+        planner's order within a layer (page, then entry) so contiguous pages coalesce; a
+        replica choice is the template's permutation for the request's seed, not a plan."""
         t = self.template(pg)
-        sp, dp = t.by_source(src_pages, dst_pages)
-        return t.layer_writes(sp, dp, nl)
-
-    def token_layer_batches(self, pg: PeerGroup, request: Request, src_pages: np.ndarray, start: int,
-                            end: int) -> list:
-        """``layer_batches`` of tokens ``[start, end)`` where the page sizes differ (a chunk of
-        a streamed prefill: its own tokens, whatever pages they share with other chunks)."""
-        out: list[list] = [[] for _ in range(self.layout.num_layers)]
-        if end <= request.first_token:
-            return out                          # the decoder holds these tokens already
-        return self._by_layer(self._plan(pg, request, src_pages, end, start), pg, out)
-
-    def _by_layer(self, p: Any, pg: PeerGroup, out: list) -> list:
-        """A plan's batches from this messenger's ranks, per layer, into ``out``."""
-        for lay in p.layers:
-            pl = p.layer(lay)
-            for s, d in p.pairs:
-                if s in self.local and d in pg.remote:
-                    out[lay].extend((s, d, *b) for b in plan_batches(pl, s, d))
+        out: list = []
+        for i, a, b in t.assign(src_pages, dst_pages, self._seed(t, request)):
+            out.extend(t.pair_layers(i, a, b))
         return out
+
+    def token_arm_batches(self, pg: PeerGroup, request: Request, src_pages: np.ndarray, start: int,
+                          end: int) -> list:
+        """``arm_batches`` of tokens ``[start, end)`` where the page sizes differ (a chunk of
+        a streamed prefill: its own tokens, whatever pages they share with other chunks)."""
+        if end <= request.first_token:
+            return []                           # the decoder holds these tokens already
+        return plan_layers(self._plan(pg, request, src_pages, end, start), self.local, pg.remote)
 
     # -- the context --------------------------------------------------------------------------
     def _stage(self, s: Send, data: Optional[bytes | memoryview]) -> tuple:

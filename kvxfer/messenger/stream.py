@@ -326,14 +326,14 @@ class Streamer:
                 if sp is None or len(sp) < need:
                     raise PlanError(f"chunk [{start}, {end}) of request {req.request_id!r} needs {need} source "
                                     f"pages but only {0 if sp is None else len(sp)} are known")
-                layers = self.prefill.token_layer_batches(req.peer, req, sp, start, end)
+                layers = self.prefill.token_arm_batches(req.peer, req, sp, start, end)
                 work.append((send, end, sp, layers))
                 continue
             idx = pages_completed(req.num_tokens, self.page_size, start, end)
             if len(idx) and (sp is None or int(idx[-1]) >= len(sp)):
                 raise PlanError(f"chunk [{start}, {end}) of request {req.request_id!r} completes page "
                                 f"{int(idx[-1])} but only {0 if sp is None else len(sp)} source pages are known")
-            layers = self.prefill.layer_batches(req.peer, req, req.dst_pages[idx], sp[idx]) if len(idx) else None
+            layers = self.prefill.arm_batches(req.peer, req, req.dst_pages[idx], sp[idx]) if len(idx) else None
             work.append((send, end, sp, layers))
         base, end_ = lc._take_pass()
         p = Pass(self, base, end_, [w[0] for w in work])
@@ -341,26 +341,18 @@ class Streamer:
             send.arm_chunk(p.id, p.end, end, sp, lambda s=send, layers=layers: self._arm(p, s, layers))
         return p
 
-    def _arm(self, p: Pass, s: Send, layers: Optional[list]) -> list:
+    def _arm(self, p: Pass, s: Send, batches: Optional[list]) -> list:
         """The watch entries of one chunk: one native arming loop per region pair, its layers
-        as groups (under the Send's lock, from ``Send.arm_chunk``)."""
-        if layers is None:
+        as groups (``Prefiller.arm_batches``; under the Send's lock, from ``Send.arm_chunk``)."""
+        if not batches:
             return []
         pf, pg, w = self.prefill, s.request.peer, self.watcher
         nrails = self.node.engine.rails
-        by_pair: dict = {}
-        for lay, batches in enumerate(layers):
-            for src, dst, sr, dr, so, do, ln in batches:
-                by_pair.setdefault((src, dst, sr, dr), []).append((p.base + lay + 1, so, do, ln))
         out: list = []
-        for (src, dst, sr, dr), groups in by_pair.items():
-            starts = np.zeros(len(groups) + 1, np.int64)
-            np.cumsum([len(g[3]) for g in groups], out=starts[1:])
-            out.extend(w.arm_groups(
-                [g[0] for g in groups], pf.local[src][sr], pg.peer, pg.remote[dst][dr],
-                np.concatenate([g[1] for g in groups]), np.concatenate([g[2] for g in groups]),
-                np.concatenate([g[3] for g in groups]), starts, imm=s.request.imm, tag=p.id,
-                rail=pf.rails.get(src, src % nrails)))
+        for src, dst, sr, dr, lay, so, do, ln, starts in batches:
+            out.extend(w.arm_groups(lay.astype(np.uint64) + np.uint64(p.base + 1), pf.local[src][sr], pg.peer,
+                                    pg.remote[dst][dr], so, do, ln, starts, imm=s.request.imm, tag=p.id,
+                                    rail=pf.rails.get(src, src % nrails)))
         return out
 
     def abandon(self, p: Pass) -> int:
