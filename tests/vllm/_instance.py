@@ -106,8 +106,9 @@ def main() -> None:
         return get_kv_transfer_group().connector_worker
 
     def pending() -> bool:
-        return role == "kv_producer" and inproc and opts.get("connector") != "nixl" and \
-            scheduler().connector.has_pending_push_work()
+        if opts.get("connector") == "nixl":    # P's engine must step for NIXL's transfers to progress
+            return inproc and role == "kv_both" and opts.get("side") == "p"
+        return role == "kv_producer" and inproc and scheduler().connector.has_pending_push_work()
 
     answer({"ready": True, "pid": os.getpid()})
     counter = 0
