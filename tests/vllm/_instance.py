@@ -106,7 +106,7 @@ def main() -> None:
         return get_kv_transfer_group().connector_worker
 
     def pending() -> bool:
-        if opts.get("connector") == "nixl":    # P's engine must step for NIXL's transfers to progress
+        if opts.get("connector") == "nixl":    # P steps continuously (tried for D's stalled NIXL read)
             return inproc and role == "kv_both" and opts.get("side") == "p"
         return role == "kv_producer" and inproc and scheduler().connector.has_pending_push_work()
 
