@@ -78,13 +78,21 @@ def main() -> None:
 
     kw = dict(enforce_eager=True, dtype="float32", block_size=32, max_model_len=1024, seed=0,
               enable_prefix_caching=opts.get("prefix_caching", True))
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+    if opts.get("tp", 1) > 1:             # one worker process per rank (vLLM's mp executor)
+        kw["tensor_parallel_size"] = opts["tp"]
+        kw["distributed_executor_backend"] = "mp"
+    elif os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         kw["distributed_executor_backend"] = "uni"
     if role != "none":
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.integrations.vllm",
-            kv_role=role, kv_load_failure_policy=opts.get("policy", "recompute"),
-            kv_connector_extra_config=opts.get("extra", {}))
+        if opts.get("connector") == "nixl":     # vLLM's own NixlConnector, CPU buffers (the benchmark)
+            kw["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu",
+                kv_load_failure_policy=opts.get("policy", "recompute"))
+        else:
+            kw["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.integrations.vllm",
+                kv_role=role, kv_load_failure_policy=opts.get("policy", "recompute"),
+                kv_connector_extra_config=opts.get("extra", {}))
     llm = LLM(model, **kw)
     eng = llm.llm_engine
     inproc = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
@@ -98,6 +106,8 @@ def main() -> None:
         return get_kv_transfer_group().connector_worker
 
     def pending() -> bool:
+        if opts.get("connector") == "nixl":    # P steps continuously (tried for D's stalled NIXL read)
+            return inproc and role == "kv_both" and opts.get("side") == "p"
         return role == "kv_producer" and inproc and scheduler().connector.has_pending_push_work()
 
     answer({"ready": True, "pid": os.getpid()})
@@ -128,10 +138,15 @@ def main() -> None:
                 abort_at = cmd.get("abort_after_seconds")
                 abort_at = None if abort_at is None else t0 + abort_at
                 limit = t0 + cmd.get("timeout", 120)
+                max_step, first = 0.0, {}
                 while len(outs) < len(ids) and time.monotonic() < limit:
+                    ts = time.monotonic()
                     for o in eng.step():
+                        if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
+                            first[o.request_id] = time.monotonic() - t0
                         if o.finished:
                             outs[o.request_id] = o
+                    max_step = max(max_step, time.monotonic() - ts)
                     steps += 1
                     if abort_at is not None and time.monotonic() >= abort_at:
                         eng.abort_request(ids)
@@ -142,22 +157,29 @@ def main() -> None:
                     res.append(None if o is None else {
                         "id": rid, "tokens": list(o.outputs[0].token_ids),
                         "kv_transfer_params": o.kv_transfer_params, "num_cached_tokens": o.num_cached_tokens,
-                        "finish_reason": o.outputs[0].finish_reason})
-                answer({"ok": True, "outputs": res, "seconds": time.monotonic() - t0})
+                        "finish_reason": o.outputs[0].finish_reason, "first_token_s": first.get(rid)})
+                answer({"ok": True, "outputs": res, "seconds": time.monotonic() - t0, "max_step": max_step})
             elif op == "drain":             # step until nothing is in flight (bounded)
                 t0 = time.monotonic()
                 while time.monotonic() - t0 < cmd.get("timeout", 30):
                     s = scheduler()
-                    busy = s.has_requests() or worker_connector().has_work()
+                    busy = s.has_requests() or s.connector.has_pending_push_work() or \
+                        (opts.get("tp", 1) == 1 and worker_connector().has_work())
                     if not busy:
                         break
                     eng.step()
                 answer({"ok": True, "busy": busy, "seconds": time.monotonic() - t0})
+            elif op == "inspect" and opts.get("tp", 1) > 1:   # the workers are other processes
+                s = scheduler()
+                answer({"ok": True, "free_blocks": s.kv_cache_manager.block_pool.get_num_free_blocks(),
+                        "external": s.connector.connector_scheduler.external,
+                        "pending_push": s.connector.has_pending_push_work()})
             elif op == "inspect":
                 s, w = scheduler(), worker_connector()
                 cs = s.connector.connector_scheduler
                 answer({"ok": True, "free_blocks": s.kv_cache_manager.block_pool.get_num_free_blocks(),
-                        "external": cs.external, "held": sorted(w._held), "asked": sorted(w._asked),
+                        "external": cs.external, "held": sorted(w.sender.held()) if w.sender else [],
+                        "asked": w.sender.asked() if w.sender else [],
                         "loads": dict(w.recent_loads), "sends": dict(w.recent_sends),
                         "stats": _totals(w), "has_work": w.has_work(),
                         "pending_push": cs.has_pending_push_work()})
@@ -166,14 +188,24 @@ def main() -> None:
 
                 w = worker_connector()
                 t0 = time.monotonic()          # the worker learns the held blocks at the next step
-                while any(r not in w._held for r in cmd["ids"]) and time.monotonic() - t0 < 30:
+                while any(r not in w.sender.held() for r in cmd["ids"]) and time.monotonic() - t0 < 30:
                     eng.step()
                 g = torch.Generator().manual_seed(1)
                 for rid in cmd["ids"]:
-                    blocks = w._held[rid][1]
+                    blocks = w.sender.held()[rid]
                     for t in w.cache.owner:
                         t[blocks] = torch.randn(t[blocks].shape, generator=g, dtype=t.dtype)
                 answer({"ok": True})
+            elif op == "prom":              # vLLM's own Prometheus path for the connector's stats
+                from prometheus_client import REGISTRY, generate_latest
+                from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+                w = worker_connector()
+                prom = KVConnectorProm(eng.vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+                _totals(w)
+                prom.observe(w.totals.data, 0)
+                text = generate_latest(REGISTRY).decode()
+                answer({"ok": True, "lines": [x for x in text.splitlines() if x.startswith("vllm:kvxfer_")]})
             elif op == "layout_check":      # vLLM's own cache write against KVLayout's offsets
                 answer(dict(ok=True, **_layout_check(eng, worker_connector())))
             elif op == "exit":

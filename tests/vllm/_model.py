@@ -20,8 +20,10 @@ _CORPUS = [
 ]
 
 
-def make_model(path: Path, seed: int = 0) -> Path:
-    """Write the model and its tokenizer into ``path`` (once; returns ``path``)."""
+def make_model(path: Path, seed: int = 0, layers: int = LAYERS, kv_heads: int = KV_HEADS,
+               heads: int = HEADS, head_dim: int = HEAD_DIM) -> Path:
+    """Write the model and its tokenizer into ``path`` (once; returns ``path``); the shape
+    arguments make the benchmark's larger model (tests/vllm/_bench.py)."""
     path = Path(path)
     if (path / "config.json").exists():
         return path
@@ -37,9 +39,9 @@ def make_model(path: Path, seed: int = 0) -> Path:
     tok.train_from_iterator(_CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HEADS * HEAD_DIM, intermediate_size=256,
-                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                      head_dim=HEAD_DIM, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=heads * head_dim, intermediate_size=256,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
                       tie_word_embeddings=False, torch_dtype="float32")
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)

@@ -6,7 +6,9 @@ is survived by recomputing."""
 
 from __future__ import annotations
 
+import socket
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -17,12 +19,21 @@ if not HAVE_VLLM:
     pytest.skip("vllm is not installed (make test-vllm)", allow_module_level=True)
 
 from _cluster import Instance  # noqa: E402
+from _model import HEAD_DIM, KV_HEADS, LAYERS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
 BLOCK = 32
 PEER_TIMEOUT = 3.0
 EXTRA = {"provider": "tcp;ofi_rxm", "node": "127.0.0.1", "peer_timeout": PEER_TIMEOUT,
          "unclaimed_timeout": 10, "load_timeout": 60}
+#: one block of the tiny model's cache, every layer, K and V (float32)
+BLOCK_BYTES = LAYERS * KV_HEADS * BLOCK * 2 * HEAD_DIM * 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -35,7 +46,9 @@ def cluster(model, workdir, reference):
     """P and D in-process engines (scheduler and worker in one process), and D2 in vLLM's
     default layout (the engine core its own process; ``kv_load_failure_policy="fail"``), all
     started at once with the reference."""
-    p = Instance("prefill", model, "kv_producer", {"extra": EXTRA}, workdir)
+    port = free_port()
+    p = Instance("prefill", model, "kv_producer", {"extra": dict(EXTRA, metrics_port=port)}, workdir)
+    p.metrics_port = port
     d = Instance("decode", model, "kv_consumer", {"extra": EXTRA}, workdir)
     d2 = Instance("decode-default-layout", model, "kv_consumer", {"extra": EXTRA, "policy": "fail"}, workdir,
                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
@@ -110,6 +123,44 @@ def test_decode_tokens_equal_one_instance_without_connector(pd, reference):
     assert pin["free_blocks"] == free_p and din["free_blocks"] == free_d
     assert din["stats"]["loads_done"] >= len(ps) and din["stats"]["loads_failed"] == 0
     assert pin["stats"]["sends_done"] >= len(ps)
+    # the messenger's metrics in the connector's stats: bytes both ways, the peer up
+    assert din["stats"]["bytes_received"] >= sum(-(-n // BLOCK) for n in lengths) * BLOCK_BYTES
+    assert pin["stats"]["bytes_sent"] >= sum(-(-n // BLOCK) for n in lengths) * BLOCK_BYTES
+    assert din["stats"]["peers_up"] >= 1 and din["stats"]["connects_failed"] == 0
+
+
+def test_a_request_already_sent_is_rejected_at_once_and_recomputed(pd, reference):
+    """A client sends D the same kv_transfer_params twice (a retry): P wrote that request once
+    and freed its blocks, so it refuses the second REQUEST at once with ``Request.reject``; D's
+    load fails with ``RejectedError`` (not a dead peer: nothing waits for a timeout) and vLLM's
+    recompute policy gives the reference's tokens."""
+    p, d = pd
+    ps = prompts(21, [50])
+    ref = reference.call(op="generate", prompts=ps, max_tokens=6)["outputs"]
+    _, rd, params = disaggregated(p, d, ps, max_tokens=6)
+    assert rd["outputs"][0]["tokens"] == ref[0]["tokens"]
+    p.call(op="drain")
+    before_d, before_p = d.call(op="inspect")["stats"], p.call(op="inspect")["stats"]
+    again = d.call(op="generate", prompts=ps, max_tokens=6, params=params)
+    assert again["outputs"][0]["tokens"] == ref[0]["tokens"]
+    assert again["seconds"] < EXTRA["unclaimed_timeout"], again["seconds"]   # no wait for "unclaimed"
+    after_d, after_p = d.call(op="inspect")["stats"], p.call(op="inspect")["stats"]
+    assert after_d["loads_rejected"] == before_d["loads_rejected"] + 1
+    assert after_d["loads_failed"] == before_d["loads_failed"]
+    assert after_p["sends_rejected"] == before_p["sends_rejected"] + 1
+
+
+def test_connector_stats_reach_prometheus(pd):
+    """The decoder's stats through vLLM's own ``KVConnectorProm`` (the connector's
+    ``build_prom_metrics``), and the prefiller rank's messenger metrics on ``metrics_port``."""
+    p, d = pd
+    lines = d.call(op="prom")["lines"]
+    done = [x for x in lines if x.startswith("vllm:kvxfer_loads_total{") and 'outcome="done"' in x]
+    assert done and float(done[0].rsplit(" ", 1)[1]) >= 1, lines
+    assert any(x.startswith("vllm:kvxfer_load_seconds_count{") for x in lines), lines
+    text = urllib.request.urlopen(f"http://127.0.0.1:{p.metrics_port}/metrics", timeout=30).read().decode()
+    sent = [x for x in text.splitlines() if x.startswith("kvxfer_messenger_sends_total{") and 'outcome="done"' in x]
+    assert sent and float(sent[0].rsplit(" ", 1)[1]) >= 1, text[:2000]
 
 
 def test_spoiled_kv_changes_the_tokens(pd, reference):
@@ -131,11 +182,17 @@ def test_decoder_prefix_hit_loads_the_rest(pd, reference):
     d.call(op="generate", prompts=[base], max_tokens=1)          # D caches two blocks of it
     ps = [base + prompts(4, [45])[0]]
     ref = reference.call(op="generate", prompts=ps, max_tokens=8)["outputs"]
-    _, rd, _ = disaggregated(p, d, ps)
+    p.call(op="drain")
+    sent0 = p.call(op="inspect")["stats"]["bytes_sent"]
+    _, rd, params = disaggregated(p, d, ps)
     assert rd["outputs"][0]["tokens"] == ref[0]["tokens"]
     din = d.call(op="inspect")
     assert _internal(din["external"], rd["outputs"][0]["id"]) == 45
     assert len(_internal(din["loads"], rd["outputs"][0]["id"])) == 2
+    # receive(first_token=64): P names all 4 of its blocks, writes only the 2 D lacks
+    pin = p.call(op="inspect")
+    assert len(pin["sends"][params[0]["remote_request_id"]]) == 4
+    assert pin["stats"]["bytes_sent"] - sent0 == 2 * BLOCK_BYTES
 
 
 def test_client_abort_on_decoder_fences_then_frees(pd):
@@ -160,16 +217,20 @@ def test_client_abort_on_decoder_fences_then_frees(pd):
     p.call(op="drain", timeout=60)                                 # the held request of rp is unclaimed
 
 
-def test_decoder_first_is_written_when_the_prefill_ends(pd, reference):
+def test_decoder_first_streams_layer_by_layer(pd, reference):
     """D first: the proxy gives D the request before P has it (P's handshake from an earlier
     answer, a key of its own as ``remote_request_id``, the prompt's length); D allocates and
-    its REQUEST waits at P; P, given the same key as ``kvxfer_request_key``, writes the moment
-    its request finishes, with no client round trip in between. Tokens equal the reference's."""
+    its REQUEST waits at P; P, given the same key as ``kvxfer_request_key``, streams the
+    prompt's KV while it computes it: a streamed Send scheduled for the forward pass, layer
+    l's writes armed for layer l (``save_kv_layer`` bumps the layer counter), some of them
+    posted before the last layer was computed. Tokens equal the reference's."""
     p, d = pd
-    (prompt,) = prompts(14, [77])
+    (prompt,) = prompts(14, [700])
     ref = reference.call(op="generate", prompts=[prompt], max_tokens=8)["outputs"]
     hs = p.call(op="generate", prompts=prompts(15, [8]), max_tokens=1,
                 params=[{"do_remote_decode": True}])["outputs"][0]["kv_transfer_params"]["remote_handshakes"]
+    p.call(op="drain")
+    before = p.call(op="inspect")["stats"]
     d.send(op="generate", prompts=[prompt], max_tokens=8, params=[{
         "do_remote_prefill": True, "kvxfer": 1, "remote_request_id": "d-first-1",
         "remote_handshakes": hs, "remote_num_tokens": len(prompt)}])
@@ -182,7 +243,15 @@ def test_decoder_first_is_written_when_the_prefill_ends(pd, reference):
     assert rp["outputs"][0]["kv_transfer_params"]["remote_request_id"] == "d-first-1"
     rd = d.answer(timeout=120)
     assert rd["outputs"][0]["tokens"] == ref[0]["tokens"]
-    assert len(p.call(op="inspect")["sends"]["d-first-1"]) == 3
+    p.call(op="drain")
+    pin = p.call(op="inspect")
+    assert len(pin["sends"]["d-first-1"]) == -(-700 // BLOCK)
+    assert pin["held"] == []
+    after = pin["stats"]
+    assert after["sends_streamed"] == before["sends_streamed"] + 1
+    assert after["stream_entries"] > before["stream_entries"]
+    # posted while the model still computed (layer 0's writes before the last layer's)
+    assert after["stream_entries_early"] > before["stream_entries_early"], after
 
 
 def test_default_process_layout_decoder(cluster, reference):
@@ -196,9 +265,9 @@ def test_default_process_layout_decoder(cluster, reference):
 
 
 def test_refused_load_fails_the_request_under_fail_policy(cluster):
-    """D2 (policy "fail") asks P for an id P never finished: P refuses it once unclaimed (an
-    aborted, fenced Send), D2's load fails, and vLLM ends the request with "error" instead of
-    computing it."""
+    """D2 (policy "fail") asks P for an id P never finished: P refuses it once unclaimed
+    (``Request.reject``: D2's load fails with ``RejectedError``), and vLLM ends the request with
+    "error" instead of computing it."""
     p, _, d2 = cluster
     rp = p.call(op="generate", prompts=prompts(12, [20]), max_tokens=1, params=[{"do_remote_decode": True}])
     params = dict(rp["outputs"][0]["kv_transfer_params"], remote_request_id="unknown-on-p")
@@ -207,7 +276,8 @@ def test_refused_load_fails_the_request_under_fail_policy(cluster):
     (o,) = r["outputs"]
     assert o is not None and o["finish_reason"] == "error" and o["tokens"] == []
     assert r["seconds"] < EXTRA["unclaimed_timeout"] + 20
-    assert p.call(op="inspect")["asked"] == []
+    pin = p.call(op="inspect")
+    assert pin["asked"] == [] and pin["stats"]["sends_rejected"] >= 1       # Request.reject
 
 
 def test_kill_decoder_frees_the_prefillers_blocks(cluster):
@@ -256,3 +326,12 @@ def test_kill_prefiller_mid_request_recomputes(pd, reference):
     assert took < PEER_TIMEOUT + 10, took
     st = d.call(op="inspect")["stats"]
     assert st["loads_failed"] >= 1
+    # a new request naming the dead P: the connect does not wait for its HELLO inside a step
+    # (connect(wait=False)); the load fails once the connect times out, and D recomputes
+    ps = prompts(16, [40])
+    ref = reference.call(op="generate", prompts=ps, max_tokens=4)["outputs"]
+    r = d.call(op="generate", prompts=ps, max_tokens=4, params=[dict(params, remote_request_id="p-is-dead")],
+               timeout=PEER_TIMEOUT + 60)
+    assert r["outputs"][0]["tokens"] == ref[0]["tokens"]
+    assert r["max_step"] < PEER_TIMEOUT, r["max_step"]
+    assert d.call(op="inspect")["stats"]["loads_failed"] >= st["loads_failed"] + 1

@@ -18,7 +18,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvxfer.integrations.vllm.params import Options, StepMeta
 from kvxfer.integrations.vllm.scheduler import ConnectorScheduler
-from kvxfer.integrations.vllm.stats import KvxferConnectorStats
+from kvxfer.integrations.vllm.stats import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.integrations.vllm.worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self.connector_scheduler is not None
-        return self.connector_scheduler.build_meta()
+        return self.connector_scheduler.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self.connector_scheduler is not None
@@ -90,6 +90,13 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return None if self.connector_worker is None else self.connector_worker.handshake()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # before the forward pass (vLLM 0.32 calls start_load_kv after it when no load is
+        # synchronous): a streaming prefiller schedules this pass's writes here
+        super().bind_connector_metadata(connector_metadata)
+        if self.connector_worker is not None and isinstance(connector_metadata, StepMeta):
+            self.connector_worker.begin_pass(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.connector_worker is not None
         meta = self._connector_metadata
@@ -99,10 +106,13 @@ class KvxferConnector(KVConnectorBase_V1):
         return                      # loads finish before the request is scheduled
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return                      # P-first: the prefiller writes once the decoder asks
+        # a streaming prefiller bumps its layer counter (D first); otherwise nothing
+        if self.connector_worker is not None:
+            self.connector_worker.save_kv_layer()
 
     def wait_for_save(self) -> None:
-        return
+        if self.connector_worker is not None:
+            self.connector_worker.wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.connector_worker is not None
@@ -120,6 +130,11 @@ class KvxferConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvxferConnectorStats | None:
         return KvxferConnectorStats(data=data) if data is not None else KvxferConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvxferPromMetrics:
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.connector_worker is not None:

@@ -32,7 +32,10 @@ class Options:
     before a peer is declared dead, default 10), ``load_timeout`` (a decoder gives up on a
     load after this many seconds, fenced, default 60), ``unclaimed_timeout`` (a prefiller
     frees the blocks of a finished request no decoder asked for after this many seconds,
-    default 60), ``secret`` (hex, >= 16 bytes: HMAC on every control message).
+    default 60), ``secret`` (hex, >= 16 bytes: HMAC on every control message),
+    ``metrics_port`` (serve each rank's messenger metrics for Prometheus on this port plus the
+    TP rank, on ``metrics_addr``, default 127.0.0.1; needs ``prometheus_client``; vLLM's own
+    ``/metrics`` gets the connector's counters without it).
     """
 
     provider: str = "tcp;ofi_rxm"
@@ -41,6 +44,8 @@ class Options:
     load_timeout: float = 60.0
     unclaimed_timeout: float = 60.0
     secret: Optional[bytes] = None
+    metrics_port: Optional[int] = None
+    metrics_addr: str = "127.0.0.1"
 
     @classmethod
     def from_config(cls, extra: Optional[dict]) -> "Options":
@@ -57,6 +62,12 @@ class Options:
             if not 0 < v < 1e6:
                 raise InvalidArgumentError(f"kv_connector_extra_config[{name!r}] must be in (0, 1e6), got {v!r}")
             setattr(o, name, v)
+        port = extra.pop("metrics_port", None)
+        if port is not None:
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+                raise InvalidArgumentError(f"kv_connector_extra_config['metrics_port'] must be a port, got {port!r}")
+            o.metrics_port = port
+        o.metrics_addr = str(extra.pop("metrics_addr", o.metrics_addr))
         secret = extra.pop("secret", None)
         if secret is not None:
             try:
@@ -75,12 +86,15 @@ class KvxferHandshake(KVConnectorHandshakeMetadata):
 
 @dataclass
 class Load:
-    """A decoder's load: ask the prefiller ranks for ``remote_request_id`` into ``block_ids``."""
+    """A decoder's load: ask the prefiller ranks for tokens ``[first_token, num_tokens)`` of
+    ``remote_request_id`` into ``block_ids`` (from the block holding ``first_token``: the
+    decoder's own prefix hit, block-aligned, is not written)."""
 
     handshakes: list[bytes]
     remote_request_id: str
     block_ids: list[int]
     num_tokens: int
+    first_token: int = 0
 
 
 @dataclass
@@ -91,6 +105,8 @@ class StepMeta(KVConnectorMetadata):
     loads: dict[str, Load] = field(default_factory=dict)
     aborts: set[str] = field(default_factory=set)
     sends: dict[str, tuple[str, list[int]]] = field(default_factory=dict)   # id -> (key, blocks)
+    #: prefiller, D first: prompts this step computes whole, id -> (key, blocks, prompt length)
+    streams: dict[str, tuple[str, list[int], int]] = field(default_factory=dict)
 
 
 def _b64(b: bytes) -> str:

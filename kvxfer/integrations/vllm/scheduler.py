@@ -28,6 +28,7 @@ class ConnectorScheduler:
         self._held: set[str] = set()               # prefiller: held until finished_sending
         self.external: dict[str, int] = {}         # decoder: tokens loaded per request (tests)
         self._local: dict[str, int] = {}           # decoder: the local prefix hit it was offered
+        self._may_stream: dict[str, tuple[str, int]] = {}   # prefiller: id -> (key, prompt length)
 
     def set_handshakes(self, metadata: dict) -> None:
         self.handshakes = [metadata[k].blob for k in sorted(metadata)]
@@ -52,25 +53,35 @@ class ConnectorScheduler:
             log.warning("kvxfer: request %s: %s; computing it locally", request.request_id, exc)
             return 0, False
         n = min(n, len(request.prompt_token_ids or ()))
+        if num_computed_tokens % self.block_size:     # only whole blocks move (K is transposed)
+            log.warning("kvxfer: request %s: a prefix hit of %d tokens is not whole blocks of %d; computing it "
+                        "locally", request.request_id, num_computed_tokens, self.block_size)
+            return 0, False
         count = n - num_computed_tokens
         # update_state_after_alloc comes before vLLM sets num_computed_tokens: keep the hit
         self._local[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.producer:
+            p = request.kv_transfer_params
+            if p and p.get("do_remote_decode") and p.get("kvxfer_request_key"):
+                # D first: the decoder may have asked already, so this prefill may stream
+                self._may_stream[request.request_id] = (str(p["kvxfer_request_key"]),
+                                                        len(request.prompt_token_ids or ()))
+            return
         p = self._remote(request)
         if p is None or self.producer or num_external_tokens <= 0:
             return
         rid, hs, _ = parse_consumer_params(p)
         (ids,) = blocks.get_block_ids()
         # blocks: every block of the request, the local prefix hit's first; the load covers
-        # tokens [computed, computed + external) (computed is block-aligned: vLLM offers that)
+        # tokens [computed, computed + external) into the blocks from computed's on (computed is
+        # block-aligned: vLLM offers whole blocks), the prefiller writes only those
         computed = self._local.pop(request.request_id, 0)
         end = computed + num_external_tokens
-        first = computed // self.block_size
-        last = -(-end // self.block_size)
-        dst = list(ids[first:last])
-        self._loads[request.request_id] = Load(hs, rid, dst, end - first * self.block_size)
+        dst = list(ids[computed // self.block_size:-(-end // self.block_size)])
+        self._loads[request.request_id] = Load(hs, rid, dst, end, computed)
         self.external[request.request_id] = num_external_tokens
         p["do_remote_prefill"] = False              # once: a preempted request recomputes
 
@@ -80,6 +91,7 @@ class ConnectorScheduler:
 
         rid = request.request_id
         p = request.kv_transfer_params
+        self._may_stream.pop(rid, None)
         if not self.producer:
             self._local.pop(rid, None)
             if rid in self._loads or rid in self._loading:   # aborted while loading: fence, then free
@@ -97,8 +109,27 @@ class ConnectorScheduler:
         return True, producer_params(key, self.handshakes, request.num_computed_tokens)
 
     # -- every step ----------------------------------------------------------------------
-    def build_meta(self) -> StepMeta:
-        meta = StepMeta(loads=self._loads, aborts=self._aborts, sends=self._sends)
+    def _streams(self, out: Any) -> dict[str, tuple[str, list[int], int]]:
+        """Prefiller: D-first requests whose whole prompt (the rest of it, after a prefix hit)
+        this step computes, as id -> (key, blocks, prompt length): the worker streams them
+        layer by layer if the decoder's REQUEST is there. A prompt split over steps (chunked
+        prefill) is written when it finishes: a chunk boundary inside a block cannot be
+        exact for the CPU cache (its K is transposed per block)."""
+        found: dict[str, tuple[str, list[int], int]] = {}
+        if out is None or not self._may_stream:
+            return found
+        for nr in getattr(out, "scheduled_new_reqs", None) or ():
+            cand = self._may_stream.pop(nr.req_id, None)
+            if cand is None:
+                continue
+            key, n = cand
+            if nr.num_computed_tokens + out.num_scheduled_tokens.get(nr.req_id, 0) >= n > 0:
+                found[nr.req_id] = (key, list(nr.block_ids[0]), n)
+        return found
+
+    def build_meta(self, scheduler_output: Any = None) -> StepMeta:
+        meta = StepMeta(loads=self._loads, aborts=self._aborts, sends=self._sends,
+                        streams=self._streams(scheduler_output))
         self._loading.update(self._loads)
         self._loads, self._aborts, self._sends = {}, set(), {}
         return meta

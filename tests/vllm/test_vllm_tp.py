@@ -1,0 +1,54 @@
+"""A prefiller at TP2 (vLLM's mp executor: one worker process per rank, each rank its own kvxfer
+engine and ``Messenger(..., ranks=[rank])``) and a TP1 decoder that receives from both rank
+processes at once: the decoder's greedy tokens equal one vLLM without a connector."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import HAVE_VLLM
+
+if not HAVE_VLLM:
+    pytest.skip("vllm is not installed (make test-vllm)", allow_module_level=True)
+
+from _cluster import Instance  # noqa: E402
+from test_vllm_pd import BLOCK, EXTRA, disaggregated, prompts  # noqa: E402
+
+pytestmark = pytest.mark.timeout(1500)
+
+
+@pytest.fixture(scope="module")
+def tp2(model, workdir, reference):
+    """P at TP2 (its two ranks bound to one core each) and a TP1 D, started together."""
+    p = Instance("prefill-tp2", model, "kv_producer", {"extra": EXTRA, "tp": 2}, workdir,
+                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    d = Instance("decode-for-tp2", model, "kv_consumer", {"extra": EXTRA}, workdir)
+    try:
+        for x in (reference, p, d):
+            x.wait_ready()
+        d.call(op="generate", prompts=prompts(98, [70, 40]), max_tokens=2)     # other block ids than P's
+        yield p, d
+    finally:
+        for x in (p, d):
+            x.close()
+
+
+def test_tp2_prefiller_to_tp1_decoder(tp2, reference):
+    """Each P rank writes its KV head (1 of the 2) of every block; D's one Receive spans both
+    rank processes (two legs, each announcing its own count). Prompts shorter than a block,
+    aligned and not, at once; then P frees its blocks (every rank reported finished_sending)."""
+    p, d = tp2
+    lengths = [5, BLOCK, 77, 2 * BLOCK + 1]
+    ps = prompts(31, lengths)
+    free_p = p.call(op="inspect")["free_blocks"]
+    ref = reference.call(op="generate", prompts=ps, max_tokens=8)["outputs"]
+    rp, rd, params = disaggregated(p, d, ps)
+    assert all(len(x["remote_handshakes"]) == 2 for x in params)     # one messenger per rank
+    for r, o_p, o_d, n in zip(ref, rp["outputs"], rd["outputs"], lengths):
+        assert o_p["tokens"] == r["tokens"][:1]
+        assert o_d["tokens"] == r["tokens"], f"prompt of {n} tokens"
+    assert not p.call(op="drain", timeout=60)["busy"]
+    pin, din = p.call(op="inspect"), d.call(op="inspect")
+    assert pin["free_blocks"] == free_p and not pin["pending_push"]
+    assert din["stats"]["loads_done"] >= len(ps) and din["stats"]["loads_failed"] == 0
+    assert din["stats"]["peers_up"] >= 2                               # both rank processes
