@@ -354,37 +354,19 @@ class Decoder:
             if queued:                   # sent by peer_up once every leg's peer is up
                 self.queued[r] = None
                 node.count("receives_queued")
+            else:
+                # posted under the lock: a teardown (which takes it) finds the Receive and
+                # fails it, and an abort can only post its ABORTs after these
+                self._post_requests(r)
         if slot >= 0:
             weakref.finalize(r, self.free_cell, r._slot_cell)
-        if queued:
-            return r
-        for i, leg in enumerate(r.legs):
-            try:
-                self.peers.send(leg.peer, C.REQUEST, imm=leg.imm, num_tokens=int(num_tokens), slot=leg.slot,
-                                request_id=request_id, pages=pages, first_token=first_token, meta=meta)
-            except KvxferError as exc:
-                err = PeerError(f"could not send the request to peer {leg.peer.uid:016x}: {exc}")
-                self._unsent(r, i, err)
-                raise err from exc
         return r
 
-    def _unsent(self, r: Receive, i: int, err: PeerError) -> None:
-        """The REQUEST of leg ``i`` could not go: legs from ``i`` on never write (fenced);
-        the legs before it are aborted with the fence."""
-        node = self.node
-        with node.lock:
-            r.error = err
-            r._fail_now = True
-            for leg in r.legs[i:]:
-                leg.abort_sent = True
-                self._fence_leg(leg)
-            legs = self.start_abort(r) if i else []
-            final = self._progress(r)
-        self.send_aborts(legs)
-        if not i:
-            r._released = True
-            self.free_cell(r._slot_cell)
-        self._finished(r, final)
+    def _post_requests(self, r: Receive) -> None:
+        """Under the lock: every leg's REQUEST to the sender thread (no wait on the engine)."""
+        for leg in r.legs:
+            self.peers.post(leg.peer, C.REQUEST, imm=leg.imm, num_tokens=r.num_tokens, slot=leg.slot,
+                            request_id=r.request_id, pages=r.dst_pages, first_token=r.first_token, meta=r.meta)
 
     # -- queued for a connecting peer (connect(wait=False)) -----------------------------------
     def _dequeue(self, r: Receive) -> bool:
@@ -398,18 +380,14 @@ class Decoder:
         return True
 
     def peer_up(self, pg: PeerGroup) -> None:
-        """``pg`` answered its HELLO: send the REQUESTs of the queued receives whose peers
-        are all up now (messenger thread; resent while refused)."""
+        """``pg`` answered its HELLO: post the REQUESTs of the queued receives whose peers
+        are all up now (under the lock, so an abort's ABORTs come after them)."""
         with self.node.lock:
             ready = [r for r in self.queued if any(leg.peer is pg for leg in r.legs)
                      and all(leg.peer.state == "up" for leg in r.legs)]
             for r in ready:
                 del self.queued[r]
-        for r in ready:
-            for leg in r.legs:
-                self.peers.try_send(leg.peer, C.REQUEST, retry=True, imm=leg.imm, num_tokens=r.num_tokens,
-                                    slot=leg.slot, request_id=r.request_id, pages=r.dst_pages,
-                                    first_token=r.first_token, meta=r.meta)
+                self._post_requests(r)
 
     def connect_failed(self, pg: PeerGroup, err: KvxferError) -> None:
         """``pg``'s connect failed: the receives queued for it fail with its error, fenced."""
@@ -454,10 +432,10 @@ class Decoder:
         return out
 
     def send_aborts(self, legs: list[Leg]) -> None:
-        """Outside the lock: ABORT each leg's peer (resent until it goes, while it lives)."""
+        """ABORT each leg's peer: posted (the sender thread sends it after the leg's REQUEST,
+        and tries again while the engine refuses it and the peer lives)."""
         for leg in legs:
-            if leg.peer.alive:
-                self.peers.try_send(leg.peer, C.ABORT, imm=leg.imm, retry=True)
+            self.peers.post(leg.peer, C.ABORT, imm=leg.imm)
 
     def _fence_leg(self, leg: Leg) -> None:
         """No write of ``leg`` can land any more: retire its imm."""

@@ -108,7 +108,7 @@ class Prefiller:
                 node.count("requests")
         if reason is not None:
             node.count("drop_bad_request")
-            self.peers.try_send(pg, C.REJECT, imm=m.imm, reason=reason, retry=True)
+            self.peers.post(pg, C.REJECT, imm=m.imm, reason=reason)
             return
         if self._on_request is not None and self._inline:
             node.call(self._on_request, req)         # on this thread: no hand-off before the writes
@@ -136,9 +136,9 @@ class Prefiller:
                     except ValueError:
                         pass
         if req is None:
-            self.peers.try_send(pg, C.ABORTED, imm=m.imm, count=0, flags=C.ABORTED_UNKNOWN, retry=True)
+            self.peers.post(pg, C.ABORTED, imm=m.imm, count=0, flags=C.ABORTED_UNKNOWN)
         elif send is None:
-            self.peers.try_send(pg, C.ABORTED, imm=m.imm, count=0, flags=0, retry=True)
+            self.peers.post(pg, C.ABORTED, imm=m.imm, count=0, flags=0)
         else:
             send.request_abort(by_prefiller=False)
 
@@ -167,8 +167,7 @@ class Prefiller:
                 req.rejected = reason
                 self.node.count("requests_rejected")
         if s is None:
-            if pg.alive:
-                self.peers.try_send(pg, C.REJECT, imm=req.imm, reason=reason, retry=True)
+            self.peers.post(pg, C.REJECT, imm=req.imm, reason=reason)
         else:
             s.reject()
 

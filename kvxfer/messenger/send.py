@@ -304,15 +304,24 @@ class Send:
             elif end == req.num_tokens:
                 ch["last"] = True
                 self._count = sum(t.num_writes for t in self._transfers) + (1 if req.slot >= 0 else 0)
-                try:
-                    self._room.peers.send(req.peer, C.ANNOUNCE, imm=req.imm, count=self._count)
-                    self._state = "transferring"
-                except KvxferError as exc:
-                    self._fail_locked(PeerError(f"could not announce to peer {req.peer.uid:016x}: {exc}"))
+                self._announce_locked(self._count)
             stopped = self._abort_req
         if stopped:
             self._room.queue_reap(self)
         return self
+
+    def _announce_locked(self, count: int) -> None:
+        """Under ``_lock``: post the ANNOUNCE of ``count`` messages (the sender thread sends it;
+        this never waits on the engine). Posted under the lock that an abort takes, and the
+        ABORTED is posted only once the Send settled after that, to the same peer's outbox:
+        the decoder never reads the ABORTED before the ANNOUNCE. A dead peer: failed (the
+        teardown fences the decoder's side)."""
+        pg = self.request.peer
+        if self._room.peers.post(pg, C.ANNOUNCE, imm=self.request.imm, count=count):
+            if self._state == "pending":
+                self._state = "transferring"
+        else:
+            self._fail_locked(PeerError(f"could not announce to peer {pg.uid:016x}: it is {pg.state}"))
 
     def _first_post(self) -> None:
         if len(self._transfers) == 1:
@@ -388,7 +397,7 @@ class Send:
 
     def post(self, posts: list, rails: Mapping[int, int]) -> None:
         """Post every rank pair's writes (one engine call each), then ANNOUNCE the count."""
-        req, pg = self.request, self.request.peer
+        req = self.request
         err: Optional[BaseException] = None
         try:
             for src, fn in posts:
@@ -409,12 +418,7 @@ class Send:
                     t.cancel()
                 self._finished = True
             else:
-                try:
-                    self._room.peers.send(pg, C.ANNOUNCE, imm=req.imm, count=count)
-                    self._state = "transferring"
-                except KvxferError as exc:
-                    # the decoder fences on what was posted (ABORTED, resent if refused)
-                    self._fail_locked(PeerError(f"could not announce to peer {pg.uid:016x}: {exc}"))
+                self._announce_locked(count)
         if self._abort_req:
             self._room.queue_reap(self)
 
@@ -449,7 +453,7 @@ class Send:
         # this side's Send still transferring
         self._room.settle(self, state, err)
         if reply:
-            self._room.peers.try_send(pg, C.ABORTED, imm=req.imm, count=posted, flags=flags, retry=True)
+            self._room.peers.post(pg, C.ABORTED, imm=req.imm, count=posted, flags=flags)
         return True
 
     @property
@@ -477,7 +481,7 @@ class Send:
         """Record a scheduled chunk ending at ``end`` and arm its writes (``arm()`` returns the
         watch entries). The last chunk (``end == num_tokens``) announces the exact count and
         arms the context at the pass's end; a failure fails the Send with the fence."""
-        req, pg = self.request, self.request.peer
+        req = self.request
         st = self._stream
         announce = None
         err: Optional[BaseException] = None
@@ -500,19 +504,12 @@ class Send:
                         self._arm_context()
                     except KvxferError as exc:
                         err = exc
-            if err is None and announce is not None:
-                # under _lock, as post() does: an abort (which takes it) answers ABORTED only
-                # after this, so the decoder never gets the ANNOUNCE after the ABORTED
-                try:
-                    self._room.peers.send(pg, C.ANNOUNCE, imm=req.imm, count=announce)
-                    if self._state == "pending":
-                        self._state = "transferring"
-                except KvxferError as exc:
-                    err = PeerError(f"could not announce to peer {pg.uid:016x}: {exc}")
             if err is not None:
                 self._fail_locked(err)
-                announce = None
-        if err is not None:
+            elif announce is not None:
+                self._announce_locked(announce)     # (a dead peer fails the Send)
+            failed = self._abort_req
+        if failed:
             self._room.queue_reap(self)
         elif announce is not None:
             self._done_arming()
