@@ -66,14 +66,14 @@ def dst_pages(pages: Any, num_pages: int, max_pages: int) -> np.ndarray:
 
 
 def src_pages(pages: Any, n: int, num_pages: int) -> np.ndarray:
-    """A prefiller's source pages for a request of ``n`` pages (``PlanError`` otherwise)."""
+    """A prefiller's source pages: exactly ``n`` (``PlanError`` otherwise, more as fewer)."""
     a = np.asarray(pages)
     if a.ndim != 1:
         raise PlanError(f"src_pages must be a 1-D list of page indices, got shape {a.shape}")
     if a.size and a.dtype.kind not in "iu":
         raise PlanError(f"src_pages must hold integers, got dtype {a.dtype}")
     if a.shape[0] != n:
-        raise PlanError(f"src_pages has {a.shape[0]} pages but dst_pages has {n}")
+        raise PlanError(f"src_pages has {a.shape[0]} pages but the request's tokens fill exactly {n}")
     a = a.astype(np.int64)
     if n and (int(a.min()) < 0 or int(a.max()) >= num_pages):
         bad = int(a[(a < 0) | (a >= num_pages)][0])

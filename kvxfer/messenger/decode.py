@@ -288,9 +288,9 @@ class Decoder:
             raise InvalidArgumentError(f"tokens [{first_token}, {num_tokens}) are not a request: 0 <= first_token "
                                        "< num_tokens")
         need = prefix.dst_page_count(num_tokens, first_token, ps)
-        if len(pages) < need:           # the prefiller checks again (against this handshake)
-            raise InvalidArgumentError(f"num_tokens {num_tokens} (from first_token {first_token}) do not fit "
-                                       f"{len(pages)} page(s) of {ps} tokens: {need} needed")
+        if len(pages) != need:          # the prefiller checks again (against this handshake)
+            raise InvalidArgumentError(f"num_tokens {num_tokens} from first_token {first_token} fill exactly {need} "
+                                       f"page(s) of {ps} tokens, got {len(pages)} dst_pages")
         try:
             meta = bytes(memoryview(meta))
         except TypeError:
@@ -616,7 +616,7 @@ class Decoder:
             else:
                 if m.flags & C.ABORTED_REJECTED and r.error is None:
                     r.error = RejectedError(f"the prefiller rejected request {r.request_id!r} after posting "
-                                            f"{target} write(s) (fenced)")
+                                            f"{target} write(s) (fenced): {m.reason}")
                 elif m.flags & C.ABORTED_BY_PREFILLER and r.error is None:
                     r.error = PeerError(f"the prefiller gave up on request {r.request_id!r}")
                 leg.fence_target = target

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, PlanError
 from kvxfer.layout import KVLayout, Sharding
+from kvxfer.messenger._codec import pack_item, read_items
 
 __all__ = ["LayoutRegions", "RemoteLayout", "PlanTransfer", "register_layout", "remote_layout", "post_plan",
            "plan_batches"]
@@ -52,8 +53,7 @@ class LayoutRegions:
     def descriptor(self) -> bytes:
         """One versioned blob: ``b"KXLT" | u8 version | u16 count | per region: u16 len + descriptor``."""
         ds = self.descriptors()
-        return b"".join([_TABLE_MAGIC, bytes([_TABLE_VERSION]), _U16.pack(len(ds))]
-                        + [_U16.pack(len(d)) + d for d in ds])
+        return b"".join([_TABLE_MAGIC, bytes([_TABLE_VERSION]), _U16.pack(len(ds))] + [pack_item(d) for d in ds])
 
     def close(self) -> None:
         """Deregister every region (refused while a transfer from one is in flight)."""
@@ -112,16 +112,7 @@ def _split_table(blob: bytes) -> list[bytes]:
     if blob[4] != _TABLE_VERSION:
         raise DescriptorError(f"region table version {blob[4]} is not supported")
     (n,) = _U16.unpack_from(blob, 5)
-    pos, out = 7, []
-    for _ in range(n):
-        if pos + 2 > len(blob):
-            raise DescriptorError("region table is truncated")
-        (k,) = _U16.unpack_from(blob, pos)
-        pos += 2
-        if k == 0 or pos + k > len(blob):
-            raise DescriptorError("region table is truncated")
-        out.append(blob[pos:pos + k])
-        pos += k
+    out, pos = read_items(blob, 7, n, "region table entry")
     if pos != len(blob):
         raise DescriptorError("region table has trailing bytes")
     return out

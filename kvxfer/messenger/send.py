@@ -64,10 +64,12 @@ class Request:
 
     def reject(self, reason: str) -> None:
         """Refuse this request (its KV is gone, it was preempted, the id is unknown): the
-        decoder's Receive fails with ``RejectedError`` (meaning "recompute", not "peer dead").
-        Before ``send``/``stream`` nothing was posted: a REJECT carries ``reason`` (UTF-8, at
-        most 1024 bytes travel) and the decoder's pages are free at once. After it, posting
-        stops and the decoder fences on what was posted (ABORTED); ``reason`` stays here.
+        decoder's Receive fails with ``RejectedError`` (meaning "recompute", not "peer dead")
+        whose message names ``reason`` (UTF-8; at most ``MAX_REASON`` = 1024 bytes travel, a
+        longer one is cut before the first character that does not fit). Before
+        ``send``/``stream`` nothing was posted: a REJECT carries the reason and the decoder's
+        pages are free at once. After it, posting stops and the decoder fences on what was
+        posted: the ABORTED carries the count and the reason.
         Raises ``InvalidArgumentError`` once the Send is final; a request the decoder
         aborted meanwhile is left alone. Any thread."""
         self.room.reject(self, reason)
@@ -453,7 +455,8 @@ class Send:
         # this side's Send still transferring
         self._room.settle(self, state, err)
         if reply:
-            self._room.peers.post(pg, C.ABORTED, imm=req.imm, count=posted, flags=flags)
+            self._room.peers.post(pg, C.ABORTED, imm=req.imm, count=posted, flags=flags,
+                                  reason=req.rejected if flags & C.ABORTED_REJECTED else "")
         return True
 
     @property

@@ -211,7 +211,7 @@ def test_receive_racing_peer_death_is_refused(pair):
 
     try:
         with pytest.raises(PeerError, match="dead"):
-            d.receive(pg, "late", SlowPages(), 3, timeout=1.0)
+            d.receive(pg, "late", SlowPages(), 5, timeout=1.0)
     finally:
         returned.set()
     assert d.stats().get("receives", 0) == 0
