@@ -134,9 +134,8 @@ def remote_layout(engine: Any, descriptors: bytes | Iterable[bytes]) -> RemoteLa
 def plan_batches(plan: Any, src_rank: int, dst_rank: int) -> list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]:
     """The plan's writes for one rank pair as ``(src_region, dst_region, so, do, ln)``, one per
     region pair, layers in plan order concatenated (what one ``write_batch`` each posts)."""
-    p = plan
     merged: dict[tuple[int, int], list] = {}
-    for sr, dr, so, do, ln in p.groups(src_rank, dst_rank):
+    for sr, dr, so, do, ln in plan.groups(src_rank, dst_rank):
         merged.setdefault((sr, dr), []).append((so, do, ln))
     out = []
     for (sr, dr), parts in merged.items():
@@ -171,7 +170,7 @@ class PlanTransfer:
     @property
     def posted(self) -> int:
         """Messages handed to the provider (exact once ``done``, also after ``cancel``)."""
-        return sum(transfer_posted(t) for t in self.transfers)
+        return sum(int(t.posted) for t in self.transfers)
 
     @property
     def done(self) -> bool:
@@ -194,14 +193,6 @@ class PlanTransfer:
 
     def __repr__(self) -> str:
         return f"<PlanTransfer {len(self.transfers)} region pair(s), {self.num_writes} writes>"
-
-
-def transfer_posted(t: Any) -> int:
-    """``Transfer.posted`` (the engine primitive); before it exists, the native counts."""
-    p = getattr(t, "posted", None)
-    if p is not None:
-        return int(p)
-    return sum(int(x.posted) for x in t._xs)  # pragma: no cover - only before the primitives merge
 
 
 def post_plan(engine: Any, plan: Any, src_rank: int, dst_rank: int, src: LayoutRegions, peer: Any,

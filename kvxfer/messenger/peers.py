@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -335,11 +336,15 @@ class Peers:
             for pg in self.all():
                 if not pg.alive or stop.is_set():
                     continue
-                if pg.outbox and not self._drain(pg):
-                    refused = True
-                    continue
-                if pg.state == "up" and time.monotonic() - pg.last_sent >= pg.heartbeat and not pg.outbox:
-                    self.try_send(pg, C.HEARTBEAT, timeout=SEND_TRY_S)
+                try:
+                    if pg.outbox and not self._drain(pg):
+                        refused = True
+                        continue
+                    if pg.state == "up" and time.monotonic() - pg.last_sent >= pg.heartbeat and not pg.outbox:
+                        self.try_send(pg, C.HEARTBEAT, timeout=SEND_TRY_S)
+                except Exception:          # never let one message kill the sender thread (every peer would go silent)
+                    self.node.count("send_internal_error")
+                    traceback.print_exc()
 
     def _drain(self, pg: PeerGroup, *, dead_too: bool = False) -> bool:
         """Send ``pg``'s outbox, oldest first (``dead_too``: also of a dead peer, our close's

@@ -23,7 +23,6 @@ from kvxfer.errors import InvalidArgumentError, KvxferError, PeerError, TimeoutE
 from kvxfer.messenger import _args
 from kvxfer.messenger import _codec as C
 from kvxfer.messenger._node import FINAL
-from kvxfer.messenger.paged import transfer_posted
 from kvxfer.messenger.peers import PeerGroup
 
 if TYPE_CHECKING:
@@ -435,7 +434,8 @@ class Send:
             if not all(t.done for t in self._transfers):     # finish() appended one since the check
                 return False
             err = self.error or next((t.error for t in self._transfers if t.error is not None), None)
-            posted = sum(transfer_posted(t) for t in self._transfers)
+            # engine Transfers and WatchEntries: both count what they handed to the provider
+            posted = sum(int(t.posted) for t in self._transfers)
             if self._stream is not None and not self._abort_req and any(t.state == "disarmed"
                                                                         for t in self._transfers):
                 # a write that never posts (its pass was abandoned): the decoder must fence

@@ -183,6 +183,8 @@ def test_abort_racing_send_is_answered(pair):
         lock.resume.set()
         p._node.lock = lock._l
     assert res["abort"] is True and r.state == "aborted" and r.fenced
+    # counted by the prefiller's sender thread once Engine.send returned: maybe after the decoder read it
+    _until(lambda: p.stats().get("sent_ABORTED", 0) >= 1, "the prefiller counted its ABORTED")
     assert p.stats().get("sent_ABORTED") == 1
     assert (np.concatenate(dst) == 0xEE).all()
 
