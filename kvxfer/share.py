@@ -42,14 +42,15 @@ import os
 import socket
 import struct
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
 from kvxfer._check import as_int, is_int
 from kvxfer._libc import libc
 from kvxfer.buffers.handles import SharedHandle
 from kvxfer.errors import ClosedError, DescriptorError, InvalidArgumentError, PeerError, UnsupportedError
 
-__all__ = ["send_handles", "recv_handles", "pack_handles", "unpack_handles", "pidfd_getfd", "MAX_FDS_PER_MESSAGE"]
+__all__ = ["send_handles", "recv_handles", "pack_handles", "unpack_handles", "pidfd_getfd", "recv_exact",
+           "MAX_FDS_PER_MESSAGE"]
 
 MAGIC = b"KVXH"
 VERSION = 1
@@ -126,12 +127,18 @@ def _close_all(fds: Iterable[int]) -> None:
             pass
 
 
-def _recv_exact(sock: socket.socket, n: int, into: bytearray) -> None:
-    while len(into) < n:
-        chunk = sock.recv(n - len(into))
+def recv_exact(sock: socket.socket, n: int, into: Optional[bytearray] = None,
+               what: str = "a handle message") -> bytearray:
+    """Read stream socket ``sock`` until ``into`` (a new buffer if None) holds ``n`` bytes and
+    return it; ``PeerError`` naming ``what`` if the peer closes first. The one exact read of
+    kvxfer's Unix-socket protocols (handle messages here, the TP workers' publications)."""
+    buf = bytearray() if into is None else into
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise PeerError("socket closed in the middle of a handle message")
-        into += chunk
+            raise PeerError(f"socket closed in the middle of {what}")
+        buf += chunk
+    return buf
 
 
 def _recv_message(sock: socket.socket) -> tuple[bytes, int, list[int]]:
@@ -153,7 +160,7 @@ def _recv_message(sock: socket.socket) -> tuple[bytes, int, list[int]]:
             raise DescriptorError("fds were truncated in transit (MSG_CTRUNC): too many fds in one message")
         buf = bytearray(data)
         if stream:
-            _recv_exact(sock, _PREFIX.size, buf)
+            recv_exact(sock, _PREFIX.size, buf)
         elif len(buf) < _PREFIX.size:
             raise DescriptorError(f"handle message of {len(buf)} bytes is shorter than its prefix")
         magic, version, flags, nfds, blen = _PREFIX.unpack_from(buf)
@@ -166,7 +173,7 @@ def _recv_message(sock: socket.socket) -> tuple[bytes, int, list[int]]:
         if nfds != len(fds):
             raise DescriptorError(f"handle message announced {nfds} fds, {len(fds)} arrived")
         if stream:
-            _recv_exact(sock, _PREFIX.size + blen, buf)
+            recv_exact(sock, _PREFIX.size + blen, buf)
         elif len(buf) != _PREFIX.size + blen:
             raise DescriptorError(f"handle message is {len(buf)} bytes, its prefix says {_PREFIX.size + blen}")
         return bytes(buf[_PREFIX.size :]), flags, fds

@@ -31,6 +31,8 @@ def controls(draw, src=u64, dst=u64, hello_blob=st.binary(min_size=1, max_size=2
         kw.update(imm=draw(u32))
     elif t == C.ABORTED:
         kw.update(imm=draw(u32), count=draw(u64), flags=draw(st.integers(0, 7)))
+        if kw["flags"] & C.ABORTED_REJECTED:       # a rejection after posting carries its reason
+            kw["reason"] = draw(reasons)
     elif t == C.REJECT:
         kw.update(imm=draw(u32), reason=draw(reasons))
     return C.Control(t, draw(src), draw(dst), draw(u64), **kw)

@@ -191,7 +191,8 @@ class _Load:
                 inst = self.d.connect(name)
                 # node mode: one group holds both ranks; per-rank: one group per rank process
                 peers = inst.groups if len(inst.groups) > 1 else inst.peer
-                return self.m.receive(peers, rid, pages, self.rng.randint(1, len(pages) * PAGE)), name
+                return self.m.receive(peers, rid, pages, self.rng.randint((len(pages) - 1) * PAGE + 1,
+                                                                           len(pages) * PAGE)), name
             except kvxfer.errors.KvxferError as exc:
                 self.suspect[name] = time.monotonic() + self.hold
                 k = type(exc).__name__

@@ -15,10 +15,7 @@ import numpy as np
 from kvxfer._check import as_cpus, as_timeout, is_int
 from kvxfer.errors import InvalidArgumentError, OutOfBoundsError, PlanError
 
-__all__ = ["timeout", "bounded_int", "callback", "dst_pages", "src_pages", "src_prefix", "cpus", "watch"]
-
-#: the longest watcher poll interval (µs): its nanoseconds fit an int64 (the engine's bound)
-MAX_POLL_US = 1e9
+__all__ = ["timeout", "bounded_int", "callback", "dst_pages", "src_pages", "src_prefix", "cpus"]
 
 
 def timeout(value: Any, name: str = "timeout") -> Optional[float]:
@@ -66,14 +63,14 @@ def dst_pages(pages: Any, num_pages: int, max_pages: int) -> np.ndarray:
 
 
 def src_pages(pages: Any, n: int, num_pages: int) -> np.ndarray:
-    """A prefiller's source pages for a request of ``n`` pages (``PlanError`` otherwise)."""
+    """A prefiller's source pages: exactly ``n`` (``PlanError`` otherwise, more as fewer)."""
     a = np.asarray(pages)
     if a.ndim != 1:
         raise PlanError(f"src_pages must be a 1-D list of page indices, got shape {a.shape}")
     if a.size and a.dtype.kind not in "iu":
         raise PlanError(f"src_pages must hold integers, got dtype {a.dtype}")
     if a.shape[0] != n:
-        raise PlanError(f"src_pages has {a.shape[0]} pages but dst_pages has {n}")
+        raise PlanError(f"src_pages has {a.shape[0]} pages but the request's tokens fill exactly {n}")
     a = a.astype(np.int64)
     if n and (int(a.min()) < 0 or int(a.max()) >= num_pages):
         bad = int(a[(a < 0) | (a >= num_pages)][0])
@@ -94,14 +91,3 @@ def src_prefix(pages: Any, n: int, num_pages: int) -> np.ndarray:
 def cpus(value: Optional[Iterable[int]]) -> Optional[tuple]:
     """CPUs a watcher may be pinned to: ones this process may run on (None: unpinned)."""
     return None if value is None else as_cpus(value)
-
-
-def watch(poll_us: Any, rt_priority: Any, prefix: str = "watch_") -> tuple[float, int]:
-    """A watcher's poll interval (µs, positive, at most ``MAX_POLL_US``) and SCHED_FIFO priority."""
-    if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not 0 < poll_us <= MAX_POLL_US:
-        raise InvalidArgumentError(f"{prefix}poll_us must be a positive number up to {MAX_POLL_US:g}, "
-                                   f"got {poll_us!r}")
-    if isinstance(rt_priority, bool) or not isinstance(rt_priority, int) or not 0 <= rt_priority <= 99:
-        raise InvalidArgumentError(f"{prefix}rt_priority must be an int in 0..99, got {rt_priority!r}")
-    return float(poll_us), int(rt_priority)
-

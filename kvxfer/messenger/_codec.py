@@ -21,7 +21,7 @@ stays version 1, as before.
 Handshake, version 1 (no secret) and 2 (a secret; little-endian)::
 
     b"KXHS" | u8 version | u32 header length | header (UTF-8 JSON) | table | [32-byte tag]
-    table, version 1:  u32 descriptors | per descriptor: u16 length + wire.Descriptor bytes
+    table, version 1:  u32 descriptors | per descriptor: an item (u16 length + wire.Descriptor bytes)
     table, version 2:  u32 sealed length | 12-byte nonce | AES-GCM(version 1 table) + 16-byte GCM tag
 
 The JSON header holds ``uid`` (the messenger's random 64-bit identity, new per process),
@@ -31,7 +31,14 @@ The JSON header holds ``uid`` (the messenger's random 64-bit identity, new per p
 ``context`` (``[slots, bytes]``) and ``peer_timeout``. Descriptors: for each rank held, the
 layout's regions in region-id order; then the context region when ``slots > 0``.
 
-Control message, version 1::
+Items: a byte string travels as u16 length + bytes (``pack_item`` / ``read_item``, and
+``read_items`` for a counted list of them: the one parser of every length-prefixed list here
+and in paged.py's region table). A reason is an item of UTF-8 text, at most ``MAX_REASON``
+bytes (``reason_bytes`` cuts a longer one before the first character that does not fit
+whole); a decoder refuses one that is longer, cut short or not UTF-8.
+
+Control message, version 2 (version 1 carried a REJECT's reason unprefixed and an ABORTED
+without one; a peer of the other version is refused by the version check)::
 
     b"KC" | u8 version | u8 type | u64 src uid | u64 dst uid | u64 seq | payload | [32-byte tag]
 
@@ -52,8 +59,9 @@ type   name         payload
 5      ABORT        ``<I>`` imm
 6      ABORTED      ``<I Q B>`` imm, messages posted, flags (1: request unknown,
                     2: the prefiller gave up on its own, 4: with 2, it rejected
-                    the request after posting: ``Request.reject``)
-7      REJECT       ``<I>`` imm, then a UTF-8 reason
+                    the request after posting: ``Request.reject``); with flag 4
+                    the reason (an item), else nothing
+7      REJECT       ``<I>`` imm, the reason (an item)
 8      HEARTBEAT    empty
 9      BYE          empty
 ====== ============ =====================================================================
@@ -80,7 +88,8 @@ __all__ = [
     "Handshake", "Control", "RequestId", "encode_request_id", "decode_request_id",
     "HANDSHAKE_VERSION", "HANDSHAKE_SEALED_VERSION", "CONTROL_VERSION", "TAG_BYTES", "MSG_TYPES",
     "HELLO", "HELLO_ACK", "REQUEST", "ANNOUNCE", "ABORT", "ABORTED", "REJECT", "HEARTBEAT", "BYE",
-    "ABORTED_UNKNOWN", "ABORTED_BY_PREFILLER", "ABORTED_REJECTED", "MAX_PAGES", "MAX_META",
+    "ABORTED_UNKNOWN", "ABORTED_BY_PREFILLER", "ABORTED_REJECTED", "MAX_PAGES", "MAX_META", "MAX_REASON",
+    "pack_item", "read_item", "read_items", "reason_bytes",
 ]
 
 HANDSHAKE_MAGIC = b"KXHS"
@@ -90,7 +99,7 @@ _NONCE_BYTES = 12
 _GCM_TAG_BYTES = 16
 _TABLE_KEY_INFO = b"kvxfer handshake region table, AES-256-GCM, v2"
 CONTROL_MAGIC = b"KC"
-CONTROL_VERSION = 1
+CONTROL_VERSION = 2
 TAG_BYTES = 32
 
 HELLO, HELLO_ACK, REQUEST, ANNOUNCE, ABORT, ABORTED, REJECT, HEARTBEAT, BYE = range(1, 10)
@@ -115,7 +124,8 @@ MAX_MESSAGE = 65536
 #: the most bytes of ``meta`` a REQUEST carries (``Messenger.receive(meta=)``, ``Request.meta``)
 MAX_META = 256
 MAX_PAGES = (MAX_MESSAGE - _HDR.size - _REQ.size - 3 - 1024 - _REQ_TAIL.size - MAX_META - TAG_BYTES) // 4
-_MAX_REASON = 1024
+#: the most bytes of a rejection's reason that travel (``Request.reject``; UTF-8, cut at a character)
+MAX_REASON = 1024
 _U64 = 2**64
 
 RequestId = Union[str, bytes, int]
@@ -195,6 +205,57 @@ def _open(data: bytes, secret: Optional[bytes], what: str) -> bytes:
     if not hmac.compare_digest(_tag(secret, body), tag):
         raise DescriptorError(f"{what} failed authentication (wrong or missing shared secret)")
     return body
+
+
+# -- items: u16 length + bytes ------------------------------------------------------------
+
+def pack_item(b: bytes) -> bytes:
+    """``b`` as an item: u16 length + bytes (``InvalidArgumentError`` past 65535 bytes)."""
+    if len(b) > 0xFFFF:
+        raise InvalidArgumentError(f"an item is at most 65535 bytes, got {len(b)}")
+    return _U16.pack(len(b)) + bytes(b)
+
+
+def read_item(data: bytes, pos: int, what: str, most: int = 0xFFFF, empty: bool = True) -> tuple[bytes, int]:
+    """The item of ``data`` at ``pos`` and the position after it. ``DescriptorError`` naming
+    ``what`` if it is cut short, longer than ``most`` bytes, or empty where ``empty`` is False."""
+    if pos + 2 > len(data):
+        raise DescriptorError(f"{what} is truncated")
+    (n,) = _U16.unpack_from(data, pos)
+    pos += 2
+    if n > most:
+        raise DescriptorError(f"{what} is {n} bytes; at most {most}")
+    if not n and not empty:
+        raise DescriptorError(f"{what} is empty")
+    if pos + n > len(data):
+        raise DescriptorError(f"{what} is truncated")
+    return bytes(data[pos:pos + n]), pos + n
+
+
+def read_items(data: bytes, pos: int, count: int, what: str) -> tuple[list[bytes], int]:
+    """``count`` non-empty items of ``data`` from ``pos``, and the position after them."""
+    out = []
+    for _ in range(count):
+        b, pos = read_item(data, pos, what, empty=False)
+        out.append(b)
+    return out, pos
+
+
+def reason_bytes(reason: str) -> bytes:
+    """``reason`` as it travels: UTF-8 (a lone surrogate as ``?``), at most ``MAX_REASON``
+    bytes, cut before the first character that would not fit whole."""
+    b = reason.encode("utf-8", "replace")
+    if len(b) > MAX_REASON:
+        b = b[:MAX_REASON].decode("utf-8", "ignore").encode("utf-8")
+    return b
+
+
+def _read_reason(data: bytes, pos: int, t: int) -> tuple[str, int]:
+    b, pos = read_item(data, pos, f"{MSG_TYPES[t]}'s reason", MAX_REASON)
+    try:
+        return b.decode("utf-8"), pos
+    except UnicodeDecodeError:
+        raise DescriptorError(f"{MSG_TYPES[t]}'s reason is not UTF-8") from None
 
 
 # -- request ids --------------------------------------------------------------------------
@@ -297,9 +358,9 @@ class Handshake:
             descs.append(self.context)
         table = [_U32.pack(len(descs))]
         for d in descs:
-            if not 0 < len(d) < 65536:
+            if not d:
                 raise InvalidArgumentError("a descriptor must be 1..65535 bytes")
-            table += [_U16.pack(len(d)), d]
+            table.append(pack_item(d))
         secret = _check_secret(secret)
         version = HANDSHAKE_SEALED_VERSION if secret else HANDSHAKE_VERSION
         head = b"".join([HANDSHAKE_MAGIC, bytes([version]), _U32.pack(len(header)), header])
@@ -346,17 +407,7 @@ class Handshake:
         if pos + 4 > len(data):
             raise DescriptorError("handshake is truncated")
         (nd,) = _U32.unpack_from(data, pos)
-        pos += 4
-        descs = []
-        for _ in range(nd):
-            if pos + 2 > len(data):
-                raise DescriptorError("handshake descriptor table is truncated")
-            (n,) = _U16.unpack_from(data, pos)
-            pos += 2
-            if n == 0 or pos + n > len(data):
-                raise DescriptorError("handshake descriptor is truncated")
-            descs.append(bytes(data[pos:pos + n]))
-            pos += n
+        descs, pos = read_items(data, pos + 4, nd, "handshake descriptor")
         if pos != len(data):
             raise DescriptorError(f"handshake has {len(data) - pos} trailing bytes")
         return cls._from_header(h, descs)
@@ -493,8 +544,10 @@ class Control:
             body = _IMM.pack(self.imm)
         elif t == ABORTED:
             body = _ABD.pack(self.imm, self.count, self.flags)
+            if self.flags & ABORTED_REJECTED:
+                body += pack_item(reason_bytes(self.reason))
         elif t == REJECT:
-            body = _IMM.pack(self.imm) + self.reason.encode("utf-8", "replace")[:_MAX_REASON]
+            body = _IMM.pack(self.imm) + pack_item(reason_bytes(self.reason))
         else:
             raise InvalidArgumentError(f"unknown control message type {t}")
         return _seal(head + body, secret)
@@ -540,15 +593,17 @@ class Control:
                 _exact(body, _IMM.size, t)
                 (m.imm,) = _IMM.unpack(body)
             elif t == ABORTED:
-                _exact(body, _ABD.size, t)
-                m.imm, m.count, m.flags = _ABD.unpack(body)
+                m.imm, m.count, m.flags = _ABD.unpack_from(body)
                 if m.flags & ~(ABORTED_UNKNOWN | ABORTED_BY_PREFILLER | ABORTED_REJECTED):
                     raise DescriptorError("ABORTED has unknown flags")
+                pos = _ABD.size
+                if m.flags & ABORTED_REJECTED:
+                    m.reason, pos = _read_reason(body, pos, t)
+                _exact(body, pos, t)
             elif t == REJECT:
-                if len(body) < 4 or len(body) > 4 + _MAX_REASON:
-                    raise DescriptorError("REJECT has a bad length")
                 (m.imm,) = _IMM.unpack_from(body)
-                m.reason = body[4:].decode("utf-8", "replace")
+                m.reason, pos = _read_reason(body, _IMM.size, t)
+                _exact(body, pos, t)
             else:
                 raise DescriptorError(f"unknown control message type {t}")
         except struct.error:

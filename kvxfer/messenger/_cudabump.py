@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvxfer._cuda import driver
+from kvxfer._cuda import driver, nvrtc_module
 from kvxfer.errors import KvxferError, UnsupportedError
 
 _SRC = rb"""
@@ -50,13 +50,9 @@ class Kernel:
     """The compiled increment kernel, loaded into ``device``'s primary context."""
 
     def __init__(self, device: int) -> None:
-        try:
-            from cuda.bindings import nvrtc
-        except ImportError:
-            try:
-                from cuda import nvrtc  # type: ignore[no-redef]
-            except ImportError:
-                raise UnsupportedError("bump_on needs cuda-python's nvrtc") from None
+        nvrtc = nvrtc_module()
+        if nvrtc is None:
+            raise UnsupportedError("bump_on needs cuda-python's nvrtc")
         d = driver
         drv = d.load()
         d.make_current(device)

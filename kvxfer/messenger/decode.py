@@ -1,5 +1,6 @@
-"""The decode side of the protocol: a ``Receive`` and its legs, REQUEST out, ANNOUNCE /
-ABORTED / REJECT in, and the fence.
+"""The decode side of the protocol: the room that owns every ``Receive``'s transitions
+(receive.py holds the object and its legs): REQUEST out, ANNOUNCE / ABORTED / REJECT in, and
+the fence.
 
 A ``Receive`` asks one prefill instance for a request's KV. The instance is one peer (a node
 holding every source rank) or several (one per prefill rank process): the REQUEST goes to
@@ -15,7 +16,6 @@ when every leg is fenced.
 from __future__ import annotations
 
 import os
-import threading
 import time
 import weakref
 from collections import deque
@@ -39,215 +39,13 @@ from kvxfer.messenger import _codec as C
 from kvxfer.messenger import prefix
 from kvxfer.messenger._node import FINAL, Node
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
+from kvxfer.messenger.receive import Leg, Receive
 from kvxfer.planner import request_seed, writing_ranks
 
-__all__ = ["Receive", "Leg", "Decoder", "IMM_LIMIT"]
+__all__ = ["Receive", "Leg", "Decoder", "IMM_LIMIT"]     # Receive and Leg live in receive.py
 
 #: imm values the messenger allocates: [1, 2**31); the upper half stays free for the caller.
 IMM_LIMIT = 2**31
-
-
-class _Holder:
-    """Exports a read-only buffer and keeps its owner (a Receive) alive while viewed."""
-
-    __slots__ = ("_arr", "_owner")
-
-    def __init__(self, arr: np.ndarray, owner: Any) -> None:
-        self._arr = arr
-        self._owner = owner
-
-    def __buffer__(self, flags: int) -> memoryview:
-        return memoryview(self._arr).toreadonly()
-
-
-class Leg:
-    """One prefill peer's part of a Receive (read-only outside this module): its imm, the
-    context slot it writes (-1: none), what it announced, and its fence."""
-
-    __slots__ = ("peer", "imm", "slot", "announced", "counter", "fence_target", "fence_counter",
-                 "fence_since", "fence_ok", "abort_sent", "complete", "fenced")
-
-    def __init__(self, peer: PeerGroup, imm: int, slot: int) -> None:
-        self.peer = peer
-        self.imm = imm
-        self.slot = slot
-        self.announced: Optional[int] = None
-        self.counter: Any = None
-        self.fence_target: Optional[int] = None
-        self.fence_counter: Any = None
-        self.fence_since = 0.0           # when the ABORTED set the fence (monotonic)
-        self.fence_ok = False            # fenced by the prefiller's ABORTED, not by a teardown
-        self.abort_sent = False
-        self.complete = False            # every announced write credited
-        self.fenced = False              # nothing of this leg can land any more
-
-    def __repr__(self) -> str:
-        return f"<Leg {self.peer.uid:016x} imm={self.imm} announced={self.announced} fenced={self.fenced}>"
-
-
-class Receive:
-    """A request this node (the decoder) made: its pages fill, then it is ``"done"``.
-
-    ``state``: ``"pending"`` (request sent), ``"transferring"`` (a prefill peer announced its
-    writes), then one of ``"done"``, ``"failed"`` (``error`` says why), ``"aborted"``.
-    ``done`` is True in any of the last three (as for a future). ``fenced`` is True once no
-    write of this request can land any more (always after done and after a successful abort;
-    after a failure once every leg was fenced or its peer torn down): until then the
-    messenger refuses its pages to new requests. ``legs``: one per prefill peer written to.
-
-    Attributes: ``request_id``, ``dst_pages`` (read-only), ``num_tokens``, ``first_token``,
-    ``meta`` (as given to ``receive``), ``peer``/``peers`` (the first leg's / every leg's
-    PeerGroup), ``imm`` (the first leg's), ``error`` (why it failed: ``RejectedError`` =
-    recompute, ``PeerError`` = the peer is gone, ``TimeoutError``, ``ClosedError``),
-    ``t_start``, ``t_done``, ``t_fenced`` (monotonic seconds), ``arrived``, ``expected``,
-    ``context``.
-
-    Threads: every method and property may be called from any thread, concurrently.
-    ``wait`` blocks the caller; ``abort(timeout=0)`` never does (it sends the ABORTs and
-    returns; the fence finishes in the background: ``fenced`` and ``poll()`` say when).
-    Callbacks run on the messenger's dispatcher thread (``kvxfer-msg-cb``), one at a time.
-    """
-
-    def __init__(self, dec: "Decoder", legs: list[Leg], rid: Any, pages: np.ndarray, num_tokens: int,
-                 slot: int, deadline: Optional[float]) -> None:
-        self._dec = dec
-        self.legs: tuple[Leg, ...] = tuple(legs)
-        self.peer: PeerGroup = legs[0].peer          #: the first leg's peer
-        self.peers: tuple[PeerGroup, ...] = tuple(leg.peer for leg in legs)
-        self.imm: int = legs[0].imm                  #: the first leg's imm
-        self.request_id = rid                        #: the id given to ``receive``
-        self.dst_pages = pages                       #: this decoder's pages (read-only)
-        self.num_tokens = num_tokens                 #: tokens of the request
-        self.first_token = 0                         #: tokens before it were held here already
-        self.meta = b""                              #: the bytes given to ``receive(meta=)``
-        self._slot = slot
-        self._slot_cell = [slot]
-        self._deadline = deadline
-        self._state = "pending"
-        self.error: Optional[BaseException] = None  #: why it failed (None otherwise)
-        self.fenced = False                          #: no write of it can land any more: pages reusable
-        self._event = threading.Event()
-        self._armed = threading.Event()     # every leg's counter exists (ANNOUNCEs handled) or final
-        self._callbacks: list[Callable[[Receive], Any]] = []
-        self._aborting = False              # ABORT goes (went) to every leg not fenced
-        self._fail_now = False              # final at once (a peer died, a REJECT), fenced later
-        self._released = False
-        self._hot = False
-        self.t_start = time.monotonic()              #: when ``receive`` made it (monotonic)
-        self.t_done: Optional[float] = None          #: when it became final
-        self.t_fenced: Optional[float] = None        #: when it became fenced
-
-    # -- public -----------------------------------------------------------------------
-    @property
-    def state(self) -> str:
-        return self._state
-
-    @property
-    def done(self) -> bool:
-        return self._state in FINAL
-
-    def wait(self, timeout: Optional[float] = None) -> str:
-        """Block until final; return ``"done"`` or ``"aborted"``, raise ``error`` if failed,
-        ``TimeoutError`` if ``timeout`` seconds pass first (the request goes on)."""
-        timeout = _args.timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._event.is_set():
-            self._wait_counters(deadline)
-        if not self._event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(f"request {self.request_id!r} is still {self._state} after {timeout} s")
-        if self._state == "failed" and self.error is not None:
-            raise self.error
-        return self._state
-
-    @property
-    def arrived(self) -> int:
-        """Messages of this request credited so far (0 until a prefill peer announced its
-        count): progress, e.g. layers landing while a stream runs."""
-        n = 0
-        for leg in self.legs:
-            c = leg.counter
-            if c is not None:
-                n += c.count if c.done else c.arrived
-        return n
-
-    @property
-    def expected(self) -> Optional[int]:
-        """The announced message count, every leg's together (None before the last ANNOUNCE)."""
-        counts = [leg.announced for leg in self.legs]
-        return None if any(c is None for c in counts) else sum(counts)
-
-    def _wait_counters(self, deadline: Optional[float]) -> None:
-        """The caller's thread waits on the engine's counters itself (native, GIL-free waits
-        woken by the progress thread) once the ANNOUNCEs armed them, and completes the
-        request: no hop through the engine's callback dispatcher. That callback still runs
-        (for callers that never wait); completing twice is a no-op."""
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not self._armed.wait(left):
-            return
-        for leg in self.legs:
-            c = leg.counter
-            while c is not None and not self._event.is_set():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return
-                try:
-                    c.wait(0.2 if left is None else min(left, 0.2))     # slices: a failure sets _event
-                except TimeoutError:
-                    continue
-                except KvxferError:                  # discarded (abort, failure) or engine closed
-                    return
-                if c.state != "done":
-                    return
-                self._dec.on_counter(self, leg)
-                break
-
-    def add_done_callback(self, fn: Callable[["Receive"], Any]) -> None:
-        """``fn(receive)`` once final, on the messenger's dispatcher thread."""
-        _args.callback(fn)
-        with self._dec.node.lock:
-            if self._state not in FINAL:
-                self._callbacks.append(fn)
-                return
-        self._dec.node.dispatch(fn, self)
-
-    @property
-    def context(self) -> Optional[memoryview]:
-        """A read-only view of the context the prefiller wrote (None before done, or
-        without context slots). Valid until ``release()``; the view keeps the Receive alive."""
-        if self._state != "done" or self._slot < 0 or self._released:
-            return None
-        arr, stride, most = self._dec.ctx_array, self._dec.ctx_stride, self._dec.context_bytes
-        base = self._slot * stride
-        n = min(int(arr[base:base + 8].view("<u8")[0]), most)   # a hostile length cannot read past the slot
-        return memoryview(_Holder(arr[base + 8:base + 8 + n], self))
-
-    def abort(self, timeout: Optional[float] = None) -> bool:
-        """Stop the request with a fence. True once no write of it can land any more (every
-        prefill peer stopped, reported what it posted, and all of that was credited; or it
-        was already done); then the pages may be reused. False if a peer did not answer
-        within ``timeout`` (None: until it answers or is declared dead), or died: the pages
-        stay quarantined until ``fenced`` turns True (the dead peer torn down, the others'
-        writes fenced). ``abort(timeout=0)`` is the scheduler loop's non-blocking abort: it
-        asks every peer and returns at once (False unless already fenced); the fence
-        finishes in the background and ``Messenger.poll()`` reports the Receive once
-        ``fenced``."""
-        timeout = _args.timeout(timeout)
-        with self._dec.node.lock:
-            if self._state == "done":
-                return True
-            legs = self._dec.start_abort(self) if self._state not in FINAL else []
-        self._dec.send_aborts(legs)
-        if not self._event.wait(timeout):
-            return False
-        return self._state == "done" or all(leg.fence_ok or leg.complete for leg in self.legs)
-
-    def release(self) -> None:
-        """Give the context slot back (call once the context was read; also on collection)."""
-        self._dec.release(self)
-
-    def __repr__(self) -> str:
-        return (f"<Receive {self.request_id!r} {len(self.dst_pages)} pages {len(self.legs)} leg(s) "
-                f"imm={self.imm} {self._state}>")
 
 
 class Decoder:
@@ -288,9 +86,9 @@ class Decoder:
             raise InvalidArgumentError(f"tokens [{first_token}, {num_tokens}) are not a request: 0 <= first_token "
                                        "< num_tokens")
         need = prefix.dst_page_count(num_tokens, first_token, ps)
-        if len(pages) < need:           # the prefiller checks again (against this handshake)
-            raise InvalidArgumentError(f"num_tokens {num_tokens} (from first_token {first_token}) do not fit "
-                                       f"{len(pages)} page(s) of {ps} tokens: {need} needed")
+        if len(pages) != need:          # the prefiller checks again (against this handshake)
+            raise InvalidArgumentError(f"num_tokens {num_tokens} from first_token {first_token} fill exactly {need} "
+                                       f"page(s) of {ps} tokens, got {len(pages)} dst_pages")
         try:
             meta = bytes(memoryview(meta))
         except TypeError:
@@ -354,37 +152,19 @@ class Decoder:
             if queued:                   # sent by peer_up once every leg's peer is up
                 self.queued[r] = None
                 node.count("receives_queued")
+            else:
+                # posted under the lock: a teardown (which takes it) finds the Receive and
+                # fails it, and an abort can only post its ABORTs after these
+                self._post_requests(r)
         if slot >= 0:
             weakref.finalize(r, self.free_cell, r._slot_cell)
-        if queued:
-            return r
-        for i, leg in enumerate(r.legs):
-            try:
-                self.peers.send(leg.peer, C.REQUEST, imm=leg.imm, num_tokens=int(num_tokens), slot=leg.slot,
-                                request_id=request_id, pages=pages, first_token=first_token, meta=meta)
-            except KvxferError as exc:
-                err = PeerError(f"could not send the request to peer {leg.peer.uid:016x}: {exc}")
-                self._unsent(r, i, err)
-                raise err from exc
         return r
 
-    def _unsent(self, r: Receive, i: int, err: PeerError) -> None:
-        """The REQUEST of leg ``i`` could not go: legs from ``i`` on never write (fenced);
-        the legs before it are aborted with the fence."""
-        node = self.node
-        with node.lock:
-            r.error = err
-            r._fail_now = True
-            for leg in r.legs[i:]:
-                leg.abort_sent = True
-                self._fence_leg(leg)
-            legs = self.start_abort(r) if i else []
-            final = self._progress(r)
-        self.send_aborts(legs)
-        if not i:
-            r._released = True
-            self.free_cell(r._slot_cell)
-        self._finished(r, final)
+    def _post_requests(self, r: Receive) -> None:
+        """Under the lock: every leg's REQUEST to the sender thread (no wait on the engine)."""
+        for leg in r.legs:
+            self.peers.post(leg.peer, C.REQUEST, imm=leg.imm, num_tokens=r.num_tokens, slot=leg.slot,
+                            request_id=r.request_id, pages=r.dst_pages, first_token=r.first_token, meta=r.meta)
 
     # -- queued for a connecting peer (connect(wait=False)) -----------------------------------
     def _dequeue(self, r: Receive) -> bool:
@@ -398,18 +178,14 @@ class Decoder:
         return True
 
     def peer_up(self, pg: PeerGroup) -> None:
-        """``pg`` answered its HELLO: send the REQUESTs of the queued receives whose peers
-        are all up now (messenger thread; resent while refused)."""
+        """``pg`` answered its HELLO: post the REQUESTs of the queued receives whose peers
+        are all up now (under the lock, so an abort's ABORTs come after them)."""
         with self.node.lock:
             ready = [r for r in self.queued if any(leg.peer is pg for leg in r.legs)
                      and all(leg.peer.state == "up" for leg in r.legs)]
             for r in ready:
                 del self.queued[r]
-        for r in ready:
-            for leg in r.legs:
-                self.peers.try_send(leg.peer, C.REQUEST, retry=True, imm=leg.imm, num_tokens=r.num_tokens,
-                                    slot=leg.slot, request_id=r.request_id, pages=r.dst_pages,
-                                    first_token=r.first_token, meta=r.meta)
+                self._post_requests(r)
 
     def connect_failed(self, pg: PeerGroup, err: KvxferError) -> None:
         """``pg``'s connect failed: the receives queued for it fail with its error, fenced."""
@@ -454,10 +230,10 @@ class Decoder:
         return out
 
     def send_aborts(self, legs: list[Leg]) -> None:
-        """Outside the lock: ABORT each leg's peer (resent until it goes, while it lives)."""
+        """ABORT each leg's peer: posted (the sender thread sends it after the leg's REQUEST,
+        and tries again while the engine refuses it and the peer lives)."""
         for leg in legs:
-            if leg.peer.alive:
-                self.peers.try_send(leg.peer, C.ABORT, imm=leg.imm, retry=True)
+            self.peers.post(leg.peer, C.ABORT, imm=leg.imm)
 
     def _fence_leg(self, leg: Leg) -> None:
         """No write of ``leg`` can land any more: retire its imm."""
@@ -638,7 +414,7 @@ class Decoder:
             else:
                 if m.flags & C.ABORTED_REJECTED and r.error is None:
                     r.error = RejectedError(f"the prefiller rejected request {r.request_id!r} after posting "
-                                            f"{target} write(s) (fenced)")
+                                            f"{target} write(s) (fenced): {m.reason}")
                 elif m.flags & C.ABORTED_BY_PREFILLER and r.error is None:
                     r.error = PeerError(f"the prefiller gave up on request {r.request_id!r}")
                 leg.fence_target = target

@@ -10,9 +10,11 @@ layer counter, ``schedule``, ``Pass``). The messenger wires them together: it ro
 control message, and a peer's death to both roles.
 
 Threads: the messenger thread (``kvxfer-msg``) is the only reader of the engine's control
-messages; it also sends heartbeats, declares silent peers dead, runs request timeouts and
-fences. The reaper (``kvxfer-msg-reap``) settles sends. User callbacks and ``on_request`` run
-on one dispatcher thread (``kvxfer-msg-cb``), never on the engine's threads.
+messages; it also declares silent peers dead, runs request timeouts and fences. The sender
+(``kvxfer-msg-send``) is the only thread that waits on the engine for a control message: every
+room posts its messages to the peer's outbox (peers.py) and returns. The reaper
+(``kvxfer-msg-reap``) settles sends. User callbacks and ``on_request`` run on one dispatcher
+thread (``kvxfer-msg-cb``), never on the engine's threads.
 
 See docs/messenger.md for the protocol, the counting rule, the abort fence and what a dead
 peer guarantees on each provider.
@@ -151,7 +153,7 @@ class Messenger:
                  placements: Optional[Mapping[int, Any]] = None, counter_device: Optional[int] = None,
                  watch_poll_us: float = 10.0, watch_cpus: Optional[Iterable[int]] = None,
                  watch_rt_priority: int = 0) -> None:
-        from kvxfer.engine import Engine      # here: the codecs import without libfabric
+        from kvxfer.engine import Engine, _check_watch     # here: the codecs import without libfabric
 
         if not isinstance(engine, Engine):
             raise InvalidArgumentError(f"engine must be a kvxfer Engine, got {type(engine).__name__}")
@@ -173,7 +175,8 @@ class Messenger:
             raise InvalidArgumentError(f"context_bytes {context_bytes} exceeds one message of this engine")
         if counter_device is not None and (not is_int(counter_device) or counter_device < 0):
             raise InvalidArgumentError(f"counter_device must be a CUDA device ordinal, got {counter_device!r}")
-        poll_us, rt = _args.watch(watch_poll_us, watch_rt_priority)
+        _check_watch(watch_poll_us, watch_rt_priority, "watch_")     # Engine.watcher's own check, up front
+        poll_us, rt = float(watch_poll_us), int(watch_rt_priority)
         cpus = _args.cpus(watch_cpus)
         self.secret = secret
         self.engine = engine
@@ -227,6 +230,8 @@ class Messenger:
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, name="kvxfer-msg", daemon=True),
+            threading.Thread(target=self._peers_room.run_sender, args=(self._stop,), name="kvxfer-msg-send",
+                             daemon=True),
             threading.Thread(target=self._prefill.run_reaper, name="kvxfer-msg-reap", daemon=True),
             threading.Thread(target=node.run_dispatcher, name="kvxfer-msg-cb", daemon=True),
         ]
@@ -269,6 +274,7 @@ class Messenger:
             if pg.alive:
                 self._peer_gone(pg, err, notify=True)
         self._stop.set()
+        self._peers_room.wake()
         self._prefill.stop_reaper()
         self._prefill.wake()
         node.stop_dispatcher()
@@ -347,7 +353,8 @@ class Messenger:
             raise ClosedError("messenger is closed")
 
     def _send(self, pg: PeerGroup, t: int, timeout: Optional[float] = 5.0, **fields: Any) -> None:
-        """One control message to ``pg`` (the tests' door for crafted messages)."""
+        """One control message to ``pg`` now, from this thread, past the outbox (the tests'
+        door for crafted messages)."""
         self._peers_room.send(pg, t, timeout, **fields)
 
     # -- the public calls -------------------------------------------------------------------

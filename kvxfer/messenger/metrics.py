@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any, Optional
 
-__all__ = ["Histograms", "BUCKETS", "snapshot", "PrometheusCollector", "serve_prometheus"]
+__all__ = ["Histograms", "BUCKETS", "snapshot", "PrometheusCollector", "PrometheusServer", "serve_prometheus"]
 
 #: histogram bucket upper bounds, seconds (then +Inf)
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -131,10 +131,45 @@ class PrometheusCollector:
         yield from hists.values()
 
 
+class PrometheusServer:
+    """A running Prometheus exporter (``serve_prometheus``): ``registry``, ``port`` (the one it
+    bound), ``url``; ``close()`` stops serving, frees the port and joins its thread
+    (idempotent; also as a context manager)."""
+
+    def __init__(self, registry: Any, server: Any, thread: Any) -> None:
+        self.registry = registry          #: the CollectorRegistry it serves
+        self._server = server
+        self._thread = thread
+        self.port: int = int(server.server_port)     #: the port it listens on
+        self.url = f"http://{server.server_address[0]}:{self.port}/metrics"    #: where Prometheus scrapes
+        self.closed = False               #: close() was called
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._server.shutdown()           # serve_forever returns
+        self._server.server_close()       # the listening socket goes
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "PrometheusServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<PrometheusServer {self.url}{' closed' if self.closed else ''}>"
+
+
 def serve_prometheus(messengers: Iterable[Any], port: int, addr: str = "127.0.0.1",
-                     registry: Optional[Any] = None) -> Any:
+                     registry: Optional[Any] = None) -> PrometheusServer:
     """Serve ``messengers``' metrics for Prometheus on ``addr:port`` (``prometheus_client``'s
-    HTTP server, a daemon thread); returns the registry. Needs the ``metrics`` extra."""
+    HTTP server on a daemon thread; ``port=0``: any free port, read ``.port``). Returns the
+    running ``PrometheusServer``: ``close()`` it to stop. Needs the ``metrics`` extra."""
+    from kvxfer._check import as_int
+
+    port = as_int(port, "port", minimum=0, maximum=65535)
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError as exc:      # pragma: no cover - the extra is missing
@@ -143,5 +178,6 @@ def serve_prometheus(messengers: Iterable[Any], port: int, addr: str = "127.0.0.
         raise UnsupportedError("the Prometheus exporter needs prometheus_client: pip install 'kvxfer[metrics]'") from exc
     reg = CollectorRegistry() if registry is None else registry
     reg.register(PrometheusCollector(messengers))
-    start_http_server(int(port), addr=addr, registry=reg)
-    return reg
+    # prometheus_client >= 0.17 returns its server and thread (the extra asks for >= 0.20)
+    server, thread = start_http_server(port, addr=addr, registry=reg)
+    return PrometheusServer(reg, server, thread)

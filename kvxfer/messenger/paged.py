@@ -22,6 +22,7 @@ import numpy as np
 
 from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, PlanError
 from kvxfer.layout import KVLayout, Sharding
+from kvxfer.messenger._codec import pack_item, read_items
 
 __all__ = ["LayoutRegions", "RemoteLayout", "PlanTransfer", "register_layout", "remote_layout", "post_plan",
            "plan_batches"]
@@ -52,8 +53,7 @@ class LayoutRegions:
     def descriptor(self) -> bytes:
         """One versioned blob: ``b"KXLT" | u8 version | u16 count | per region: u16 len + descriptor``."""
         ds = self.descriptors()
-        return b"".join([_TABLE_MAGIC, bytes([_TABLE_VERSION]), _U16.pack(len(ds))]
-                        + [_U16.pack(len(d)) + d for d in ds])
+        return b"".join([_TABLE_MAGIC, bytes([_TABLE_VERSION]), _U16.pack(len(ds))] + [pack_item(d) for d in ds])
 
     def close(self) -> None:
         """Deregister every region (refused while a transfer from one is in flight)."""
@@ -112,16 +112,7 @@ def _split_table(blob: bytes) -> list[bytes]:
     if blob[4] != _TABLE_VERSION:
         raise DescriptorError(f"region table version {blob[4]} is not supported")
     (n,) = _U16.unpack_from(blob, 5)
-    pos, out = 7, []
-    for _ in range(n):
-        if pos + 2 > len(blob):
-            raise DescriptorError("region table is truncated")
-        (k,) = _U16.unpack_from(blob, pos)
-        pos += 2
-        if k == 0 or pos + k > len(blob):
-            raise DescriptorError("region table is truncated")
-        out.append(blob[pos:pos + k])
-        pos += k
+    out, pos = read_items(blob, 7, n, "region table entry")
     if pos != len(blob):
         raise DescriptorError("region table has trailing bytes")
     return out
@@ -143,9 +134,8 @@ def remote_layout(engine: Any, descriptors: bytes | Iterable[bytes]) -> RemoteLa
 def plan_batches(plan: Any, src_rank: int, dst_rank: int) -> list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]:
     """The plan's writes for one rank pair as ``(src_region, dst_region, so, do, ln)``, one per
     region pair, layers in plan order concatenated (what one ``write_batch`` each posts)."""
-    p = plan
     merged: dict[tuple[int, int], list] = {}
-    for sr, dr, so, do, ln in p.groups(src_rank, dst_rank):
+    for sr, dr, so, do, ln in plan.groups(src_rank, dst_rank):
         merged.setdefault((sr, dr), []).append((so, do, ln))
     out = []
     for (sr, dr), parts in merged.items():
@@ -180,7 +170,7 @@ class PlanTransfer:
     @property
     def posted(self) -> int:
         """Messages handed to the provider (exact once ``done``, also after ``cancel``)."""
-        return sum(transfer_posted(t) for t in self.transfers)
+        return sum(int(t.posted) for t in self.transfers)
 
     @property
     def done(self) -> bool:
@@ -203,14 +193,6 @@ class PlanTransfer:
 
     def __repr__(self) -> str:
         return f"<PlanTransfer {len(self.transfers)} region pair(s), {self.num_writes} writes>"
-
-
-def transfer_posted(t: Any) -> int:
-    """``Transfer.posted`` (the engine primitive); before it exists, the native counts."""
-    p = getattr(t, "posted", None)
-    if p is not None:
-        return int(p)
-    return sum(int(x.posted) for x in t._xs)  # pragma: no cover - only before the primitives merge
 
 
 def post_plan(engine: Any, plan: Any, src_rank: int, dst_rank: int, src: LayoutRegions, peer: Any,

@@ -1,16 +1,26 @@
-"""The peers of one messenger: handshakes, HELLO, control-message sending and resends,
-heartbeats, silence, and the teardown of a peer that died or left.
+"""The peers of one messenger: handshakes, HELLO, the outbox of control messages and the
+sender thread that drains it, heartbeats, silence, and the teardown of a peer that died or left.
 
 ``Peers`` is the table (uid -> ``PeerGroup``), the dead set and the seq counters kept for a
-retried connect; ``instance`` checks which groups form one prefill instance (per-rank). It never decides what a peer's death means for requests: ``gone`` marks the
-peer dead and calls the messenger's ``on_gone(pg, err, notify)``, which fails both roles'
-requests around ``teardown``.
+retried connect; ``instance`` checks which groups form one prefill instance (per-rank). It
+never decides what a peer's death means for requests: ``gone`` marks the peer dead and calls
+the messenger's ``on_gone(pg, err, notify)``, which fails both roles' requests around
+``teardown``.
+
+Sending: no caller waits on the engine for a control message. ``post`` appends the message to
+its peer's outbox (one FIFO per peer, so the order in which a room posts is the order the peer
+reads: an ABORT never overtakes its REQUEST, an ABORTED never its ANNOUNCE) and wakes the
+sender thread (``kvxfer-msg-send``, ``run_sender``), which sends every outbox oldest first,
+keeps a message the engine refuses at the head and tries again, and declares a peer dead whose
+message stayed refused for ``peer_timeout``. It also sends the heartbeats. Only ``teardown``'s
+BYE and the tests' crafted messages (``send``) go from the calling thread.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -29,7 +39,13 @@ def context_stride(context_bytes: int) -> int:
     return (8 + int(context_bytes) + 63) // 64 * 64
 
 
-HEARTBEAT_SEND_S = 0.05   # the most a heartbeat may wait for the engine to take it
+#: the most one try of the sender thread waits for the engine to take a message (a peer that
+#: cannot take it must not hold the thread: every other peer's messages and heartbeats wait)
+SEND_TRY_S = 0.05
+#: the sender thread's wake-up when nothing was posted: heartbeats are due at this grain
+_IDLE_S = 0.05
+#: its wake-up while a refused message waits to be tried again
+_RETRY_S = 0.002
 
 
 class PeerGroup:
@@ -63,7 +79,7 @@ class PeerGroup:
         self.send_seq = 0
         self.recv_seq = 0
         self.send_lock = threading.Lock()
-        self.resend: deque = deque()     # one-shot messages the engine refused: (type, fields, since)
+        self.outbox: deque = deque()     # posted control messages, oldest first: [type, fields, since, refused]
         self.torn_down = False           #: its engine connection is gone: nothing of it lands
         self.acked = threading.Event()
         self.heartbeat = min(owner.node.peer_timeout, hs.peer_timeout) / 4
@@ -101,6 +117,7 @@ class Peers:
         # set by the messenger: a group came up / its connect failed (the decoder's queue)
         self.on_up: Callable[[PeerGroup], None] = lambda pg: None
         self.on_failed: Callable[[PeerGroup, KvxferError], None] = lambda pg, err: None
+        self._wake = threading.Event()                  # something was posted: the sender thread looks
 
     def live(self) -> list[PeerGroup]:
         with self.node.lock:
@@ -166,7 +183,7 @@ class Peers:
                 return pg                       # a connect(wait=False) of it is under way
             # the messenger thread's tick fails it after this (None: no limit)
             pg.connect_deadline = time.monotonic() + (float("inf") if timeout is None else timeout)
-        self.send(pg, C.HELLO, blob=self._blob())
+        self.post(pg, C.HELLO, blob=self._blob())   # tried until the connect's deadline
         if not wait:
             return pg
         if not pg.acked.wait(timeout):
@@ -179,11 +196,12 @@ class Peers:
         """A connect of ``pg`` got no answer in time: ``"failed"`` (False if it is not
         connecting any more), out of the table; the decoder fails what it queued for it."""
         node = self.node
-        with node.lock:
+        with pg.send_lock, node.lock:        # (send_lock: no HELLO of it is being sent meanwhile)
             if pg.state != "connecting":
                 return False
             pg.state = "failed"
             pg.error = err
+            pg.outbox.clear()
             self.table.pop(pg.uid, None)
             # a retry's group goes on from these: its HELLO must be newer than this one,
             # which the peer may have accepted after our timeout
@@ -260,80 +278,117 @@ class Peers:
 
     # -- sending ------------------------------------------------------------------------
     def send(self, pg: PeerGroup, t: int, timeout: Optional[float] = 5.0, **fields: Any) -> None:
-        """Encode and send one control message to ``pg`` (``KvxferError`` if refused)."""
+        """Encode and send one control message to ``pg`` now, from this thread (``KvxferError``
+        if refused): the sender thread's step, teardown's BYE and the tests' crafted messages."""
         node = self.node
         with pg.send_lock:
-            pg.send_seq += 1
-            data = C.Control(t, node.uid, pg.uid, pg.send_seq, **fields).encode(node.secret)
-            node.engine.send(pg.peer, data, timeout=timeout)
-            pg.last_sent = time.monotonic()
+            self._send_locked(pg, t, timeout, fields)
         node.count("sent_" + C.MSG_TYPES[t])
 
-    def try_send(self, pg: PeerGroup, t: int, *, retry: bool = False, timeout: float = 1.0, **fields: Any) -> bool:
-        """Send one control message. ``retry``: a one-shot message (HELLO_ACK, ABORT,
-        ABORTED, REJECT) that nothing else would repeat: if the engine does not take it
-        (backpressure), the messenger thread resends it, in order, while the peer lives."""
+    def _send_locked(self, pg: PeerGroup, t: int, timeout: Optional[float], fields: dict) -> None:
+        """Under ``pg.send_lock``: the next seq, encode, send."""
         node = self.node
-        if retry:
-            with node.lock:
-                if pg.resend:               # behind the ones waiting: one-shots keep their order
-                    if pg.alive and not node.closed:
-                        pg.resend.append((t, fields, time.monotonic()))
-                    return False
+        pg.send_seq += 1
+        data = C.Control(t, node.uid, pg.uid, pg.send_seq, **fields).encode(node.secret)
+        node.engine.send(pg.peer, data, timeout=timeout)
+        pg.last_sent = time.monotonic()
+
+    def post(self, pg: PeerGroup, t: int, **fields: Any) -> bool:
+        """Hand one control message for ``pg`` to the sender thread and return at once (no
+        wait on the engine, any thread). It goes after every message posted to ``pg`` before
+        it; refused by the engine, it is tried again, still first, while the peer lives.
+        False (nothing queued) if ``pg`` is failed or dead, or the messenger closed."""
+        node = self.node
+        with node.lock:
+            if not pg.alive or node.closed:
+                return False
+            pg.outbox.append([t, fields, time.monotonic(), False])
+        self._wake.set()
+        return True
+
+    def try_send(self, pg: PeerGroup, t: int, *, timeout: float = 1.0, **fields: Any) -> bool:
+        """Send one control message now, from this thread; False (counted ``send_failed``) if
+        the engine did not take it within ``timeout``: for messages nothing depends on
+        (heartbeats) or that must go before a teardown (BYE)."""
         try:
             self.send(pg, t, timeout=timeout, **fields)
             return True
         except KvxferError:
-            with node.lock:
-                node.count("send_failed")
-                if retry and pg.alive and not node.closed:
-                    pg.resend.append((t, fields, time.monotonic()))
+            self.node.count("send_failed")
             return False
 
-    def _resend_pending(self, pg: PeerGroup, now: float) -> None:
-        """Resend ``pg``'s refused one-shot messages, oldest first, until one is refused
-        again. A message refused for ``peer_timeout`` declares the peer dead (as silence
-        would): its requests fail rather than wait for a reply never sent."""
+    def wake(self) -> None:
+        """Wake the sender thread (the messenger closes)."""
+        self._wake.set()
+
+    def run_sender(self, stop: threading.Event) -> None:
+        """The sender thread (``kvxfer-msg-send``): each live peer's outbox, oldest first, then
+        its heartbeat when one is due; until ``stop``. A peer whose first message the engine
+        refuses is left for the next round, so one peer that cannot take messages delays the
+        others by one try (``SEND_TRY_S``) a round, never more."""
+        wake = self._wake
+        idle = min(_IDLE_S, self.node.peer_timeout / 8)
+        refused = False
+        while not stop.is_set():
+            wake.wait(_RETRY_S if refused else idle)
+            wake.clear()
+            refused = False
+            for pg in self.all():
+                if not pg.alive or stop.is_set():
+                    continue
+                try:
+                    if pg.outbox and not self._drain(pg):
+                        refused = True
+                        continue
+                    if pg.state == "up" and time.monotonic() - pg.last_sent >= pg.heartbeat and not pg.outbox:
+                        self.try_send(pg, C.HEARTBEAT, timeout=SEND_TRY_S)
+                except Exception:          # never let one message kill the sender thread (every peer would go silent)
+                    self.node.count("send_internal_error")
+                    traceback.print_exc()
+
+    def _drain(self, pg: PeerGroup, *, dead_too: bool = False) -> bool:
+        """Send ``pg``'s outbox, oldest first (``dead_too``: also of a dead peer, our close's
+        flush); False if the engine refused one (it stays first). A message refused for
+        ``peer_timeout`` declares the peer dead (as silence would): its requests fail rather
+        than wait for a reply that was never asked for."""
         node = self.node
         while True:
-            with node.lock:
-                if not pg.resend or not pg.alive:
-                    return
-                t, fields, since = pg.resend[0]
-            try:
-                self.send(pg, t, timeout=0.05, **fields)
-            except KvxferError as exc:
+            exc: Optional[KvxferError] = None
+            with pg.send_lock:                    # one sender of this outbox at a time: none twice
+                with node.lock:
+                    if not pg.outbox or not (dead_too or pg.alive):
+                        return True
+                    item = pg.outbox[0]
+                t, fields, since, was_refused = item
+                try:
+                    self._send_locked(pg, t, SEND_TRY_S, fields)
+                except KvxferError as e:
+                    exc = e
+                    with node.lock:
+                        item[3] = True
+                else:
+                    with node.lock:
+                        if pg.outbox and pg.outbox[0] is item:
+                            pg.outbox.popleft()
+            if exc is not None:
                 node.count("send_failed")
-                if now - since > node.peer_timeout:
+                if time.monotonic() - since > node.peer_timeout and pg.alive:
                     self.gone(pg, PeerError(f"peer {pg.uid:016x}: could not send {C.MSG_TYPES[t]} for "
                                             f"{node.peer_timeout} s ({exc}): declared dead"), notify=False)
-                return
-            with node.lock:
-                if pg.resend and pg.resend[0][0] == t and pg.resend[0][1] is fields:
-                    pg.resend.popleft()
-            node.count("resent_" + C.MSG_TYPES[t])
+                return False
+            node.count("sent_" + C.MSG_TYPES[t])
+            if was_refused:
+                node.count("resent_" + C.MSG_TYPES[t])
 
     def tick(self, now: float) -> None:
-        """Messenger thread: resends, silence (declared dead), heartbeats."""
+        """Messenger thread: connects past their deadline, silence (declared dead)."""
         pt = self.node.peer_timeout
         for pg in self.all():
-            if pg.state == "dead":
-                continue
             if pg.state == "connecting" and pg.connect_deadline is not None and now >= pg.connect_deadline:
                 self.connect_failed(pg, PeerError(f"peer {pg.uid:016x} did not answer the handshake within "
                                                   "its connect's timeout"))
-                continue
-            if pg.resend:
-                self._resend_pending(pg, now)
-                if pg.state == "dead":
-                    continue
-            if now - pg.last_heard > pt and pg.state == "up":
+            elif pg.state == "up" and now - pg.last_heard > pt:
                 self.gone(pg, PeerError(f"peer {pg.uid:016x} silent for {pt} s: declared dead"), notify=False)
-            elif now - pg.last_sent >= pg.heartbeat and pg.state == "up":
-                # briefly: a heartbeat the engine refuses (a peer that died and cannot take it)
-                # must not hold this thread, or every other peer's heartbeat goes late and a
-                # live peer is declared dead beside a killed one (the next tick tries again)
-                self.try_send(pg, C.HEARTBEAT, timeout=HEARTBEAT_SEND_S)
 
     # -- death ----------------------------------------------------------------------------
     def mark_dead(self, pg: PeerGroup, err: KvxferError) -> bool:
@@ -343,7 +398,8 @@ class Peers:
                 return False
             pg.state = "dead"
             pg.error = err
-            pg.resend.clear()
+            if not self.node.closed:       # our close sends what was posted first (teardown)
+                pg.outbox.clear()
             self.dead.add(pg.uid)
             # a clean BYE (``left``) and this messenger's close are not deaths
             self.node.count("peers_left" if pg.left else "peers_closed" if self.node.closed else "peers_dead")
@@ -355,9 +411,15 @@ class Peers:
         self._on_gone(pg, err, notify)
 
     def teardown(self, pg: PeerGroup, notify: bool) -> None:
-        """Say BYE if asked, then disconnect: on tcp no byte of ``pg`` is read (so lands) after."""
+        """Say BYE if asked (on our close after what was posted to ``pg``, e.g. an ANNOUNCE of a
+        send that finished just before), then disconnect: on tcp no byte of ``pg`` is read (so
+        lands) after."""
         if notify:
+            if self.node.closed:
+                self._drain(pg, dead_too=True)
             self.try_send(pg, C.BYE)
+        with self.node.lock:
+            pg.outbox.clear()
         self.disconnect(pg.peer)
         with self.node.lock:
             pg.torn_down = True
@@ -401,7 +463,7 @@ class Peers:
         elif not self.accept(pg, m):
             return
         node.count("recv_HELLO")
-        self.try_send(pg, C.HELLO_ACK, retry=True)
+        self.post(pg, C.HELLO_ACK)
         self._up(pg)
 
     def on_hello_ack(self, pg: PeerGroup) -> None:

@@ -93,8 +93,8 @@ class Prefiller:
         elif len(pages) > 1 and len(np.unique(pages)) != len(pages):
             reason = "a destination page is named twice"
         elif not 0 <= m.first_token < m.num_tokens < 2**63 or \
-                len(pages) < prefix.dst_page_count(m.num_tokens, m.first_token, hs.layout.page_size):
-            reason = f"tokens [{m.first_token}, {m.num_tokens}) do not fit {len(pages)} pages"
+                len(pages) != prefix.dst_page_count(m.num_tokens, m.first_token, hs.layout.page_size):
+            reason = f"tokens [{m.first_token}, {m.num_tokens}) do not fill exactly {len(pages)} pages"
         elif not (m.slot == -1 or (hs.context_slots and 0 <= m.slot < hs.context_slots)):
             reason = f"context slot {m.slot} does not exist"
         elif not 0 < m.imm < 2**32:
@@ -109,7 +109,7 @@ class Prefiller:
                 node.count("requests")
         if reason is not None:
             node.count("drop_bad_request")
-            self.peers.try_send(pg, C.REJECT, imm=m.imm, reason=reason, retry=True)
+            self.peers.post(pg, C.REJECT, imm=m.imm, reason=reason)
             return
         if self._on_request is not None and self._inline:
             node.call(self._on_request, req)         # on this thread: no hand-off before the writes
@@ -137,9 +137,9 @@ class Prefiller:
                     except ValueError:
                         pass
         if req is None:
-            self.peers.try_send(pg, C.ABORTED, imm=m.imm, count=0, flags=C.ABORTED_UNKNOWN, retry=True)
+            self.peers.post(pg, C.ABORTED, imm=m.imm, count=0, flags=C.ABORTED_UNKNOWN)
         elif send is None:
-            self.peers.try_send(pg, C.ABORTED, imm=m.imm, count=0, flags=0, retry=True)
+            self.peers.post(pg, C.ABORTED, imm=m.imm, count=0, flags=0)
         else:
             send.request_abort(by_prefiller=False)
 
@@ -168,8 +168,7 @@ class Prefiller:
                 req.rejected = reason
                 self.node.count("requests_rejected")
         if s is None:
-            if pg.alive:
-                self.peers.try_send(pg, C.REJECT, imm=req.imm, reason=reason, retry=True)
+            self.peers.post(pg, C.REJECT, imm=req.imm, reason=reason)
         else:
             s.reject()
 
@@ -228,8 +227,7 @@ class Prefiller:
         post)`` per source rank. Raises (``PlanError``) before anything is posted."""
         pg, ps = request.peer, self.layout.page_size
         token_path = pg.layout.page_size != ps or request.first_token > 0
-        n_src = -(-request.num_tokens // ps) if token_path else len(request.dst_pages)
-        sp = _args.src_prefix(src_pages, n_src, self.layout.num_pages)
+        sp = _args.src_prefix(src_pages, prefix.src_page_count(request.num_tokens, ps), self.layout.num_pages)
         if known is not None and not np.array_equal(sp[:len(known)], known[:len(sp)]):
             raise PlanError(f"request {request.request_id!r}'s source pages changed between chunks")
         if known is not None and len(known) > len(sp):
@@ -261,16 +259,17 @@ class Prefiller:
         rank pair: ``post(imm=, rail=)`` is ONE engine call (``write_pairs`` over the pair's
         region pairs, or ``write_groups``) and returns one ``Transfer``."""
         eng = self.node.engine
-        n = len(request.dst_pages)
+        # exactly the pages the request's tokens fill, whatever the path (PlanError otherwise)
+        sp = _args.src_pages(src_pages, prefix.src_page_count(request.num_tokens, self.layout.page_size),
+                             self.layout.num_pages)
         if self.layout.page_size != pg.layout.page_size or request.first_token:
-            p = self._plan(pg, request, src_pages, request.num_tokens)
+            p = self._plan(pg, request, sp, request.num_tokens)
             out = []
             for s_, d in p.pairs:
                 if s_ in self.local and d in pg.remote:
                     g = [(self.local[s_][sr], pg.remote[d][dr], so, do, ln) for sr, dr, so, do, ln in plan_batches(p, s_, d)]
                     out.append((s_, lambda imm, rail, g=g: eng.write_groups(pg.peer, g, imm=imm, rail=rail)))
             return out
-        sp = _args.src_pages(src_pages, n, self.layout.num_pages)
         t = self.template(pg)
         pairs = pg.cache.get("pairs")
         if pairs is None:

@@ -4,8 +4,10 @@ the planner's token path moves exactly tokens ``[a, num_tokens)``.
 
 The decoder's ``dst_pages`` cover tokens ``[a, num_tokens)`` in its own page size: page
 ``a // page_size`` (holding token ``a``, possibly part of the prefix too) first, so there are
-``ceil(num_tokens / page_size) - a // page_size`` of them. The prefiller's ``src_pages`` cover
-the whole request ``[0, num_tokens)`` in its page size (it computed every token). Tokens before
+exactly ``ceil(num_tokens / page_size) - a // page_size`` of them. The prefiller's
+``src_pages`` cover the whole request ``[0, num_tokens)`` in its page size (it computed every
+token): exactly ``ceil(num_tokens / page_size)``. Either list of another length is refused
+before anything is sent or posted (num_tokens is checked both ways). Tokens before
 ``a`` are never written, also the prefix's part of the first destination page: an unaligned
 start is exact.
 
@@ -25,12 +27,19 @@ import numpy as np
 
 from kvxfer.errors import PlanError
 
-__all__ = ["dst_page_count", "shift", "source_pages", "plan_lists"]
+__all__ = ["dst_page_count", "src_page_count", "shift", "source_pages", "plan_lists"]
 
 
 def dst_page_count(num_tokens: int, first_token: int, page_size: int) -> int:
-    """The destination pages a request of tokens ``[first_token, num_tokens)`` names."""
+    """The destination pages a request of tokens ``[first_token, num_tokens)`` names: exactly
+    these, never more (both sides refuse another count)."""
     return -(-num_tokens // page_size) - first_token // page_size
+
+
+def src_page_count(num_tokens: int, page_size: int) -> int:
+    """The source pages a request of ``num_tokens`` names (it computed every token): exactly
+    ``ceil(num_tokens / page_size)``."""
+    return -(-num_tokens // page_size)
 
 
 def shift(first_token: int, src_page_size: int, dst_page_size: int) -> int:

@@ -23,7 +23,6 @@ from kvxfer.errors import InvalidArgumentError, KvxferError, PeerError, TimeoutE
 from kvxfer.messenger import _args
 from kvxfer.messenger import _codec as C
 from kvxfer.messenger._node import FINAL
-from kvxfer.messenger.paged import transfer_posted
 from kvxfer.messenger.peers import PeerGroup
 
 if TYPE_CHECKING:
@@ -64,10 +63,12 @@ class Request:
 
     def reject(self, reason: str) -> None:
         """Refuse this request (its KV is gone, it was preempted, the id is unknown): the
-        decoder's Receive fails with ``RejectedError`` (meaning "recompute", not "peer dead").
-        Before ``send``/``stream`` nothing was posted: a REJECT carries ``reason`` (UTF-8, at
-        most 1024 bytes travel) and the decoder's pages are free at once. After it, posting
-        stops and the decoder fences on what was posted (ABORTED); ``reason`` stays here.
+        decoder's Receive fails with ``RejectedError`` (meaning "recompute", not "peer dead")
+        whose message names ``reason`` (UTF-8; at most ``MAX_REASON`` = 1024 bytes travel, a
+        longer one is cut before the first character that does not fit). Before
+        ``send``/``stream`` nothing was posted: a REJECT carries the reason and the decoder's
+        pages are free at once. After it, posting stops and the decoder fences on what was
+        posted: the ABORTED carries the count and the reason.
         Raises ``InvalidArgumentError`` once the Send is final; a request the decoder
         aborted meanwhile is left alone. Any thread."""
         self.room.reject(self, reason)
@@ -304,15 +305,24 @@ class Send:
             elif end == req.num_tokens:
                 ch["last"] = True
                 self._count = sum(t.num_writes for t in self._transfers) + (1 if req.slot >= 0 else 0)
-                try:
-                    self._room.peers.send(req.peer, C.ANNOUNCE, imm=req.imm, count=self._count)
-                    self._state = "transferring"
-                except KvxferError as exc:
-                    self._fail_locked(PeerError(f"could not announce to peer {req.peer.uid:016x}: {exc}"))
+                self._announce_locked(self._count)
             stopped = self._abort_req
         if stopped:
             self._room.queue_reap(self)
         return self
+
+    def _announce_locked(self, count: int) -> None:
+        """Under ``_lock``: post the ANNOUNCE of ``count`` messages (the sender thread sends it;
+        this never waits on the engine). Posted under the lock that an abort takes, and the
+        ABORTED is posted only once the Send settled after that, to the same peer's outbox:
+        the decoder never reads the ABORTED before the ANNOUNCE. A dead peer: failed (the
+        teardown fences the decoder's side)."""
+        pg = self.request.peer
+        if self._room.peers.post(pg, C.ANNOUNCE, imm=self.request.imm, count=count):
+            if self._state == "pending":
+                self._state = "transferring"
+        else:
+            self._fail_locked(PeerError(f"could not announce to peer {pg.uid:016x}: it is {pg.state}"))
 
     def _first_post(self) -> None:
         if len(self._transfers) == 1:
@@ -388,7 +398,7 @@ class Send:
 
     def post(self, posts: list, rails: Mapping[int, int]) -> None:
         """Post every rank pair's writes (one engine call each), then ANNOUNCE the count."""
-        req, pg = self.request, self.request.peer
+        req = self.request
         err: Optional[BaseException] = None
         try:
             for src, fn in posts:
@@ -409,12 +419,7 @@ class Send:
                     t.cancel()
                 self._finished = True
             else:
-                try:
-                    self._room.peers.send(pg, C.ANNOUNCE, imm=req.imm, count=count)
-                    self._state = "transferring"
-                except KvxferError as exc:
-                    # the decoder fences on what was posted (ABORTED, resent if refused)
-                    self._fail_locked(PeerError(f"could not announce to peer {pg.uid:016x}: {exc}"))
+                self._announce_locked(count)
         if self._abort_req:
             self._room.queue_reap(self)
 
@@ -429,7 +434,8 @@ class Send:
             if not all(t.done for t in self._transfers):     # finish() appended one since the check
                 return False
             err = self.error or next((t.error for t in self._transfers if t.error is not None), None)
-            posted = sum(transfer_posted(t) for t in self._transfers)
+            # engine Transfers and WatchEntries: both count what they handed to the provider
+            posted = sum(int(t.posted) for t in self._transfers)
             if self._stream is not None and not self._abort_req and any(t.state == "disarmed"
                                                                         for t in self._transfers):
                 # a write that never posts (its pass was abandoned): the decoder must fence
@@ -449,7 +455,8 @@ class Send:
         # this side's Send still transferring
         self._room.settle(self, state, err)
         if reply:
-            self._room.peers.try_send(pg, C.ABORTED, imm=req.imm, count=posted, flags=flags, retry=True)
+            self._room.peers.post(pg, C.ABORTED, imm=req.imm, count=posted, flags=flags,
+                                  reason=req.rejected if flags & C.ABORTED_REJECTED else "")
         return True
 
     @property
@@ -477,7 +484,7 @@ class Send:
         """Record a scheduled chunk ending at ``end`` and arm its writes (``arm()`` returns the
         watch entries). The last chunk (``end == num_tokens``) announces the exact count and
         arms the context at the pass's end; a failure fails the Send with the fence."""
-        req, pg = self.request, self.request.peer
+        req = self.request
         st = self._stream
         announce = None
         err: Optional[BaseException] = None
@@ -500,19 +507,12 @@ class Send:
                         self._arm_context()
                     except KvxferError as exc:
                         err = exc
-            if err is None and announce is not None:
-                # under _lock, as post() does: an abort (which takes it) answers ABORTED only
-                # after this, so the decoder never gets the ANNOUNCE after the ABORTED
-                try:
-                    self._room.peers.send(pg, C.ANNOUNCE, imm=req.imm, count=announce)
-                    if self._state == "pending":
-                        self._state = "transferring"
-                except KvxferError as exc:
-                    err = PeerError(f"could not announce to peer {pg.uid:016x}: {exc}")
             if err is not None:
                 self._fail_locked(err)
-                announce = None
-        if err is not None:
+            elif announce is not None:
+                self._announce_locked(announce)     # (a dead peer fails the Send)
+            failed = self._abort_req
+        if failed:
             self._room.queue_reap(self)
         elif announce is not None:
             self._done_arming()

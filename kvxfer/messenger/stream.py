@@ -43,7 +43,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvxfer.errors import ClosedError, InvalidArgumentError, KvxferError, PlanError, UnsupportedError
-from kvxfer.messenger import _args
+from kvxfer.messenger import _args, prefix
 from kvxfer.messenger._codec import MAX_PAGES
 from kvxfer.messenger._node import Node
 from kvxfer.messenger.prefill import Prefiller
@@ -277,7 +277,8 @@ class Streamer:
     def stream(self, request: Any, src_pages: Any) -> Send:
         if not isinstance(request, Request):
             raise InvalidArgumentError("request must come from this messenger's requests()")
-        sp = None if src_pages is None else _args.src_prefix(src_pages, len(request.dst_pages), self.num_pages)
+        n_src = prefix.src_page_count(request.num_tokens, self.page_size)
+        sp = None if src_pages is None else _args.src_prefix(src_pages, n_src, self.num_pages)
         self.counter()                          # the watcher exists before anything is armed
         return self.prefill.attach(request, StreamState(sp, self.watcher))
 
@@ -314,7 +315,7 @@ class Streamer:
             # where the two sides' page sizes differ a chunk moves its own tokens (the planner's
             # token path), each side's pages in its own size; else the pages it completes
             differ = req.peer.layout.page_size != self.page_size or req.first_token > 0
-            n_src = -(-req.num_tokens // self.page_size) if differ else len(req.dst_pages)
+            n_src = prefix.src_page_count(req.num_tokens, self.page_size)
             if len(ch) == 4:
                 new = _args.src_prefix(ch[3], n_src, self.num_pages)
                 if sp is not None and not np.array_equal(new[:len(sp)], sp[:len(new)]):

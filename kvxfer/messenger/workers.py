@@ -31,16 +31,6 @@ _MAGIC = b"KXWP"
 _VERSION = 1
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise PeerError("worker hung up in the middle of its message")
-        out += chunk
-    return bytes(out)
-
-
 def publish(path: str, rank: int, buffers: Sequence[Any], *, timeout: float = 60.0) -> None:
     """From TP worker ``rank``: send ``buffers`` (``KVBuffer``s, in the layout's region
     order) to the messenger process collecting at ``path``; returns once it imported them.
@@ -90,7 +80,7 @@ def collect(path: str, ranks: Iterable[int], *, timeout: float = 60.0,
     ``check``: called about every 50 ms while waiting (e.g. "is every worker still alive?");
     whatever it raises ends the collection at once, the buffers imported so far closed."""
     from kvxfer.buffers import KVBuffer
-    from kvxfer.share import recv_handles
+    from kvxfer.share import recv_exact, recv_handles
 
     want = sorted(set(int(r) for r in ranks))
     if not want:
@@ -123,7 +113,7 @@ def collect(path: str, ranks: Iterable[int], *, timeout: float = 60.0,
             # refused on its own; the ranks that publish properly are still collected
             with conn:
                 try:
-                    rank, bufs = _take(conn, want, out, deadline, KVBuffer, recv_handles)
+                    rank, bufs = _take(conn, want, out, deadline, KVBuffer, recv_handles, recv_exact)
                 except (KvxferError, OSError) as exc:
                     refused.append(str(exc))
                     try:
@@ -150,10 +140,11 @@ def collect(path: str, ranks: Iterable[int], *, timeout: float = 60.0,
     return out
 
 
-def _take(conn: socket.socket, want: list, out: dict, deadline: float, KVBuffer: Any, recv_handles: Any):
+def _take(conn: socket.socket, want: list, out: dict, deadline: float, KVBuffer: Any, recv_handles: Any,
+          recv_exact: Any):
     """One publication: (rank, imported buffers), or a kvxfer error (nothing kept)."""
     conn.settimeout(max(0.1, deadline - time.monotonic()))
-    magic, ver, _flags, rank, n = _HEAD.unpack(_recv_exact(conn, _HEAD.size))
+    magic, ver, _flags, rank, n = _HEAD.unpack(bytes(recv_exact(conn, _HEAD.size, what="a worker's publication")))
     if magic != _MAGIC or ver != _VERSION:
         raise DescriptorError("not a kvxfer worker publication")
     handles = recv_handles(conn)

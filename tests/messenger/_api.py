@@ -1,4 +1,4 @@
-"""A prefill instance (TP2) and a decoder (TP1) in one process over real engines, in node mode
+"""A prefill instance (TP2, or src_sharding's) and a decoder (TP1) in one process over real engines, in node mode
 (one prefill messenger holding both ranks) or per-rank mode (one messenger per rank): the
 harness of the engine-facing API tests (tests/messenger/test_engine_api.py)."""
 
@@ -30,16 +30,19 @@ class Cluster:
     byte from ``logical``; ``close()`` closes all (bounded)."""
 
     def __init__(self, provider: str, per_rank: bool, *, context_slots: int = 8, layout: KVLayout = LAYOUT,
-                 **dkw) -> None:
+                 src_sharding: Sharding = SRC_SH, dst_sharding: Sharding = DST_SH, **dkw) -> None:
+        SRC_SH, DST_SH = src_sharding, dst_sharding          # noqa: N806 (the module's defaults, or these)
+        assert DST_SH.tp_size == 1
         self.per_rank = per_rank
         self.layout = LAYOUT = layout
         self.cache = logical(LAYOUT, 11)
         self.engines, self.pre = [], []
-        self.src = [ref.RankMemory(LAYOUT, SRC_SH, r, fill=0) for r in range(2)]
+        tp = SRC_SH.tp_size
+        self.src = [ref.RankMemory(LAYOUT, SRC_SH, r, fill=0) for r in range(tp)]
         for mem in self.src:
             scatter(mem, self.cache)
-        groups = [{0: self.src[0].regions}, {1: self.src[1].regions}] if per_rank else \
-            [{0: self.src[0].regions, 1: self.src[1].regions}]
+        groups = [{r: self.src[r].regions} for r in range(tp)] if per_rank else \
+            [{r: self.src[r].regions for r in range(tp)}]
         for kv in groups:
             e = kvxfer.Engine(provider, "127.0.0.1")
             self.engines.append(e)
@@ -94,7 +97,7 @@ class Cluster:
         ``first_token``'s page offset untouched."""
         ps = self.layout.page_size
         for layer in range(self.layout.num_layers):
-            for plane in range(2):
+            for plane in range(self.mem.planes):
                 if num_tokens is None:
                     got = self.mem.page_view(layer, plane)[np.asarray(dst_pages)]
                     want = self.cache[layer, plane][np.asarray(src_pages)]
@@ -109,7 +112,7 @@ class Cluster:
 
     def untouched(self, dst_pages) -> bool:
         return all((self.mem.page_view(layer, plane)[np.asarray(dst_pages)] == FILL).all()
-                   for layer in range(self.layout.num_layers) for plane in range(2))
+                   for layer in range(self.layout.num_layers) for plane in range(self.mem.planes))
 
     def close(self) -> None:
         self.d.close()

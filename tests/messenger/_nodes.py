@@ -258,7 +258,7 @@ def _decode(conn, spec):
             elif cmd == "start":          # requests that are left in flight (kill tests)
                 name, n = args
                 for i in range(n):
-                    pending.append(m.receive(peers[name], f"hold-{i}", [2 * i, 2 * i + 1], 1))
+                    pending.append(m.receive(peers[name], f"hold-{i}", [2 * i, 2 * i + 1], layout.page_size + 1))
                 conn.send(("ok", [r.state for r in pending]))
             elif cmd == "abort_pending":
                 res = []
@@ -397,7 +397,9 @@ def _run(m, peers, mems, layout, *, requests: int, max_pages: int, inflight: int
             if k > len(free):
                 break
             pages = np.array([free.pop() for _ in range(k)])
-            r = m.receive(peers[names[n % len(names)]], f"{prefix}{n}", pages, rng.randint(1, k * layout.page_size))
+            # num_tokens fill exactly the k pages (the last one partly, or whole)
+            ps = layout.page_size
+            r = m.receive(peers[names[n % len(names)]], f"{prefix}{n}", pages, rng.randint((k - 1) * ps + 1, k * ps))
             live.append(r)
             n += 1
             out["peak_inflight"] = max(out["peak_inflight"], len(live))
@@ -429,7 +431,7 @@ def _run(m, peers, mems, layout, *, requests: int, max_pages: int, inflight: int
         out["sentinel_pages"] += len(pages)
     # and their reuse is byte-exact
     for i, pages in enumerate(quarantine):
-        r = m.receive(peers[names[0]], f"{prefix}reuse{i}", pages, 1)
+        r = m.receive(peers[names[0]], f"{prefix}reuse{i}", pages, len(pages) * layout.page_size)
         r.wait(timeout)
         settle(r, False)
         out["reused"] += 1

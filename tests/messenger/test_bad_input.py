@@ -49,8 +49,12 @@ def test_decoder_side_refusals(pair):
         d.receive(pg, "a", [], 1)
     with pytest.raises(InvalidArgumentError):
         d.receive(pg, "a", [1.0], 1)
-    with pytest.raises(InvalidArgumentError, match="num_tokens"):
+    with pytest.raises(InvalidArgumentError, match="num_tokens 5 from first_token 0 fill exactly 2 page"):
         d.receive(pg, "a", [1], 5)                       # 5 tokens do not fit one 4-token page
+    with pytest.raises(InvalidArgumentError, match="num_tokens 4 from first_token 0 fill exactly 1 page"):
+        d.receive(pg, "a", [1, 2], 4)                    # nor do 4 tokens fill two (checked both ways)
+    with pytest.raises(InvalidArgumentError, match="fill exactly 1 page"):
+        d.receive(pg, "a", [1, 2], 8, first_token=4)     # a prefix hit names [first_token's page, ...)
     with pytest.raises(InvalidArgumentError):
         d.receive(pg, ("tuple", "id"), [1], 1)
     with pytest.raises(InvalidArgumentError):

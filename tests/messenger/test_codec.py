@@ -3,11 +3,13 @@ random or mutated bytes never raise anything but kvxfer's errors."""
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.errors import DescriptorError, KvxferError
+from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError
 from kvxfer.layout import KVLayout, Sharding
 from kvxfer.messenger import _codec as C
 
@@ -22,8 +24,7 @@ def test_control_round_trip(m, tagged):
     secret = SECRET if tagged else None
     data = m.encode(secret)
     got = C.Control.decode(data, secret)
-    if m.type == C.REJECT:
-        m.reason = m.reason.encode("utf-8", "replace")[:1024].decode("utf-8", "replace")
+    m.reason = C.reason_bytes(m.reason).decode("utf-8")     # what travels (surrogates as ?)
     assert got == m
 
 
@@ -146,3 +147,79 @@ def test_request_id_kinds():
     for bad in (True, 1.5, None, ("a",), "x" * 300):
         with pytest.raises(KvxferError):
             C.encode_request_id(bad)
+
+
+# -- reasons (REJECT, and ABORTED of a rejection after posting) and items ------------------------
+
+def _rejection(t, reason):
+    if t == C.REJECT:
+        return C.Control(C.REJECT, 1, 2, 3, imm=9, reason=reason)
+    return C.Control(C.ABORTED, 1, 2, 3, imm=9, count=17, flags=C.ABORTED_BY_PREFILLER | C.ABORTED_REJECTED,
+                     reason=reason)
+
+
+@given(st.sampled_from([C.REJECT, C.ABORTED]), st.text(max_size=1500), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_reason_round_trip_is_bounded_and_cut_at_a_character(t, reason, tagged):
+    """Any text travels as its UTF-8, at most MAX_REASON bytes, cut only before a character
+    that does not fit whole: what arrives is a prefix of the text (lone surrogates as ?)."""
+    secret = SECRET if tagged else None
+    got = C.Control.decode(_rejection(t, reason).encode(secret), secret).reason
+    whole = reason.encode("utf-8", "replace")
+    sent = got.encode("utf-8")
+    assert len(sent) <= C.MAX_REASON
+    assert whole.startswith(sent)
+    assert len(sent) == len(whole) or len(sent) > C.MAX_REASON - 4   # at most one character cut off
+    assert got == C.reason_bytes(reason).decode("utf-8")
+
+
+@given(st.sampled_from([C.REJECT, C.ABORTED]), st.text(max_size=300), st.data())
+@settings(max_examples=300, deadline=None)
+def test_reason_cut_short_or_extended_is_refused(t, reason, data):
+    """Every proper prefix of a rejection, and any bytes appended to it, is refused with
+    DescriptorError (the reason's length says where it ends)."""
+    raw = _rejection(t, reason).encode()
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    with pytest.raises(DescriptorError):
+        C.Control.decode(raw[:cut])
+    with pytest.raises(DescriptorError):
+        C.Control.decode(raw + data.draw(st.binary(min_size=1, max_size=8)))
+
+
+@given(st.sampled_from([C.REJECT, C.ABORTED]), st.binary(min_size=1, max_size=64))
+@settings(max_examples=300, deadline=None)
+def test_reason_garbage_is_refused_precisely(t, junk):
+    """A reason that is not UTF-8, or whose length exceeds MAX_REASON, is refused by name."""
+    head = _rejection(t, "").encode()[:-2]              # everything before the reason's length
+    try:
+        junk.decode("utf-8")
+    except UnicodeDecodeError:
+        with pytest.raises(DescriptorError, match="reason is not UTF-8"):
+            C.Control.decode(head + C.pack_item(junk))
+    long = head + struct.pack("<H", C.MAX_REASON + 1) + b"a" * (C.MAX_REASON + 1)
+    with pytest.raises(DescriptorError, match=f"reason is {C.MAX_REASON + 1} bytes; at most {C.MAX_REASON}"):
+        C.Control.decode(long)
+
+
+def test_aborted_without_rejection_carries_no_reason():
+    m = C.Control(C.ABORTED, 1, 2, 3, imm=9, count=4, flags=C.ABORTED_BY_PREFILLER, reason="not sent")
+    raw = m.encode()
+    assert b"not sent" not in raw
+    assert C.Control.decode(raw).reason == ""
+    with pytest.raises(DescriptorError, match="ABORTED payload"):
+        C.Control.decode(raw + C.pack_item(b"x"))      # a reason without the flag: trailing bytes
+
+
+@given(st.lists(st.binary(min_size=1, max_size=300), max_size=20), st.data())
+@settings(max_examples=200, deadline=None)
+def test_items_round_trip_and_truncation(items, data):
+    """The one length-prefixed list parser (handshake descriptor table, region table)."""
+    raw = b"".join(C.pack_item(b) for b in items)
+    assert C.read_items(raw, 0, len(items), "x") == (items, len(raw))
+    if raw:
+        with pytest.raises(DescriptorError, match="x is truncated"):
+            C.read_items(raw[:data.draw(st.integers(0, len(raw) - 1))], 0, len(items), "x")
+    with pytest.raises(DescriptorError, match="x is empty"):
+        C.read_items(raw + C.pack_item(b""), 0, len(items) + 1, "x")
+    with pytest.raises(InvalidArgumentError):
+        C.pack_item(b"a" * 65536)

@@ -68,7 +68,7 @@ def cases(draw, provider):
     else:                                     # scattered, source pages may repeat (prefix sharing)
         src_pages = draw(st.lists(st.integers(0, src[0].num_pages - 1), min_size=n, max_size=n))
         dst_pages = draw(st.permutations(range(dst[0].num_pages)))[:n]
-    num_tokens = draw(st.integers(1, n * page_size))
+    num_tokens = draw(st.integers((n - 1) * page_size + 1, n * page_size))     # exactly n pages
     context = draw(st.booleans())
     # engine options that change the message count
     rails = draw(st.sampled_from([1, 1, 2]))
@@ -214,7 +214,7 @@ def test_the_largest_request_of_one_byte_pieces(provider, share, mode):
     rng = np.random.default_rng(5)
     n = 16000
     c = dict(src=(layout, sh), dst=(layout, sh), src_pages=rng.permutation(16384)[:n].tolist(),
-             dst_pages=rng.permutation(16384)[:n].tolist(), num_tokens=n - 3, context=True, rails=1, pin=False,
+             dst_pages=rng.permutation(16384)[:n].tolist(), num_tokens=n, context=True, rails=1, pin=False,
              max_write=None, iov=None, pack_min=None, direct=None, share=share, mode=mode, chunks=None,
              layers_done=0)
     announced, fence, most, least, s = run_case(provider, c)

@@ -183,6 +183,8 @@ def test_abort_racing_send_is_answered(pair):
         lock.resume.set()
         p._node.lock = lock._l
     assert res["abort"] is True and r.state == "aborted" and r.fenced
+    # counted by the prefiller's sender thread once Engine.send returned: maybe after the decoder read it
+    _until(lambda: p.stats().get("sent_ABORTED", 0) >= 1, "the prefiller counted its ABORTED")
     assert p.stats().get("sent_ABORTED") == 1
     assert (np.concatenate(dst) == 0xEE).all()
 
@@ -211,7 +213,7 @@ def test_receive_racing_peer_death_is_refused(pair):
 
     try:
         with pytest.raises(PeerError, match="dead"):
-            d.receive(pg, "late", SlowPages(), 3, timeout=1.0)
+            d.receive(pg, "late", SlowPages(), 5, timeout=1.0)
     finally:
         returned.set()
     assert d.stats().get("receives", 0) == 0
@@ -243,8 +245,10 @@ def _resent(m, name):
     assert m.stats()["resent_" + name] == 1
 
 
-@pytest.mark.parametrize("lost", ["ABORT", "ABORTED", "REJECT", "ANNOUNCE", "HELLO_ACK"])
+@pytest.mark.parametrize("lost", ["ABORT", "ABORTED", "REJECT", "ANNOUNCE", "REQUEST", "HELLO_ACK", "HELLO"])
 def test_refused_one_shot_message_is_resent(pair, monkeypatch, provider, lost):
+    """Every control message goes through its peer's outbox: one the engine refuses stays
+    first and the sender thread sends it again; the request settles as if none was refused."""
     p, d, pg, src, dst, extra = pair
     mtype = {v: k for k, v in C.MSG_TYPES.items()}[lost]
     if lost == "ABORT":                              # the request's timeout sends it
@@ -269,29 +273,33 @@ def test_refused_one_shot_message_is_resent(pair, monkeypatch, provider, lost):
         with pytest.raises(RejectedError, match="rejected"):
             r.wait(20)
         _resent(p, "REJECT")
-    elif lost == "ANNOUNCE":                         # the Send fails; the decoder is told what was posted
+    elif lost == "ANNOUNCE":                         # posted: the sender thread tries it again
         state = _refuse_once(monkeypatch, p.engine, mtype)
         r = d.receive(pg, "req", [1], 3)
         (q,) = _requests(p, 1).values()
-        s = p.send(q, [2])
-        s.finish(b"x")
-        with pytest.raises(PeerError, match="announce"):
-            s.wait(20)
-        with pytest.raises(PeerError):
-            r.wait(20)
-        assert r.fenced
-        r2 = d.receive(pg, "req", [1], 3)            # its page and id are free again
-        p.send(_requests(p, 1)["req"], [2]).finish(b"y")
-        assert r2.wait(20) == "done" and bytes(r2.context) == b"y"
-    else:                                            # HELLO_ACK: a new decoder connects
-        state = _refuse_once(monkeypatch, p.engine, mtype)
+        s = p.send(q, [2], context=b"x")
+        assert s.state == "transferring"             # queued, not refused: the caller did not wait
+        assert r.wait(20) == "done" and bytes(r.context) == b"x"
+        assert s.wait(20) == "done"
+        page = sum(n // LAYOUT.num_pages for n in LAYOUT.region_sizes(SH))
+        assert np.count_nonzero(np.concatenate(dst) == 7) == page     # one page, the source's
+        _resent(p, "ANNOUNCE")
+    elif lost == "REQUEST":                          # receive() returned; the REQUEST went later
+        state = _refuse_once(monkeypatch, d.engine, mtype)
+        r = d.receive(pg, "req", [1], 3)
+        assert r.state == "pending"
+        p.send(_requests(p, 1)["req"], [2], context=b"r")
+        assert r.wait(20) == "done" and bytes(r.context) == b"r"
+        _resent(d, "REQUEST")
+    else:                                            # HELLO(_ACK): a new decoder connects
         e2 = kvxfer.Engine(provider, "127.0.0.1")
         extra.append(e2)
+        state = _refuse_once(monkeypatch, e2 if lost == "HELLO" else p.engine, mtype)
         d2 = _messenger(e2, _regions(0))
         extra.append(d2)
         pg2 = d2.connect(p.handshake(), timeout=20)
         assert pg2.alive
-        _resent(p, "HELLO_ACK")
+        _resent(d2 if lost == "HELLO" else p, lost)
     assert not state["armed"]                        # the message was refused once
     assert pg.alive
 
@@ -362,9 +370,10 @@ class _WatchedLock:
 
 
 def test_stream_announce_precedes_aborted(pair):
-    """Send.abort() from another thread while the last chunk's ANNOUNCE is about to go: the
-    ANNOUNCE still goes before the ABORTED (one sender's messages arrive in order), and the
-    decoder fences on what was posted."""
+    """Send.abort() from another thread while the last chunk's ANNOUNCE is being posted, and
+    the ABORTED posted while that ANNOUNCE still waits in the outbox (the sender thread held
+    back): the ANNOUNCE still goes before the ABORTED (one outbox per peer, posted in order),
+    and the decoder fences on what was posted."""
     p, d, pg, src, dst, _ = pair
     r = d.receive(pg, "s", [1, 2], 8)
     (q,) = _requests(p, 1).values()
@@ -378,27 +387,34 @@ def test_stream_announce_precedes_aborted(pair):
     for e in s.entries:
         e.wait(10)
     order = []
-    aborted_sent = threading.Event()
-    orig = p._peers_room.send
+    aborted_posted = threading.Event()
+    room = p._peers_room
+    post, send_locked = room.post, room._send_locked
     aborter = threading.Thread(target=lambda: s.abort(20))
 
-    def send(g, t, timeout=5.0, **fields):
-        if t == C.ANNOUNCE and not aborter.is_alive() and not aborted_sent.is_set():
+    def posting(g, t, **fields):
+        if t == C.ANNOUNCE and not aborter.is_alive() and not aborted_posted.is_set():
             aborter.start()                          # the application aborts right then
-            _until(lambda: aborted_sent.is_set() or lock.contended.is_set(), "the abort ran or waits")
-        orig(g, t, timeout, **fields)
-        order.append(C.MSG_TYPES[t])
+            _until(lock.contended.is_set, "the abort waits for the Send's lock")
         if t == C.ABORTED:
-            aborted_sent.set()
+            aborted_posted.set()
+        return post(g, t, **fields)
 
-    p._peers_room.send = send
+    def sending(g, t, timeout, fields):              # the sender thread
+        if t == C.ANNOUNCE:
+            aborted_posted.wait(20)                  # the ABORTED is queued behind it by now
+        send_locked(g, t, timeout, fields)
+        order.append(C.MSG_TYPES[t])
+
+    room.post, room._send_locked = posting, sending
     try:
         p.schedule([(s, 4, 8)])                      # the last chunk: ANNOUNCE
         aborter.join(30)
         assert s.wait(20) == "aborted"
-        _until(aborted_sent.is_set, "the ABORTED went (right after the Send settled)")
+        assert aborted_posted.is_set()
+        _until(lambda: "ABORTED" in order, "the ABORTED went")
     finally:
-        p._peers_room.send = orig
+        room.post, room._send_locked = post, send_locked
     assert order.index("ANNOUNCE") < order.index("ABORTED"), order
     with pytest.raises(PeerError):
         r.wait(20)

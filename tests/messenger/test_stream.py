@@ -111,7 +111,8 @@ def test_abort_mid_stream_obeys_fence(provider, nodes, tmp_path):
     dl = KVLayout.vllm(L, 4, 8, 16, 96, "float16")
     pre, dec = _pair(provider, nodes, sl, Sharding(1), dl, Sharding(1))
     dec.call("receive", [("x", [1, 2, 3], 40), ("y", [7, 8], 20)])
-    pre.start("serve", dict(expect=3, budget=1000, layer_delay=0.004, mirror=mirror))
+    # 20 ms a layer: the ABORT (posted, then sent by the decoder's sender thread) lands mid-stream
+    pre.start("serve", dict(expect=3, budget=1000, layer_delay=0.02, mirror=mirror))
     was, ok, state, at = dec.call("abort_when", "x", mirror, 10)
     assert ok and state == "aborted", (was, ok, state, at)
     res = dec.call("wait", ["y"], 30)
