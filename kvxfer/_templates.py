@@ -190,6 +190,34 @@ class PageTemplate:
                     out.append((i, *self.by_source(sp[a:b], dp[a:b])))
         return out
 
+    def assign_part(self, src_pages: np.ndarray, dst_pages: np.ndarray, part: np.ndarray,
+                    seed: Optional[int] = None) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """``assign`` of some pages of a request only (a chunk): ``part`` are their positions
+        in the request's ``dst_pages`` (ascending), ``src_pages`` their source pages. Each page
+        goes to the pair the whole request's draw gives it (the owners a chunk's own draw would
+        pick could be ranks the request never asked)."""
+        dp_all = np.asarray(dst_pages, np.int64)
+        part = np.asarray(part, np.int64)
+        sp = np.asarray(src_pages, np.int64)
+        if len(part) == 0:
+            return []
+        dp = dp_all[part]
+        if not self.replicas:
+            a, b = self.by_source(sp, dp)
+            return [(i, a, b) for i in range(len(self.pairs))]
+        n = len(dp_all)
+        rng = np.random.default_rng(seed)
+        out = []
+        for d, cands in self._draw:
+            r = len(cands)
+            for j, s in enumerate(_owners(rng, cands)):
+                i = self._index.get((s, d))
+                a, b = _chunk(j, r, n)
+                mine = (part >= a) & (part < b)
+                if i is not None and mine.any():
+                    out.append((i, *self.by_source(sp[mine], dp[mine])))
+        return out
+
     def pair_writes(self, i: int, sp: np.ndarray, dp: np.ndarray) -> tuple[np.ndarray, ...]:
         """Rank pair ``i``'s writes for pages ordered by ``by_source``: ``(so, do, ln, counts)``
         in the planner's order within each region pair (region pair, layer, source offset:

@@ -246,7 +246,7 @@ class Prefiller:
             if len(idx) and int(idx[-1]) >= len(sp):
                 raise PlanError(f"chunk [{start}, {end}) of request {request.request_id!r} completes page "
                                 f"{int(idx[-1])} but only {len(sp)} source pages are known")
-            batches = self.arm_batches(pg, request, request.dst_pages[idx], sp[idx]) if len(idx) else []
+            batches = self.arm_batches(pg, request, idx, sp[idx]) if len(idx) else []
         by_src: dict[int, list] = {}
         for src, dst, sr, dr, _, so, do, ln, _ in batches:
             by_src.setdefault(src, []).append((self.local[src][sr], pg.remote[dst][dr], so, do, ln))
@@ -310,14 +310,17 @@ class Prefiller:
                                                     self.local, pg.remote)
         return t
 
-    def arm_batches(self, pg: PeerGroup, request: Request, dst_pages: np.ndarray, src_pages: np.ndarray) -> list:
-        """The writes of these pages from this messenger's ranks, for arming: one
-        ``kvxfer._templates.ArmBatch`` per (rank pair, region pair), its layers as groups, in the
-        planner's order within a layer (page, then entry) so contiguous pages coalesce; a
-        replica choice is the template's permutation for the request's seed, not a plan."""
+    def arm_batches(self, pg: PeerGroup, request: Request, part: np.ndarray, src_pages: np.ndarray) -> list:
+        """The writes of some pages of ``request`` from this messenger's ranks, for arming:
+        ``part`` are the pages' positions in the request's ``dst_pages``, ``src_pages`` their
+        source pages; one ``kvxfer._templates.ArmBatch`` per (rank pair, region pair), its layers
+        as groups, in the planner's order within a layer (page, then entry) so contiguous pages
+        coalesce. A replica choice is the template's permutation for the request's seed over
+        the whole request (never a draw over the part: its owners could be ranks the request
+        never asked), not a plan."""
         t = self.template(pg)
         out: list = []
-        for i, a, b in t.assign(src_pages, dst_pages, self._seed(t, request)):
+        for i, a, b in t.assign_part(src_pages, request.dst_pages, part, self._seed(t, request)):
             out.extend(t.pair_layers(i, a, b))
         return out
 

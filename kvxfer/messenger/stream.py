@@ -334,7 +334,7 @@ class Streamer:
             if len(idx) and (sp is None or int(idx[-1]) >= len(sp)):
                 raise PlanError(f"chunk [{start}, {end}) of request {req.request_id!r} completes page "
                                 f"{int(idx[-1])} but only {0 if sp is None else len(sp)} source pages are known")
-            layers = self.prefill.arm_batches(req.peer, req, req.dst_pages[idx], sp[idx]) if len(idx) else None
+            layers = self.prefill.arm_batches(req.peer, req, idx, sp[idx]) if len(idx) else None
             work.append((send, end, sp, layers))
         base, end_ = lc._take_pass()
         p = Pass(self, base, end_, [w[0] for w in work])

@@ -446,16 +446,12 @@ def test_chunked_adds_from_replicated_mla_sources(provider, per_rank, n, ends):
         cl.close()
 
 
-@pytest.mark.xfail(strict=True, reason="finding: a chunk's sub-plan draws replica owners over the chunk's own "
-                   "pages, not the request's; from TP8 (8 candidates) a rank the request's draw did not pick "
-                   "can own a page of a chunk, and in per-rank mode it never got the REQUEST: its pages are never "
-                   "written, and a leg left with no page announces too few writes (here: 1, the context; the decoder "
-                   "tears the peer down as a protocol break) or completes with pages missing")
 def test_chunked_adds_from_tp8_replicated_mla_per_rank(provider):
     """TP8 replicated MLA prefill, per-rank (DeepSeek's shape) -> TP1: 3 pages, chunks
     completing 2 pages then 1. The request's draw over 3 pages picks 3 of the 8 candidates;
-    the first chunk's sub-plan over 2 pages draws owners {0, 4} of the same permutation, and
-    candidate 4 is not among the 3 (tests/messenger/test_engine_api.py's finding)."""
+    a draw over the first chunk's 2 pages alone would pick owners {0, 4} of the same
+    permutation, and candidate 4 never got the REQUEST: each chunk's pages go to the owners
+    of the whole request's draw (PageTemplate.assign_part)."""
     cl = Cluster(provider, True, layout=MLA, src_sharding=Sharding(8, replicated=True),
                  dst_sharding=Sharding(1, replicated=True))
     try:
@@ -468,7 +464,7 @@ def test_chunked_adds_from_tp8_replicated_mla_per_rank(provider):
                 s.add(src[:-(-end // 4)], end)
         for s in chunked:
             s.finish(b"tp8")
-        assert r.wait(10) == "done"                # fails: PeerError, "announced 1 writes ... not 2 to 769"
+        assert r.wait(10) == "done"                # was PeerError: "announced 1 writes ... not 2 to 769"
         cl.check(dst, src)
     finally:
         cl.close()

@@ -120,3 +120,30 @@ def test_replica_choice_is_a_permutation_per_seed():
                                      for i, x, _ in t.assign(sp, dp, seed))
     assert len(set(owners.values())) > 1
     assert FromPlanner is PageTemplate                    # still importable from the planner
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs(), st.data())
+def test_a_requests_parts_go_to_the_whole_requests_owners(cfg, data):
+    """Any split of a request's pages into ascending parts (the chunks of a streamed or
+    chunked send): ``assign_part`` over the parts gives every pair exactly the pages
+    ``assign`` over the whole request gives it, so a chunk never reaches a rank the request's
+    draw did not pick (issue 23's TP8 finding); and only ranks ``writing_ranks`` names."""
+    (sl, ss), (dl, ds), sp, dp, _, seed = cfg
+    sp, dp = np.asarray(sp), np.asarray(dp)
+    t = PageTemplate(sl, ss, dl, ds, range(ss.tp_size), range(ds.tp_size))
+    n = len(dp)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, n - 1)), max_size=4))) if n > 1 else []
+    bounds = [0, *[c for c in cuts if 0 < c < n], n]
+    whole = {i: (a.tolist(), b.tolist()) for i, a, b in t.assign(sp, dp, seed)}
+    parts: dict = {}
+    for lo, hi in zip(bounds, bounds[1:]):
+        idx = np.arange(lo, hi)
+        for i, a, b in t.assign_part(sp[idx], dp, idx, seed):
+            x = parts.setdefault(i, ([], []))
+            x[0].extend(a.tolist())
+            x[1].extend(b.tolist())
+    # the same (source, destination) page pairs per rank pair (by_source orders within a part)
+    assert {i: sorted(zip(*v)) for i, v in parts.items()} == {i: sorted(zip(*v)) for i, v in whole.items()}
+    writers = set(writing_ranks(sl, ss, dl, ds, range(ds.tp_size), n, seed=seed))
+    assert {t.pairs[i][0] for i in parts} <= writers
