@@ -361,7 +361,8 @@ def _piece_template(ch: PieceChunk, pats: list[PagePattern], src_shift: int, dst
 def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst_sharding: Sharding,
          src_pages: Sequence[int] | np.ndarray, dst_pages: Sequence[int] | np.ndarray,
          layers: Iterable[int] | None = None, seed: int | np.random.Generator | None = None,
-         num_tokens: int | None = None, first_token: int = 0) -> TransferPlan:
+         num_tokens: int | None = None, first_token: int = 0,
+         replica_span: tuple[int, int] | None = None) -> TransferPlan:
     """Plan the RDMA writes that move ``src_pages`` (prefill side) into ``dst_pages`` (decode
     side): ``src_pages[i]`` on every source rank becomes ``dst_pages[i]`` on every destination
     rank, each destination rank receiving exactly the heads its sharding gives it.
@@ -373,7 +374,11 @@ def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst
     each page list ``ceil(num_tokens / page_size)`` long; without it whole pages move,
     ``src_pages[i]`` to ``dst_pages[i]``. ``first_token`` (with ``num_tokens``) leaves the
     tokens before it out: a chunk of a streamed prefill moves tokens ``[first_token,
-    num_tokens)``, the page lists covering ``[0, num_tokens)``. Raises :class:`LayoutError` for
+    num_tokens)``, the page lists covering ``[0, num_tokens)``. ``replica_span=(a, b)`` (with
+    ``num_tokens``): the positions in ``src_pages`` of the whole request's pages that hold tokens
+    to move, over which replicas are dealt: a chunk of a request passes its request's span, so
+    each of its pages goes to the replica the whole request's plan gives it (a draw over the
+    chunk alone could pick ranks the request never asked). Raises :class:`LayoutError` for
     layouts or shardings that cannot meet, :class:`PlanError` for bad page or layer lists or
     token counts.
     """
@@ -393,9 +398,14 @@ def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst
     lay = _layers(layers, src_layout.num_layers)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     kv_heads, n = src_layout.kv_heads, sp.shape[0]
-    if tokens is not None and (sg.page_size != dg.page_size or tokens != n * sg.page_size or first):
+    if replica_span is not None:
+        if tokens is None or not (isinstance(replica_span, tuple) and len(replica_span) == 2
+                                  and all(is_int(x) for x in replica_span) and 0 <= replica_span[0] <= replica_span[1]):
+            raise PlanError(f"replica_span must be (a, b) with 0 <= a <= b and needs num_tokens, got {replica_span!r}")
+    if tokens is not None and (sg.page_size != dg.page_size or tokens != n * sg.page_size or first
+                               or replica_span is not None):
         return _plan_pieces(sg, dg, src_sharding, dst_sharding, src_layout, dst_layout, sp, dp, first, tokens,
-                            lay, rng)
+                            lay, rng, replica_span)
 
     templates: dict[tuple[int, int], _PairTemplate] = {}
     by_src: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # chunk -> pages in src order
@@ -427,12 +437,14 @@ def plan(src_layout: KVLayout, src_sharding: Sharding, dst_layout: KVLayout, dst
 
 def _plan_pieces(sg: RankGeometry, dg: RankGeometry, src_sharding: Sharding, dst_sharding: Sharding,
                  src_layout: KVLayout, dst_layout: KVLayout, sp: np.ndarray, dp: np.ndarray, first: int,
-                 tokens: int, lay: tuple[int, ...], rng: np.random.Generator) -> TransferPlan:
+                 tokens: int, lay: tuple[int, ...], rng: np.random.Generator,
+                 replica_span: tuple[int, int] | None = None) -> TransferPlan:
     """``plan`` at token granularity: replicas get contiguous chunks of the source page list
     as on the page path (each within one source page of its share), and each source page's
     tokens go as its (phase, length) class's pattern says."""
     kv_heads, n = src_layout.kv_heads, sp.shape[0]
     lo = first // sg.page_size if first < tokens else n  # the source pages holding tokens to move
+    span_lo, span_hi = (lo, n) if replica_span is None else (int(replica_span[0]), int(replica_span[1]))
     templates: dict[tuple[int, int], _PairTemplate] = {}
     patterns: dict[tuple[int, int, int, int], PagePattern] = {}  # (head count, phase, skip, length)
     chunks: dict[tuple[int, int], PieceChunk] = {}
@@ -442,8 +454,12 @@ def _plan_pieces(sg: RankGeometry, dg: RankGeometry, src_sharding: Sharding, dst
             r = len(cands)
             owners = [int(c) for c in (rng.permutation(np.asarray(cands)) if r > 1 else cands)]
             for j, s in enumerate(owners):
-                # chunk j of r, contiguous in list order
-                a, b = lo + -(-j * (n - lo) // r), lo + -(-(j + 1) * (n - lo) // r)
+                # chunk j of r of the request's span, contiguous in list order; this plan's
+                # pages of it (a chunk of a request plans only some of the span)
+                w = span_hi - span_lo
+                a, b = span_lo + -(-j * w // r), span_lo + -(-(j + 1) * w // r)
+                a = min(max(a, lo), n)
+                b = max(min(b, n), a)
                 if (a, b) not in chunks:
                     chunks[a, b] = PieceChunk(sp, dp, a, b, first, tokens, sg, dg)
                 ch = chunks[a, b]

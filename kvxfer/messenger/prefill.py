@@ -297,10 +297,14 @@ class Prefiller:
         if self.layout.page_size == pg.layout.page_size and not request.first_token:
             return plan(self.layout, self.sharding, pg.layout, pg.sharding, src_pages, request.dst_pages, seed=seed)
         # kvxfer/messenger/prefix.py: both lists from a common token, the prefix left out
-        sp, dp, n, a = prefix.plan_lists(src_pages, request.dst_pages, request.first_token, first, end,
-                                         self.layout.page_size, pg.layout.page_size, pg.layout.num_pages)
+        sps, dps, ft, total = self.layout.page_size, pg.layout.page_size, request.first_token, request.num_tokens
+        sp, dp, n, a = prefix.plan_lists(src_pages, request.dst_pages, ft, first, end, sps, dps, pg.layout.num_pages)
+        # the replicas are dealt over the whole request's source pages, whatever part this is
+        s = prefix.shift(ft, sps, dps)
+        hi = prefix.source_pages(total, ft, sps, dps)
+        lo = (ft - s) // sps if ft < total else hi
         return plan(self.layout, self.sharding, pg.layout, pg.sharding, sp, dp, seed=seed, num_tokens=n,
-                    first_token=a)
+                    first_token=a, replica_span=(lo, hi))
 
     def template(self, pg: PeerGroup) -> PageTemplate:
         """The per-page template from this messenger's ranks to ``pg``'s (made once per peer)."""

@@ -468,3 +468,33 @@ def test_chunked_adds_from_tp8_replicated_mla_per_rank(provider):
         cl.check(dst, src)
     finally:
         cl.close()
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_chunked_adds_with_a_prefix_hit_from_replicated_mla_per_rank(provider, tp):
+    """TP4 / TP8 replicated MLA per-rank -> TP1 with a prefix hit (the token path): chunks
+    ending at tokens 9, 17 and 24 of a 24-token request whose first 4-6 tokens the decoder
+    holds. Each chunk's plan deals replicas over the whole request's pages (plan's
+    ``replica_span``): before, a chunk's own draw gave pages to ranks the request never asked
+    and the decoder tore the peer down (it announced fewer writes). Byte-exact."""
+    cl = Cluster(provider, True, layout=MLA, src_sharding=Sharding(tp, replicated=True),
+                 dst_sharding=Sharding(1, replicated=True))
+    try:
+        ps = MLA.page_size
+        for k, first in enumerate((4, 5, 6)):
+            n = 24
+            src = np.array([30, 1, 29, 7, 8, 9])
+            dst = np.arange(10, 10 + len(src) - first // ps) + 8 * k
+            r = cl.d.receive(cl.peer, f"pfx-tp{tp}-{first}", dst, n, first_token=first)
+            (qs,) = cl.by_id().values()
+            chunked = [p.send(q, chunked=True) for p, q in zip(cl.pre, qs) if q is not None]
+            for end in (9, 17, 24):
+                for s in chunked:
+                    s.add(src[:-(-end // ps)], end)
+            for s in chunked:
+                s.finish(b"pfx")
+            assert r.wait(10) == "done"
+            cl.check(dst, src, num_tokens=n, first_token=first)
+            r.release()
+    finally:
+        cl.close()

@@ -147,3 +147,33 @@ def test_a_requests_parts_go_to_the_whole_requests_owners(cfg, data):
     assert {i: sorted(zip(*v)) for i, v in parts.items()} == {i: sorted(zip(*v)) for i, v in whole.items()}
     writers = set(writing_ranks(sl, ss, dl, ds, range(ds.tp_size), n, seed=seed))
     assert {t.pairs[i][0] for i in parts} <= writers
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs(), st.data())
+def test_chunks_of_a_request_with_its_replica_span_are_the_requests_plan(cfg, data):
+    """The token path: a request of ``T`` tokens from ``first`` split into chunks of tokens,
+    each planned alone with the request's ``replica_span``: together they move exactly the
+    bytes of the whole request's plan, from the same rank pairs, region pairs and layers."""
+    (sl, ss), (dl, ds), sp, dp, _, seed = cfg
+    ps, n = sl.page_size, len(sp)
+    if dl.page_size != ps:
+        return
+    total = data.draw(st.integers((n - 1) * ps + 1, n * ps))
+    first = data.draw(st.integers(0, total - 1))
+    cuts = sorted(data.draw(st.sets(st.integers(first + 1, max(first + 1, total - 1)), max_size=3)))
+    bounds = [first, *[c for c in cuts if first < c < total], total]
+    sp, dp = np.asarray(sp), np.asarray(dp)
+    srcs, dsts = set(range(ss.tp_size)), set(range(ds.tp_size))
+    span = (first // ps, n)
+    whole = plan(sl, ss, dl, ds, sp, dp, seed=seed, num_tokens=total, first_token=first)
+    want: dict = {}
+    for k, v in _plan_rows(whole, srcs, dsts).items():
+        want.setdefault(k, set()).update(_bytes(v))
+    got: dict = {}
+    for a, b in zip(bounds, bounds[1:]):
+        m = -(-b // ps)
+        p = plan(sl, ss, dl, ds, sp[:m], dp[:m], seed=seed, num_tokens=b, first_token=a, replica_span=span)
+        for k, v in _plan_rows(p, srcs, dsts).items():
+            got.setdefault(k, set()).update(_bytes(v))
+    assert {k: v for k, v in got.items() if v} == {k: v for k, v in want.items() if v}
