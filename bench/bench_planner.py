@@ -96,10 +96,10 @@ def main() -> None:
         kw = {} if sl.page_size == dl.page_size else {"num_tokens": n * args.page_size}
         best, med, p = _time(lambda: plan(sl, ss, dl, ds, sp, dp, seed=0, **kw), args.repeat)
         sbest, _smed, count = _time(lambda: _stream(p), max(1, args.repeat // 3))
-        assert count == p.num_writes
-        per_layer = p.num_writes // args.layers
+        assert count == p.num_triples
+        per_layer = p.num_triples // args.layers
         print(f"{name:<22} {f'{ss.tp_size}->{ds.tp_size}':>7} {f'{best * 1e3:.1f} / {med * 1e3:.1f}':>18} "
-              f"{sbest * 1e3:>14.1f} {per_layer:>13,} {p.num_writes:>13,} {p.num_bytes // max(p.num_writes, 1):>12,}")
+              f"{sbest * 1e3:>14.1f} {per_layer:>13,} {p.num_triples:>13,} {p.num_bytes // max(p.num_triples, 1):>12,}")
 
 
 if __name__ == "__main__":

@@ -118,14 +118,14 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     char *kx_direct_base(const kx_direct *d)
     void kx_direct_unref(kx_direct *d)
     enum: KX_OWNER_BYTES
-    int kx_direct_fence(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, uint32_t slot, uint32_t gen,
+    int kx_direct_permit(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, uint32_t slot, uint32_t gen,
                         const uint8_t *owner)
-    int kx_fence_table_open(size_t slots, const uint8_t *owner, int *fd, uint64_t **words)
-    void kx_fence_table_close(int fd, uint64_t *words, size_t slots)
-    uint32_t kx_fence_issue(uint64_t *words, size_t slots, size_t slot, uint64_t dev, uint64_t ino, uint64_t offset,
+    int kx_permit_table_open(size_t slots, const uint8_t *owner, int *fd, uint64_t **words)
+    void kx_permit_table_close(int fd, uint64_t *words, size_t slots)
+    uint32_t kx_permit_issue(uint64_t *words, size_t slots, size_t slot, uint64_t dev, uint64_t ino, uint64_t offset,
                             uint64_t len)
-    uint32_t kx_fence_revoke(uint64_t *word, int64_t wait_ns)
-    int kx_fence_retire(uint64_t *word)
+    uint32_t kx_permit_revoke(uint64_t *word, int64_t wait_ns)
+    int kx_permit_retire(uint64_t *word)
 
     # writes
     int64_t kx_count_messages(const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length,

@@ -102,20 +102,20 @@ class RegionHandle:
     nbytes: int
     busy: int
     keep: Any
-    fence: Any
+    permit: Any
     watches: list[weakref.ref[WatchHandle]]
     closed: bool
     def close(self) -> None: ...
 
 class DirectMap:
     nbytes: int
-    fenced: bool
+    permitted: bool
     def __init__(self, path: str, dev: int, ino: int, offset: int, nbytes: int,
-                 fence: Optional[tuple[str, int, int, int, int]] = None) -> None: ...
+                 permit: Optional[tuple[str, int, int, int, int]] = None) -> None: ...
     @property
     def base(self) -> int: ...
 
-class FenceTable:
+class PermitTable:
     slots: int
     def __init__(self, slots: int) -> None: ...
     @property

@@ -17,7 +17,7 @@ between slices, so Ctrl-C is answered.
 
 This file holds what every handle shares (constants, ``error_from``/``check``, the sliced
 wait); each family of handles is one include: ``_fabric_rail.pxi``, ``_fabric_direct.pxi``
-(``DirectMap``, ``FenceTable``), ``_fabric_region.pxi``, ``_fabric_transfer.pxi`` (transfers,
+(``DirectMap``, ``PermitTable``), ``_fabric_region.pxi``, ``_fabric_transfer.pxi`` (transfers,
 counters, the message-rule helpers) and ``_fabric_watcher.pxi``.
 """
 

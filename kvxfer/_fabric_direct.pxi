@@ -1,5 +1,5 @@
 # The direct-copy path's handles: DirectMap (this process's mapping of a shm peer's memfd,
-# kx_direct) and FenceTable (this engine's table of fence words its peers' copies check).
+# kx_direct) and PermitTable (this engine's table of permit words its peers' copies check).
 
 cdef class DirectMap:
     """This process's own MAP_SHARED mapping of a shm peer's memfd region, opened from its
@@ -10,18 +10,18 @@ cdef class DirectMap:
     take their own references, so the mapping outlives this handle as long as they copy. Raises FabricError
     (``kx_direct_open``) when it cannot map; the engine then writes over RMA.
 
-    ``fence``: ``(path, dev, ino, slot, generation, owner)`` of the target's fence table
+    ``permit``: ``(path, dev, ino, slot, generation, owner)`` of the target's permit table
     (``/proc/<pid>/fd/<fd>`` of its memfd, checked like the data), whose header must name
     ``owner`` (the descriptor's 8-byte owner digest) and whose record for ``slot`` must cover
     the data's file and range: every copy then takes a writer on word ``slot`` only while it
     carries ``generation`` and is not revoked, and fails its transfer once the target closed
-    the region (src/direct.c). The engine maps no host share without one (``fenced``)."""
+    the region (src/direct.c). The engine maps no host share without one (``permitted``)."""
 
     cdef kx_direct *d
     cdef readonly size_t nbytes
-    cdef readonly bint fenced
+    cdef readonly bint permitted
 
-    def __cinit__(self, str path, uint64_t dev, uint64_t ino, uint64_t offset, uint64_t nbytes, fence=None):
+    def __cinit__(self, str path, uint64_t dev, uint64_t ino, uint64_t offset, uint64_t nbytes, permit=None):
         cdef bytes p = path.encode()
         cdef const char *cp = p
         cdef bytes fp
@@ -31,23 +31,23 @@ cdef class DirectMap:
         cdef const uint8_t[:] owner
         cdef int ret
         self.d = NULL
-        self.fenced = False
-        if fence is not None:
-            fpath, fdev, fino, slot, gen, fowner = fence
+        self.permitted = False
+        if permit is not None:
+            fpath, fdev, fino, slot, gen, fowner = permit
             fp = str(fpath).encode()
             owner = bytes(fowner)
             if owner.shape[0] != KX_OWNER_BYTES:
-                raise InvalidArgumentError(f"a fence's owner is {KX_OWNER_BYTES} bytes")
+                raise InvalidArgumentError(f"a permit's owner is {KX_OWNER_BYTES} bytes")
         with nogil:
             ret = kx_direct_open(cp, dev, ino, offset, nbytes, &self.d)
         check(ret, "kx_direct_open")
         self.nbytes = nbytes
-        if fence is not None:
+        if permit is not None:
             fcp = fp
             with nogil:
-                ret = kx_direct_fence(self.d, fcp, fdev, fino, slot, gen, &owner[0])
-            check(ret, "kx_direct_fence")       # __dealloc__ unmaps the data
-            self.fenced = True
+                ret = kx_direct_permit(self.d, fcp, fdev, fino, slot, gen, &owner[0])
+            check(ret, "kx_direct_permit")       # __dealloc__ unmaps the data
+            self.permitted = True
 
     def __dealloc__(self):
         if self.d != NULL:
@@ -65,8 +65,8 @@ cdef inline uint64_t _load_word(uint64_t *w) noexcept nogil:
     return (<volatile uint64_t *>w)[0]
 
 
-cdef class FenceTable:
-    """The target's side of the direct-write fence (src/direct.c): ``slots`` 64-bit words
+cdef class PermitTable:
+    """The target's side of the direct-write permit (src/direct.c): ``slots`` 64-bit words
     [generation: 32 | revoked: 1 | writers: 31] in a sealed memfd, mapped here and held open
     as ``fd`` (peers open it through ``/proc/<pid>/fd/<fd>``), with each slot's record of its
     region and a header naming ``owner`` (the engine's 8-byte owner digest). The engine hands
@@ -84,13 +84,13 @@ cdef class FenceTable:
         self.words = NULL
         self.slots = slots
         if len(owner) != KX_OWNER_BYTES:
-            raise InvalidArgumentError(f"a fence table's owner is {KX_OWNER_BYTES} bytes")
+            raise InvalidArgumentError(f"a permit table's owner is {KX_OWNER_BYTES} bytes")
         with nogil:
-            ret = kx_fence_table_open(slots, o, &self._fd, &self.words)
-        check(ret, "kx_fence_table_open")
+            ret = kx_permit_table_open(slots, o, &self._fd, &self.words)
+        check(ret, "kx_permit_table_open")
 
     def __dealloc__(self):
-        kx_fence_table_close(self._fd, self.words, self.slots)
+        kx_permit_table_close(self._fd, self.words, self.slots)
         self._fd = -1
         self.words = NULL
 
@@ -100,7 +100,7 @@ cdef class FenceTable:
 
     cdef uint64_t *_word(self, size_t slot) except NULL:
         if slot >= self.slots:
-            raise InvalidArgumentError(f"fence slot {slot} out of range")
+            raise InvalidArgumentError(f"permit slot {slot} out of range")
         return &self.words[slot]
 
     def word(self, size_t slot):
@@ -112,7 +112,7 @@ cdef class FenceTable:
         (dev, ino), recorded for its peers to check; returns the generation its descriptor
         names."""
         self._word(slot)
-        return kx_fence_issue(self.words, self.slots, slot, dev, ino, offset, nbytes)
+        return kx_permit_issue(self.words, self.slots, slot, dev, ino, offset, nbytes)
 
     def revoke(self, size_t slot, double timeout):
         """Refuse every later copy into the slot's region and wait up to ``timeout`` s for the
@@ -121,13 +121,13 @@ cdef class FenceTable:
         cdef int64_t ns = <int64_t>(timeout * 1e9)
         cdef uint32_t left
         with nogil:
-            left = kx_fence_revoke(w, ns)
+            left = kx_permit_revoke(w, ns)
         return left
 
     def retire(self, size_t slot):
         """After deregistration: bump the slot's generation. False where a writer never left
         (the slot must not serve another region)."""
-        return kx_fence_retire(self._word(slot)) == 0
+        return kx_permit_retire(self._word(slot)) == 0
 
 
 cdef inline kx_direct *_direct(object direct) except? NULL:

@@ -125,8 +125,8 @@ def host_share(ptr: int, nbytes: int) -> Optional[wire.HostShare]:
 def refresh(share: wire.HostShare) -> Optional[wire.HostShare]:
     """``share`` as it stands now: its fd may have been closed (a KVBuffer closed under its
     region keeps its mapping, not its fd) or reused; then another fd on the same memfd, or
-    None. The peer checks the file again before it maps anything. Its ``fence`` is kept:
-    the engine's fence table stays open as long as the engine."""
+    None. The peer checks the file again before it maps anything. Its ``permit`` is kept:
+    the engine's permit table stays open as long as the engine."""
     fd = share.fd
     try:
         st = os.fstat(fd)
@@ -137,4 +137,4 @@ def refresh(share: wire.HostShare) -> Optional[wire.HostShare]:
         fd = _open_fd(share.dev, share.inode)
         if fd is None:
             return None
-    return dataclasses.replace(share, pid=os.getpid(), fd=fd)      # the fence (engine's) stays
+    return dataclasses.replace(share, pid=os.getpid(), fd=fd)      # the permit (engine's) stays

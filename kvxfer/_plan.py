@@ -10,7 +10,7 @@ its write lists, with no planning in it (``kvxfer.planner`` re-exports both name
 | `layer(l)` | the same plan restricted to layer `l` (shares the template) |
 | `expected_writes[d]`, `expected_bytes[d]` | what destination rank `d` receives (all planned layers) |
 | `writes_per_pair`, `bytes_per_pair` | `[src_tp, dst_tp]` matrices |
-| `num_writes`, `num_bytes`, `pairs` | totals, and the pairs that carry writes |
+| `num_triples`, `num_bytes`, `pairs` | totals, and the pairs that carry writes |
 | `str(plan)` | summary: writes per layer, bytes per write, the pair matrix, `expected_writes` |
 
 `expected_writes` counts the plan's writes after coalescing. The engine may still pack several
@@ -21,6 +21,7 @@ what a completion counter should wait for.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -126,9 +127,17 @@ class TransferPlan:
         return self.bytes_per_pair.sum(axis=0)
 
     @property
-    def num_writes(self) -> int:
+    def num_triples(self) -> int:
         """Total writes; compare HND with NHD here."""
         return int(self.writes_per_pair.sum())
+
+    # >>> issue 22: deprecated name
+    @property
+    def num_writes(self) -> int:
+        """Deprecated (issue 22): ``num_triples``; a plan's writes are triples, not messages."""
+        warnings.warn("TransferPlan.num_writes is deprecated, use num_triples", DeprecationWarning, stacklevel=2)
+        return self.num_triples
+    # <<< issue 22
 
     @property
     def num_bytes(self) -> int:
@@ -192,14 +201,14 @@ class TransferPlan:
     # -- printing -------------------------------------------------------------------------
     def __repr__(self) -> str:
         return (f"TransferPlan(TP{self.src_tp} {self.src_order} -> TP{self.dst_tp} {self.dst_order}, "
-                f"{self.num_pages} pages x {len(self.layers)} layers, {self.num_writes} writes, "
+                f"{self.num_pages} pages x {len(self.layers)} layers, {self.num_triples} writes, "
                 f"{self.num_bytes} bytes)")
 
     def __str__(self) -> str:
         nl = max(len(self.layers), 1)
         lines = [repr(self),
-                 f"  writes per layer: {self.num_writes // nl}"
-                 f" (avg {self.num_bytes / max(self.num_writes, 1):.0f} B per write)",
+                 f"  writes per layer: {self.num_triples // nl}"
+                 f" (avg {self.num_bytes / max(self.num_triples, 1):.0f} B per write)",
                  "  writes per (src rank, dst rank):"]
         width = max(len(str(int(self.writes_per_pair.max(initial=0)))), 3)
         lines.append("    src\\dst " + " ".join(f"{d:>{width}}" for d in range(self.dst_tp)))

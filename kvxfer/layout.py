@@ -15,7 +15,7 @@ index; which global heads a rank holds comes from its :class:`Sharding`.
 Layout model
 ------------
 
-`KVLayout(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, kv, placement,
+`KVLayout(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, kv, layer_regions,
 page_stride=None, layer_stride=None)` — `kv_heads` is the **model total**; a rank's share comes
 from the `Sharding` passed next to it. `dtype` matters only by size; `"bfloat16"`, `"fp8"`,
 `"torch.bfloat16"`… map to same-sized numpy types, and bf16 ≠ fp16.
@@ -28,7 +28,7 @@ from the `Sharding` passed next to it. `dtype` matters only by size; `"bfloat16"
 | | `separate` | K and V each in their own region (a K pool and a V pool) |
 | | `mla` | one plane, one latent vector per token, `kv_heads=1` |
 | | `packed` | vLLM 0.32's `2 * head_dim` rows: HND per head K rows then V rows (CPU), NHD K|V per (token, head) |
-| `placement` | `per_layer` | one region (or one per K/V pool) per layer |
+| `layer_regions` | `per_layer` | one region (or one per K/V pool) per layer |
 | | `layer_major` | one region (per pool) holding all layers at `layer_stride` |
 | `page_stride`, `layer_stride` | bytes | override the dense strides (padding); checked when resolved (below) |
 
@@ -91,7 +91,7 @@ tests/vllm/test_vllm_pd.py). Its `vec` kernels store that K block transposed,
 (head, block) K|V run is exact, so two such caches of one block size move whole blocks
 exactly (TP mismatch included, heads being outer), but a write that splits a block by
 tokens (another form, another block size) would misplace K: `KVLayout.vllm_packed(...,
-placement="layer_major", layer_stride=..., page_stride=...)` with the strides of vLLM's
+layer_regions="layer_major", layer_stride=..., page_stride=...)` with the strides of vLLM's
 `kv_cache_config` (layer-major or block-major, both placements above). Its GPU backends pack
 K|V per (token, head) in the order `KVCacheLayout` names: NHD `[blocks, block_size, kv_heads,
 2 * head_size]`, HND as on CPU, one tensor per layer. A packed page's K plane is every other
@@ -112,6 +112,7 @@ Sharding
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -120,12 +121,12 @@ import numpy as np
 from kvxfer._check import as_int
 from kvxfer.errors import LayoutError
 
-__all__ = ["KVLayout", "Sharding", "RankGeometry", "ORDERS", "KV_FORMS", "PLACEMENTS"]
+__all__ = ["KVLayout", "Sharding", "RankGeometry", "ORDERS", "KV_FORMS", "LAYER_REGIONS"]
 
 Order = Literal["HND", "NHD"]
 KVForm = Literal["fused", "stacked", "separate", "mla", "packed"]
 #: how a rank's layers map to regions: one region (per K/V pool) per layer, or every layer in
-#: one region at ``layer_stride`` (the ``KVLayout.placement`` field; not
+#: one region at ``layer_stride`` (the ``KVLayout.layer_regions`` field; not
 #: ``kvxfer.topology.Placement``, which is where a GPU's transfers run)
 LayerRegions = Literal["per_layer", "layer_major"]
 
@@ -139,7 +140,7 @@ ORDERS: tuple[str, ...] = ("HND", "NHD")
 KV_FORMS: tuple[str, ...] = ("fused", "stacked", "separate", "mla", "packed")
 #: per_layer: each layer its own region(s); layer_major: one region (per K/V pool) with
 #: layers at ``layer_stride``.
-PLACEMENTS: tuple[str, ...] = ("per_layer", "layer_major")
+LAYER_REGIONS: tuple[str, ...] = ("per_layer", "layer_major")
 
 # Only the element size matters for byte offsets; numpy has no bf16/fp8, so these map to a
 # same-sized integer type (and "bf16" and "fp16" stay distinct, as they should).
@@ -321,7 +322,7 @@ class KVLayout:
     dtype: Any = "bfloat16"
     order: Order = "HND"
     kv: KVForm = "fused"
-    placement: LayerRegions = "per_layer"
+    layer_regions: LayerRegions = "per_layer"
     page_stride: int | None = None
     layer_stride: int | None = None
     _dtype: np.dtype = field(init=False, repr=False, compare=False)
@@ -334,16 +335,16 @@ class KVLayout:
             raise LayoutError(f"order must be one of {ORDERS}, got {self.order!r}")
         if self.kv not in KV_FORMS:
             raise LayoutError(f"kv must be one of {KV_FORMS}, got {self.kv!r}")
-        if self.placement not in PLACEMENTS:
-            raise LayoutError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.layer_regions not in LAYER_REGIONS:
+            raise LayoutError(f"layer_regions must be one of {LAYER_REGIONS}, got {self.layer_regions!r}")
         if self.kv == "mla" and self.kv_heads != 1:
             raise LayoutError(
                 f"an MLA layout has one latent vector per token (kv_heads=1), got kv_heads={self.kv_heads}")
         if self.page_stride is not None:
             _pos_int("page_stride", self.page_stride)
         if self.layer_stride is not None:
-            if self.placement != "layer_major":
-                raise LayoutError("layer_stride only applies to placement='layer_major'")
+            if self.layer_regions != "layer_major":
+                raise LayoutError("layer_stride only applies to layer_regions='layer_major'")
             _pos_int("layer_stride", self.layer_stride)
 
     # -- constructors for the engines people run -------------------------------------------
@@ -376,21 +377,21 @@ class KVLayout:
 
     @classmethod
     def mla(cls, num_layers: int, latent_dim: int, page_size: int, num_pages: int, dtype: Any = "bfloat16",
-            placement: LayerRegions = "per_layer", **kw: Any) -> KVLayout:
+            layer_regions: LayerRegions = "per_layer", **kw: Any) -> KVLayout:
         """MLA (DeepSeek): one latent vector of ``latent_dim`` (e.g. 512 + 64 rope) per token,
         ``[pages, page, latent_dim]`` per layer, the same on every rank."""
-        return cls(num_layers, 1, latent_dim, page_size, num_pages, dtype, "HND", "mla", placement, **kw)
+        return cls(num_layers, 1, latent_dim, page_size, num_pages, dtype, "HND", "mla", layer_regions, **kw)
 
     @classmethod
     def vllm_packed(cls, num_layers: int, kv_heads: int, head_dim: int, page_size: int, num_pages: int,
-                    dtype: Any = "bfloat16", order: Order = "HND", placement: LayerRegions = "per_layer",
+                    dtype: Any = "bfloat16", order: Order = "HND", layer_regions: LayerRegions = "per_layer",
                     **kw: Any) -> KVLayout:
         """vLLM 0.32's packed K|V: per layer ``[pages, heads, page, 2*dim]`` (HND: the CPU backend,
         and GPU backends whose ``KVCacheLayout`` is HND) or ``[pages, page, heads, 2*dim]``
         (NHD), K in the first ``head_dim`` elements of a row and V in the second. vLLM's CPU
-        backend views every layer into one storage: pass ``placement="layer_major"`` with its
+        backend views every layer into one storage: pass ``layer_regions="layer_major"`` with its
         ``layer_stride`` and ``page_stride`` (block stride) in bytes."""
-        return cls(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, "packed", placement, **kw)
+        return cls(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, "packed", layer_regions, **kw)
 
     # -- derived --------------------------------------------------------------------------
     @property
@@ -417,7 +418,7 @@ class KVLayout:
     def num_regions(self) -> int:
         """Registered regions per rank."""
         per_pool = 2 if self.kv == "separate" else 1
-        return per_pool * (self.num_layers if self.placement == "per_layer" else 1)
+        return per_pool * (self.num_layers if self.layer_regions == "per_layer" else 1)
 
     def resolve(self, sharding: Sharding) -> RankGeometry:
         """Every stride in bytes for a rank of ``sharding``; raises :class:`LayoutError` on
@@ -459,7 +460,7 @@ class KVLayout:
             plane_region, plane_base = (0,), (0,)
         per_layer = pool * (2 if self.kv == "stacked" else 1)
         pools = 2 if self.kv == "separate" else 1
-        if self.placement == "per_layer":
+        if self.layer_regions == "per_layer":
             regions_per_layer, layer_stride = pools, 0
             num_regions, region_size = pools * self.num_layers, per_layer
         else:
@@ -488,3 +489,39 @@ class KVLayout:
         """Bytes each region of a rank of ``sharding`` must have (what to register)."""
         g = self.resolve(sharding)
         return (g.region_size,) * g.num_regions
+
+
+# >>> issue 22: deprecated names: KVLayout.placement -> layer_regions, PLACEMENTS -> LAYER_REGIONS.
+def __getattr__(name: str) -> Any:
+    if name == "PLACEMENTS":
+        warnings.warn("kvxfer.layout.PLACEMENTS is deprecated, use LAYER_REGIONS", DeprecationWarning, stacklevel=2)
+        return LAYER_REGIONS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _layout_placement(self: KVLayout) -> str:
+    warnings.warn("KVLayout.placement is deprecated, use KVLayout.layer_regions", DeprecationWarning, stacklevel=2)
+    return self.layer_regions
+
+
+_layout_init = KVLayout.__init__
+
+
+_UNSET: Any = object()
+
+
+def _layout_init_compat(self: KVLayout, *args: Any, placement: Any = _UNSET, **kw: Any) -> None:
+    if placement is not _UNSET:
+        warnings.warn("KVLayout(placement=) is deprecated, use layer_regions=", DeprecationWarning, stacklevel=2)
+        if "layer_regions" in kw or (len(args) > 8 and args[8] != "per_layer"):
+            raise TypeError("KVLayout() got both placement= and layer_regions=")
+        if len(args) > 8:       # mla() and vllm_packed() pass their default positionally
+            args = args[:8] + (placement,) + args[9:]
+        else:
+            kw["layer_regions"] = placement
+    _layout_init(self, *args, **kw)
+
+
+KVLayout.placement = property(_layout_placement)  # type: ignore[attr-defined]
+KVLayout.__init__ = _layout_init_compat  # type: ignore[method-assign]
+# <<< issue 22

@@ -12,12 +12,12 @@ Memory descriptor, versions 1 to 4 (little-endian)::
     b"KXM" | u8 version | u8 flags | u8 len + provider name | u64 base | u64 nbytes
            | 8-byte owner | u8 keys | per key: u8 len + key bytes
            [versions 2-4, flag HOST_SHARE: u32 pid | u32 fd | u64 dev | u64 inode | u64 offset]
-           [versions 3-4, flag FENCE: u32 fd | u32 slot | u32 generation | u64 dev | u64 inode]
+           [versions 3-4, flag PERMIT: u32 fd | u32 slot | u32 generation | u64 dev | u64 inode]
            [version 4, flag READABLE: u8 read keys | per key: u8 len + key bytes]
 
 flags: bit 0 VIRT_ADDR (remote addresses are base + offset, else offsets), bit 1 RAW keys
 (provider raw keys, mapped with fi_mr_map_raw; otherwise each key is a u64), bit 2 device
-memory, bit 3 HOST_SHARE (version 2 and later), bit 4 FENCE (version 3, where it is
+memory, bit 3 HOST_SHARE (version 2 and later), bit 4 PERMIT (version 3, where it is
 required, and 4; only with HOST_SHARE), bit 5 READABLE (version 4 only, where it is
 required). One key per rail, so a region registered on several NICs travels as one
 descriptor. ``owner`` is ``owner_digest(address)`` of the engine
@@ -31,21 +31,21 @@ with memcpy (the direct write, docs/architecture.md). A descriptor without a hos
 still encoded as version 1, byte for byte as before, so older peers keep reading it; they
 refuse a version 2 descriptor by its version.
 
-Version 3 adds the host share's **fence** (``Fence``): the word ``slot`` of the target's
-fence table, a memfd that the same process ``pid`` holds open as ``fd``, the file (``dev``,
+Version 3 adds the host share's **permit** (``Permit``): the word ``slot`` of the target's
+permit table, a memfd that the same process ``pid`` holds open as ``fd``, the file (``dev``,
 ``inode``), and the region's ``generation``. A sender copies into the region only while that
 word carries the generation and is not revoked, which the target sets when it closes the
-region (src/direct.c). A sender given a share without a fence (version 2) does not write
+region (src/direct.c). A sender given a share without a permit (version 2) does not write
 directly: it writes over RMA, which the target's deregistration stops. Whether the
-descriptor carries a host share, not a fence, decides the count. The version is the least
-that holds the fields: 1 without a share, 2 with one without a fence, 3 with a fence.
+descriptor carries a host share, not a permit, decides the count. The version is the least
+that holds the fields: 1 without a share, 2 with one without a permit, 3 with a permit.
 
 Version 4 adds the **read keys** (``Descriptor.read_keys``, one per rail, of the same kind as
 the keys): the region was registered readable (``Engine.register(..., readable=True)``), and
 these are the keys of its separate read registration (``FI_REMOTE_READ`` only); the keys
 before them are the write registration's. A version 4 descriptor may carry no write keys at
 all (``MemoryRegion.descriptor(reads_only=True)``: a reader that may not write). Only a
-readable descriptor is written as version 4 (a share and its fence are optional there, as
+readable descriptor is written as version 4 (a share and its permit are optional there, as
 their flags say); every other descriptor keeps its version 1-3 bytes. An engine reads from a
 remote region only with its read keys: a descriptor without them is refused by
 ``Engine.read_pages`` before anything is posted.
@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,7 +64,7 @@ import numpy as np
 
 from kvxfer.errors import DescriptorError, InvalidArgumentError
 
-__all__ = ["Address", "Descriptor", "HostShare", "Fence", "count_writes", "stripe_bounds", "split_write", "owner_digest", "ADDRESS_VERSION", "DESCRIPTOR_VERSION"]
+__all__ = ["Address", "Descriptor", "HostShare", "Permit", "count_writes", "stripe_bounds", "split_write", "owner_digest", "ADDRESS_VERSION", "DESCRIPTOR_VERSION"]
 
 ADDRESS_MAGIC = b"KXA"
 DESCRIPTOR_MAGIC = b"KXM"
@@ -75,7 +76,7 @@ FLAG_VIRT_ADDR = 1
 FLAG_RAW_KEY = 2
 FLAG_DEVICE = 4
 FLAG_HOST_SHARE = 8
-FLAG_FENCE = 16
+FLAG_PERMIT = 16
 FLAG_READABLE = 32              # version 4: read keys follow
 
 
@@ -164,8 +165,8 @@ class Address:
 
 
 @dataclass(frozen=True)
-class Fence:
-    """The fence of a host share (version 3): word ``slot`` of the memfd that the share's
+class Permit:
+    """The permit of a host share (version 3): word ``slot`` of the memfd that the share's
     process holds open as ``fd``, the file (``dev``, ``inode``), and the ``generation`` the
     word carries while the region is registered (src/direct.c)."""
 
@@ -180,14 +181,14 @@ class Fence:
     def encode(self) -> bytes:
         if not (0 <= self.fd < 2**31 and 0 <= self.slot < 2**28 and 0 <= self.generation < 2**32
                 and 0 <= self.dev < 2**64 and 0 <= self.inode < 2**64):
-            raise InvalidArgumentError(f"fence out of range: {self}")
+            raise InvalidArgumentError(f"permit out of range: {self}")
         return self._FORMAT.pack(self.fd, self.slot, self.generation, self.dev, self.inode)
 
     @classmethod
-    def read(cls, r: _Reader) -> "Fence":
+    def read(cls, r: _Reader) -> "Permit":
         fd, slot, generation, dev, inode = (r.u32(), r.u32(), r.u32(), r.u64(), r.u64())
         if fd >= 2**31 or slot >= 2**28:
-            raise DescriptorError("descriptor's fence names no fd or slot")
+            raise DescriptorError("descriptor's permit names no fd or slot")
         return cls(fd, dev, inode, slot, generation)
 
 
@@ -197,7 +198,7 @@ class HostShare:
     offset + nbytes)`` of the memfd that process ``pid`` holds open as ``fd``, which is the
     file (``dev``, ``inode``) (a mapping's ``st_dev``/``st_ino``). The peer opens
     ``/proc/<pid>/fd/<fd>`` and maps the range only if the file it gets is that one, so a
-    reused fd number or pid never points it elsewhere. ``fence`` (version 3): where the
+    reused fd number or pid never points it elsewhere. ``permit`` (version 3): where the
     target revokes the share when it closes the region; a sender maps no share without one."""
 
     pid: int
@@ -205,7 +206,7 @@ class HostShare:
     dev: int
     inode: int
     offset: int
-    fence: Optional[Fence] = None
+    permit: Optional[Permit] = None
 
     _FORMAT = struct.Struct("<IIQQQ")
 
@@ -258,14 +259,14 @@ class Descriptor:
 
     def encode(self) -> bytes:
         share = self.host_share
-        fence = share.fence if share is not None else None
+        permit = share.permit if share is not None else None
         flags = (FLAG_VIRT_ADDR if self.virt_addr else 0) | (FLAG_RAW_KEY if self.raw else 0) | (
             FLAG_DEVICE if self.device else 0
-        ) | (FLAG_HOST_SHARE if share is not None else 0) | (FLAG_FENCE if fence is not None else 0) | (
+        ) | (FLAG_HOST_SHARE if share is not None else 0) | (FLAG_PERMIT if permit is not None else 0) | (
             FLAG_READABLE if self.read_keys else 0)
         if not (0 if self.read_keys else 1) <= len(self.keys) < 256 or len(self.read_keys) >= 256:
             raise InvalidArgumentError("a descriptor needs 1..255 keys (0..255 write keys with read keys)")
-        version = 4 if self.read_keys else 3 if fence is not None else 2 if share is not None else 1
+        version = 4 if self.read_keys else 3 if permit is not None else 2 if share is not None else 1
         out = [
             DESCRIPTOR_MAGIC,
             bytes([version, flags]),  # the least that holds it
@@ -281,8 +282,8 @@ class Descriptor:
             if share.offset + self.nbytes > 2**63:
                 raise InvalidArgumentError("host share lies beyond any file")
             out.append(share.encode())
-        if fence is not None:
-            out.append(fence.encode())
+        if permit is not None:
+            out.append(permit.encode())
         if self.read_keys:
             out += _keys(self.read_keys)
         return b"".join(out)
@@ -295,13 +296,13 @@ class Descriptor:
         version = _header(r, DESCRIPTOR_MAGIC, DESCRIPTOR_VERSIONS)
         flags = r.u8()
         known = FLAG_VIRT_ADDR | FLAG_RAW_KEY | FLAG_DEVICE | (FLAG_HOST_SHARE if version >= 2 else 0) | (
-            FLAG_FENCE if version >= 3 else 0) | (FLAG_READABLE if version >= 4 else 0)
+            FLAG_PERMIT if version >= 3 else 0) | (FLAG_READABLE if version >= 4 else 0)
         if flags & ~known:
             raise DescriptorError(f"descriptor has unknown flags {flags:#x} for version {version}")
-        # version 3 exists for the fence, version 4 for the read keys; a fence belongs to a host share
-        if ((version == 3) != bool(flags & FLAG_FENCE and not flags & FLAG_READABLE)
+        # version 3 exists for the permit, version 4 for the read keys; a permit belongs to a host share
+        if ((version == 3) != bool(flags & FLAG_PERMIT and not flags & FLAG_READABLE)
                 or (version == 4) != bool(flags & FLAG_READABLE)
-                or (flags & FLAG_FENCE and not flags & FLAG_HOST_SHARE)):
+                or (flags & FLAG_PERMIT and not flags & FLAG_HOST_SHARE)):
             raise DescriptorError(f"descriptor has flags {flags:#x} that version {version} does not allow")
         prov = r.take(r.u8()).decode("utf-8", "replace")
         base, nbytes = r.u64(), r.u64()
@@ -311,8 +312,8 @@ class Descriptor:
         if base + nbytes > 2**64:
             raise DescriptorError("descriptor range wraps around the address space")
         share = HostShare.read(r, nbytes) if flags & FLAG_HOST_SHARE else None
-        if flags & FLAG_FENCE:
-            share = dataclasses.replace(share, fence=Fence.read(r))
+        if flags & FLAG_PERMIT:
+            share = dataclasses.replace(share, permit=Permit.read(r))
         read_keys = _read_keys(r, raw, empty=False) if flags & FLAG_READABLE else ()
         r.end()
         return cls(prov, base, nbytes, keys, bool(flags & FLAG_VIRT_ADDR), raw, bool(flags & FLAG_DEVICE), owner,
@@ -439,3 +440,38 @@ def count_writes(src_offsets, dst_offsets, lengths, iov: int, max_write: int, pa
             nbytes += take
             length -= take
     return msgs + (1 if pieces else 0)
+
+
+# >>> issue 22: deprecated names: Fence -> Permit, FLAG_FENCE -> FLAG_PERMIT, HostShare.fence -> .permit.
+_DEPRECATED = {"Fence": ("Permit", Permit), "FLAG_FENCE": ("FLAG_PERMIT", FLAG_PERMIT)}
+
+
+def __getattr__(name: str) -> object:
+    if name in _DEPRECATED:
+        new, value = _DEPRECATED[name]
+        warnings.warn(f"kvxfer.wire.{name} is deprecated, use {new}", DeprecationWarning, stacklevel=2)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _share_fence(self: HostShare) -> Optional[Permit]:
+    warnings.warn("HostShare.fence is deprecated, use HostShare.permit", DeprecationWarning, stacklevel=2)
+    return self.permit
+
+
+_share_init = HostShare.__init__
+
+
+_UNSET: object = object()
+
+
+def _share_init_compat(self: HostShare, *args: object, fence: object = _UNSET, **kw: object) -> None:
+    if fence is not _UNSET:
+        warnings.warn("HostShare(fence=) is deprecated, use permit=", DeprecationWarning, stacklevel=2)
+        kw["permit"] = fence
+    _share_init(self, *args, **kw)
+
+
+HostShare.fence = property(_share_fence)  # type: ignore[attr-defined]
+HostShare.__init__ = _share_init_compat  # type: ignore[method-assign]
+# <<< issue 22

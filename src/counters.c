@@ -21,7 +21,7 @@ kx_hub *kx_hub_new(void)
     if (!h)
         return NULL;
     h->table.cap = 256;
-    h->table.slots = calloc(h->table.cap, sizeof(kx_centry));
+    h->table.slots = calloc(h->table.cap, sizeof(kx_imm_entry));
     if (!h->table.slots) {
         free(h);
         return NULL;
@@ -65,7 +65,7 @@ int kx_hub_wait_flag(kx_hub *h, const int *flag, int64_t slice_ns)
 
 /* ---- the table ----------------------------------------------------------------------- */
 
-kx_centry *kx_ctable_find(kx_ctable *t, uint32_t imm)
+kx_imm_entry *kx_imm_table_find(kx_imm_table *t, uint32_t imm)
 {
     size_t mask = t->cap - 1, i = kx_hash(imm) & mask;
     while (t->slots[i].used) {
@@ -76,11 +76,11 @@ kx_centry *kx_ctable_find(kx_ctable *t, uint32_t imm)
     return NULL;
 }
 
-static int kx_ctable_grow(kx_ctable *t)
+static int kx_imm_table_grow(kx_imm_table *t)
 {
-    kx_centry *old = t->slots;
+    kx_imm_entry *old = t->slots;
     size_t oldcap = t->cap;
-    kx_centry *slots = calloc(oldcap * 2, sizeof(kx_centry));
+    kx_imm_entry *slots = calloc(oldcap * 2, sizeof(kx_imm_entry));
     if (!slots)
         return -FI_ENOMEM;
     t->slots = slots;
@@ -97,12 +97,12 @@ static int kx_ctable_grow(kx_ctable *t)
     return 0;
 }
 
-kx_centry *kx_ctable_get(kx_ctable *t, uint32_t imm)
+kx_imm_entry *kx_imm_table_get(kx_imm_table *t, uint32_t imm)
 {
-    kx_centry *c = kx_ctable_find(t, imm);
+    kx_imm_entry *c = kx_imm_table_find(t, imm);
     if (c)
         return c;
-    if ((t->len + 1) * 2 > t->cap && kx_ctable_grow(t))
+    if ((t->len + 1) * 2 > t->cap && kx_imm_table_grow(t))
         return NULL;
     size_t mask = t->cap - 1, i = kx_hash(imm) & mask;
     while (t->slots[i].used)
@@ -116,7 +116,7 @@ kx_centry *kx_ctable_get(kx_ctable *t, uint32_t imm)
 }
 
 /* backward-shift deletion keeps linear probing correct without tombstones */
-void kx_ctable_del(kx_ctable *t, kx_centry *c)
+void kx_imm_table_del(kx_imm_table *t, kx_imm_entry *c)
 {
     size_t mask = t->cap - 1, i = (size_t)(c - t->slots), j = i;
     t->slots[i].used = 0;
@@ -161,7 +161,7 @@ static void kx_counter_finish_locked(kx_hub *h, kx_counter *c)
 
 int kx_hub_arrival_locked(kx_hub *h, uint32_t imm)
 {
-    kx_centry *s = kx_ctable_get(&h->table, imm);
+    kx_imm_entry *s = kx_imm_table_get(&h->table, imm);
     h->stat_imm++;
     if (!s) {
         h->stat_lost++;
@@ -178,7 +178,7 @@ int kx_hub_arrival_locked(kx_hub *h, uint32_t imm)
         kx_counter_finish_locked(h, c);
         kx_counter_release_locked(c);   /* the table's reference */
         if (s->banked == 0)
-            kx_ctable_del(&h->table, s);
+            kx_imm_table_del(&h->table, s);
     }
     return 0;
 }
@@ -193,7 +193,7 @@ int kx_hub_expect(kx_hub *h, uint32_t imm, uint64_t count, int want_callback, kx
     c->want_callback = want_callback;
     c->refs = 1;  /* the owner */
     pthread_mutex_lock(&h->lock);
-    kx_centry *s = kx_ctable_get(&h->table, imm);
+    kx_imm_entry *s = kx_imm_table_get(&h->table, imm);
     int ret = !s ? -FI_ENOMEM : s->active ? -FI_EBUSY : 0;
     if (ret) {
         pthread_mutex_unlock(&h->lock);
@@ -206,7 +206,7 @@ int kx_hub_expect(kx_hub *h, uint32_t imm, uint64_t count, int want_callback, kx
     if (c->arrived >= count) {
         kx_counter_finish_locked(h, c);
         if (s->banked == 0)
-            kx_ctable_del(&h->table, s);
+            kx_imm_table_del(&h->table, s);
     } else {
         c->refs++;  /* the table entry's reference */
         s->active = c;
@@ -222,13 +222,13 @@ void kx_hub_counter_drop(kx_hub *h, kx_counter *c)
 {
     pthread_mutex_lock(&h->lock);
     if (!c->done) {
-        kx_centry *s = kx_ctable_find(&h->table, c->imm);
+        kx_imm_entry *s = kx_imm_table_find(&h->table, c->imm);
         if (s && s->active == c) {
             s->active = NULL;
             s->banked += c->arrived;
             kx_counter_release_locked(c);
             if (s->banked == 0)
-                kx_ctable_del(&h->table, s);
+                kx_imm_table_del(&h->table, s);
         }
     }
     kx_counter_release_locked(c);
@@ -238,7 +238,7 @@ void kx_hub_counter_drop(kx_hub *h, kx_counter *c)
 uint64_t kx_hub_banked(kx_hub *h, uint32_t imm)
 {
     pthread_mutex_lock(&h->lock);
-    kx_centry *s = kx_ctable_find(&h->table, imm);
+    kx_imm_entry *s = kx_imm_table_find(&h->table, imm);
     uint64_t n = s ? s->banked : 0;
     pthread_mutex_unlock(&h->lock);
     return n;
@@ -259,7 +259,7 @@ uint64_t kx_hub_discard(kx_hub *h, uint32_t imm, kx_counter **withdrawn)
     uint64_t dropped = 0;
     *withdrawn = NULL;
     pthread_mutex_lock(&h->lock);
-    kx_centry *s = kx_ctable_find(&h->table, imm);
+    kx_imm_entry *s = kx_imm_table_find(&h->table, imm);
     if (s) {
         dropped = s->banked;
         kx_counter *c = s->active;
@@ -272,7 +272,7 @@ uint64_t kx_hub_discard(kx_hub *h, uint32_t imm, kx_counter **withdrawn)
             pthread_cond_broadcast(&h->cond);
             kx_counter_release_locked(c);   /* the table's reference; the owner holds one */
         }
-        kx_ctable_del(&h->table, s);
+        kx_imm_table_del(&h->table, s);
     }
     pthread_mutex_unlock(&h->lock);
     return dropped;
@@ -284,7 +284,7 @@ uint64_t kx_hub_discard(kx_hub *h, uint32_t imm, kx_counter **withdrawn)
 void kx_hub_fail_counters_locked(kx_hub *h, int err, int release)
 {
     for (size_t i = 0; i < h->table.cap; i++) {
-        kx_centry *s = &h->table.slots[i];
+        kx_imm_entry *s = &h->table.slots[i];
         if (!s->used || !s->active)
             continue;
         kx_counter *c = s->active;

@@ -12,15 +12,15 @@
  * A kx_direct is that mapping, shared by its owner (the remote region, in Python) and every
  * transfer and watch entry that may still copy through it (refs); the last reference
  * unmaps it. The peer's pages stay valid for as long as we map them (they belong to the
- * file), so a late copy can never fault; whether it may still land is the fence's question.
+ * file), so a late copy can never fault; whether it may still land is the permit's question.
  *
- * The fence (kvxfer/engine.py, wire.Fence): a copy into the mapping bypasses the target's
+ * The permit (kvxfer/engine.py, wire.Permit): a copy into the mapping bypasses the target's
  * registration, so nothing else would stop it once the target deregisters the region and
  * reuses its memory (a messenger restarted on the same KV buffer). Each region that offers
- * a host share owns one 64-bit word of its engine's fence table, a small sealed memfd the
+ * a host share owns one 64-bit word of its engine's permit table, a small sealed memfd the
  * target holds open: [generation: 32 | revoked: 1 | writers: 31]. The descriptor names the
  * table, the slot and the generation; the sender maps the table's page of that slot with the
- * same checks as the data (kx_direct_fence). Around every copy the sender takes a writer
+ * same checks as the data (kx_direct_permit). Around every copy the sender takes a writer
  * only if the generation is its own and revoked is clear (one CAS), and drops it after (one
  * atomic sub); a refused copy fails its transfer (EACCES, post.c) and its message's 0-byte
  * write is never posted, so its imm never counts (the RMA path fails on the target's key
@@ -40,8 +40,8 @@
  * The descriptor is the target's word, and a lying target (or a forged descriptor) could
  * aim the copies anywhere the share can name: past the registered range in the same memfd,
  * into another engine's region, or into the sender's own memory (its own memfd, its own
- * fence slot). So nothing of the share is believed that the target's engine did not record
- * itself (kx_direct_fence): the fence table's header names the engine that owns it, which
+ * permit slot). So nothing of the share is believed that the target's engine did not record
+ * itself (kx_direct_permit): the permit table's header names the engine that owns it, which
  * must be the descriptor's owner (the engine checks that the peer it writes to is that
  * owner); the slot's record, written by that engine when it registered the region, must
  * cover the share's memfd and range; the slot must carry the share's generation, unrevoked.
@@ -81,24 +81,24 @@
 #define MFD_ALLOW_SEALING 0x0002U
 #endif
 
-/* a fence word: [generation: 32 | revoked: 1 | writers: 31] */
-#define KX_FENCE_REVOKED  (1ULL << 31)
-#define KX_FENCE_WRITERS  (KX_FENCE_REVOKED - 1)
-#define KX_FENCE_GEN(w)   ((uint32_t)((w) >> 32))
+/* a permit word: [generation: 32 | revoked: 1 | writers: 31] */
+#define KX_PERMIT_REVOKED  (1ULL << 31)
+#define KX_PERMIT_WRITERS  (KX_PERMIT_REVOKED - 1)
+#define KX_PERMIT_GEN(w)   ((uint32_t)((w) >> 32))
 
 struct kx_direct {
     int refs;              /* atomic */
     void *map;             /* the mapping, aligned to the file's page size */
     size_t maplen;
     char *base;            /* where byte `offset` of the file (the region's first byte) lies */
-    void *fence_map;       /* the page of the target's fence table that holds our slot, or NULL */
-    size_t fence_maplen;
-    uint64_t *fence;       /* our slot's word (NULL: no fence, copies are unchecked) */
-    uint32_t fence_gen;    /* the region's generation: copies only while the word carries it */
+    void *permit_map;       /* the page of the target's permit table that holds our slot, or NULL */
+    size_t permit_maplen;
+    uint64_t *permit;       /* our slot's word (NULL: no permit, copies are unchecked) */
+    uint32_t permit_gen;    /* the region's generation: copies only while the word carries it */
     pid_t pid;             /* the target's process, and the file and range mapped: what the */
-    uint64_t dev, ino;     /* target's fence record must cover (kx_direct_fence) */
+    uint64_t dev, ino;     /* target's permit record must cover (kx_direct_permit) */
     uint64_t offset, len;
-    uint64_t fence_dev, fence_ino;   /* the fence table's file (0, 0 until attached) */
+    uint64_t permit_dev, permit_ino;   /* the permit table's file (0, 0 until attached) */
     struct kx_direct *next;          /* kx_directs: every mapping of this process */
 };
 
@@ -107,17 +107,17 @@ struct kx_direct {
 static pthread_mutex_t kx_directs_lock = PTHREAD_MUTEX_INITIALIZER;
 static kx_direct *kx_directs;
 
-/* The fence table (kx_fence_table_open) is a sealed memfd of three parts: `slots` words,
+/* The permit table (kx_permit_table_open) is a sealed memfd of three parts: `slots` words,
  * then one record per slot (what the region holding the slot's current generation is: its
  * memfd and the range registered for remote writes, written by the target's engine before it
  * hands the generation out), then a header naming the table's owner (the owner digest of the
  * engine's address, wire.owner_digest). A sender believes a descriptor's host share only
  * where the table of the descriptor's owner records it. */
-#define KX_FENCE_MAGIC 0x31454345465f584bULL    /* "KX_FENCE1" read as little-endian bytes */
-struct kx_fence_record {
+#define KX_PERMIT_MAGIC 0x31454345465f584bULL    /* "KX_FENCE1" read as little-endian bytes */
+struct kx_permit_record {
     uint64_t dev, ino, offset, len;
 };
-struct kx_fence_header {
+struct kx_permit_header {
     uint64_t magic;
     uint64_t slots;
     uint8_t owner[KX_OWNER_BYTES];
@@ -145,13 +145,13 @@ static pid_t kx_path_pid(const char *path)
 
 /* Whether this process maps the file (dev, ino) anywhere (/proc/self/maps; -errno where it
  * cannot be read): a peer in another process names only its own memory, so a file we map is
- * ours (a source region, our own fence table), and a share naming it is refused. */
+ * ours (a source region, our own permit table), and a share naming it is refused. */
 static int kx_mapped_here(uint64_t dev, uint64_t ino)
 {
     int peers = 0;
     pthread_mutex_lock(&kx_directs_lock);
     for (kx_direct *d = kx_directs; d && !peers; d = d->next)
-        peers = (d->dev == dev && d->ino == ino) || (d->fence_dev == dev && d->fence_ino == ino);
+        peers = (d->dev == dev && d->ino == ino) || (d->permit_dev == dev && d->permit_ino == ino);
     pthread_mutex_unlock(&kx_directs_lock);
     if (peers)
         return 0;      /* a file of a peer that passed these checks before (an older region of it) */
@@ -188,7 +188,7 @@ static int kx_open_memfd(const char *path, uint64_t dev, uint64_t ino, int *fd_o
     if (strncmp(name, "/memfd:", 7) != 0)
         return -ENODATA;
     /* the path names a peer's fd: never a file of our own process unless the peer is an
-     * engine of ours (same pid), whose table records what it registered (kx_direct_fence) */
+     * engine of ours (same pid), whose table records what it registered (kx_direct_permit) */
     pid_t pid = kx_path_pid(path);
     if (pid <= 0)
         return -EINVAL;
@@ -273,10 +273,10 @@ int kx_direct_open(const char *path, uint64_t dev, uint64_t ino, uint64_t offset
     return 0;
 }
 
-/* the fence table's layout (kx_fence_table_open): words, records, header, in that order */
-static uint64_t kx_fence_table_bytes(uint64_t slots)
+/* the permit table's layout (kx_permit_table_open): words, records, header, in that order */
+static uint64_t kx_permit_table_bytes(uint64_t slots)
 {
-    return slots * (sizeof(uint64_t) + sizeof(struct kx_fence_record)) + sizeof(struct kx_fence_header);
+    return slots * (sizeof(uint64_t) + sizeof(struct kx_permit_record)) + sizeof(struct kx_permit_header);
 }
 
 static int kx_pread_all(int fd, void *buf, size_t len, uint64_t at)
@@ -285,10 +285,10 @@ static int kx_pread_all(int fd, void *buf, size_t len, uint64_t at)
     return n == (ssize_t)len ? 0 : (n < 0 ? -errno : -ERANGE);
 }
 
-int kx_direct_fence(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, uint32_t slot, uint32_t gen,
+int kx_direct_permit(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, uint32_t slot, uint32_t gen,
                     const uint8_t owner[KX_OWNER_BYTES])
 {
-    if (d->fence)
+    if (d->permit)
         return -EBUSY;     /* set once, before any transfer can see d */
     /* the table must be the same process's as the data: the record below is its word */
     if (kx_path_pid(path) != d->pid)
@@ -302,12 +302,12 @@ int kx_direct_fence(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, 
      * the descriptor's owner (the peer every write through d goes to, engine.py checks):
      * a table of another engine (the sender's own, a third one's) records regions that this
      * peer may not name */
-    struct kx_fence_header h;
-    struct kx_fence_record rec;
+    struct kx_permit_header h;
+    struct kx_permit_record rec;
     uint64_t size = (uint64_t)st.st_size;
     ret = size < sizeof(h) ? -ERANGE : kx_pread_all(fd, &h, sizeof(h), size - sizeof(h));
-    if (!ret && (h.magic != KX_FENCE_MAGIC || h.slots == 0 || h.slots > ((uint64_t)1 << 28) ||
-                 kx_fence_table_bytes(h.slots) != size || slot >= h.slots))
+    if (!ret && (h.magic != KX_PERMIT_MAGIC || h.slots == 0 || h.slots > ((uint64_t)1 << 28) ||
+                 kx_permit_table_bytes(h.slots) != size || slot >= h.slots))
         ret = -ENODATA;
     if (!ret && memcmp(h.owner, owner, KX_OWNER_BYTES) != 0)
         ret = -EACCES;
@@ -318,17 +318,17 @@ int kx_direct_fence(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, 
         ret = kx_map_range(fd, &st, (uint64_t)slot * sizeof(uint64_t), sizeof(uint64_t), &map, &maplen, &at);
     if (!ret) {
         /* the record of what the target registered under this slot's generation: read
-         * between two loads of the word that both carry it, unrevoked (kx_fence_issue writes
+         * between two loads of the word that both carry it, unrevoked (kx_permit_issue writes
          * the record before it clears revoked) */
         uint64_t *w = (uint64_t *)at;     /* 8-aligned: a page-aligned mapping, an offset of 8 * slot */
         uint64_t v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
-        if (KX_FENCE_GEN(v) != gen || (v & KX_FENCE_REVOKED))
+        if (KX_PERMIT_GEN(v) != gen || (v & KX_PERMIT_REVOKED))
             ret = -ESTALE;
         if (!ret)
             ret = kx_pread_all(fd, &rec, sizeof(rec), h.slots * sizeof(uint64_t) + (uint64_t)slot * sizeof(rec));
         if (!ret && __atomic_load_n(w, __ATOMIC_ACQUIRE) >> 32 != v >> 32)
             ret = -ESTALE;
-        if (!ret && (__atomic_load_n(w, __ATOMIC_ACQUIRE) & KX_FENCE_REVOKED))
+        if (!ret && (__atomic_load_n(w, __ATOMIC_ACQUIRE) & KX_PERMIT_REVOKED))
             ret = -ESTALE;
         /* the data must lie inside what the target registered for remote writes */
         if (!ret && (rec.dev != d->dev || rec.ino != d->ino || d->offset < rec.offset ||
@@ -342,13 +342,13 @@ int kx_direct_fence(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, 
     if (ret)
         return ret;
     pthread_mutex_lock(&kx_directs_lock);
-    d->fence_dev = dev;
-    d->fence_ino = ino;
+    d->permit_dev = dev;
+    d->permit_ino = ino;
     pthread_mutex_unlock(&kx_directs_lock);
-    d->fence_map = map;
-    d->fence_maplen = maplen;
-    d->fence = (uint64_t *)at;
-    d->fence_gen = gen;
+    d->permit_map = map;
+    d->permit_maplen = maplen;
+    d->permit = (uint64_t *)at;
+    d->permit_gen = gen;
     return 0;
 }
 
@@ -374,40 +374,40 @@ void kx_direct_unref(kx_direct *d)
             }
         pthread_mutex_unlock(&kx_directs_lock);
         munmap(d->map, d->maplen);
-        if (d->fence_map)
-            munmap(d->fence_map, d->fence_maplen);
+        if (d->permit_map)
+            munmap(d->permit_map, d->permit_maplen);
         free(d);
     }
 }
 
-/* Take a writer on the fence word if it still carries `gen` and is not revoked (1), else 0. */
-static int kx_fence_enter(uint64_t *w, uint32_t gen)
+/* Take a writer on the permit word if it still carries `gen` and is not revoked (1), else 0. */
+static int kx_permit_enter(uint64_t *w, uint32_t gen)
 {
     uint64_t v = __atomic_load_n(w, __ATOMIC_SEQ_CST);
     for (;;) {
-        if (KX_FENCE_GEN(v) != gen || (v & KX_FENCE_REVOKED) || (v & KX_FENCE_WRITERS) == KX_FENCE_WRITERS)
+        if (KX_PERMIT_GEN(v) != gen || (v & KX_PERMIT_REVOKED) || (v & KX_PERMIT_WRITERS) == KX_PERMIT_WRITERS)
             return 0;
         if (__atomic_compare_exchange_n(w, &v, v + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
             return 1;
     }
 }
 
-static void kx_fence_leave(uint64_t *w)
+static void kx_permit_leave(uint64_t *w)
 {
     __atomic_sub_fetch(w, 1, __ATOMIC_SEQ_CST);
 }
 
 /* Copy up to `limit` more bytes of x's built message into the peer's memory, from where the
  * last call stopped (x->copied): a message may be larger than a caller's budget or a progress
- * round. Returns the bytes copied; sets *revoked (and copies nothing) when the target's fence
+ * round. Returns the bytes copied; sets *revoked (and copies nothing) when the target's permit
  * refuses: the region was deregistered (or the target revoked it under us). The caller fails
  * the transfer then, and posts nothing more of it. */
 uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit, int *revoked)
 {
     uint64_t skip = x->copied, done = 0;
-    uint64_t *fence = x->direct->fence;
+    uint64_t *permit = x->direct->permit;
     *revoked = 0;
-    if (fence && !kx_fence_enter(fence, x->direct->fence_gen)) {
+    if (permit && !kx_permit_enter(permit, x->direct->permit_gen)) {
         *revoked = 1;
         return 0;
     }
@@ -424,21 +424,21 @@ uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit, int *revoked)
         done += n;
         skip = 0;
     }
-    if (fence)
-        kx_fence_leave(fence);     /* seq_cst: the copy is ordered before the target sees 0 writers */
+    if (permit)
+        kx_permit_leave(permit);     /* seq_cst: the copy is ordered before the target sees 0 writers */
     x->copied += done;
     return done;
 }
 
-/* ---- the target's side: its fence table ----------------------------------------------- */
+/* ---- the target's side: its permit table ----------------------------------------------- */
 
-int kx_fence_table_open(size_t slots, const uint8_t owner[KX_OWNER_BYTES], int *fd_out, uint64_t **words_out)
+int kx_permit_table_open(size_t slots, const uint8_t owner[KX_OWNER_BYTES], int *fd_out, uint64_t **words_out)
 {
     *fd_out = -1;
     *words_out = NULL;
     if (slots == 0 || slots > ((size_t)1 << 28))
         return -EINVAL;
-    size_t len = (size_t)kx_fence_table_bytes(slots);
+    size_t len = (size_t)kx_permit_table_bytes(slots);
     int fd = (int)syscall(SYS_memfd_create, "kvxfer-fence", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0)
         return -errno;
@@ -458,8 +458,8 @@ int kx_fence_table_open(size_t slots, const uint8_t owner[KX_OWNER_BYTES], int *
     /* every slot starts revoked (generation 0, no writers): one never handed out takes no
      * copy, whatever a descriptor names (its record is empty too) */
     for (size_t k = 0; k < slots; k++)
-        ((uint64_t *)map)[k] = KX_FENCE_REVOKED;
-    struct kx_fence_header h = {.magic = KX_FENCE_MAGIC, .slots = slots};
+        ((uint64_t *)map)[k] = KX_PERMIT_REVOKED;
+    struct kx_permit_header h = {.magic = KX_PERMIT_MAGIC, .slots = slots};
     memcpy(h.owner, owner, KX_OWNER_BYTES);
     memcpy((char *)map + len - sizeof(h), &h, sizeof(h));
     *fd_out = fd;
@@ -467,50 +467,50 @@ int kx_fence_table_open(size_t slots, const uint8_t owner[KX_OWNER_BYTES], int *
     return 0;
 }
 
-void kx_fence_table_close(int fd, uint64_t *words, size_t slots)
+void kx_permit_table_close(int fd, uint64_t *words, size_t slots)
 {
     if (words)
-        munmap(words, (size_t)kx_fence_table_bytes(slots));
+        munmap(words, (size_t)kx_permit_table_bytes(slots));
     if (fd >= 0)
         close(fd);
 }
 
-uint32_t kx_fence_issue(uint64_t *words, size_t slots, size_t slot, uint64_t dev, uint64_t ino, uint64_t offset,
+uint32_t kx_permit_issue(uint64_t *words, size_t slots, size_t slot, uint64_t dev, uint64_t ino, uint64_t offset,
                         uint64_t len)
 {
     /* a free slot is revoked with no writers (fresh ones too); nobody holds its generation yet,
      * so its record may change: write it, then let copies in (release: a sender that sees
      * the slot unrevoked sees the record) */
     uint64_t *w = &words[slot];
-    struct kx_fence_record rec = {dev, ino, offset, len};
+    struct kx_permit_record rec = {dev, ino, offset, len};
     memcpy((char *)(words + slots) + slot * sizeof(rec), &rec, sizeof(rec));
     uint64_t v = __atomic_load_n(w, __ATOMIC_SEQ_CST);
-    __atomic_store_n(w, v & ~(KX_FENCE_REVOKED | KX_FENCE_WRITERS), __ATOMIC_SEQ_CST);
-    return KX_FENCE_GEN(v);
+    __atomic_store_n(w, v & ~(KX_PERMIT_REVOKED | KX_PERMIT_WRITERS), __ATOMIC_SEQ_CST);
+    return KX_PERMIT_GEN(v);
 }
 
-uint32_t kx_fence_revoke(uint64_t *w, int64_t wait_ns)
+uint32_t kx_permit_revoke(uint64_t *w, int64_t wait_ns)
 {
-    uint64_t v = __atomic_or_fetch(w, KX_FENCE_REVOKED, __ATOMIC_SEQ_CST);
-    if (!(v & KX_FENCE_WRITERS))
+    uint64_t v = __atomic_or_fetch(w, KX_PERMIT_REVOKED, __ATOMIC_SEQ_CST);
+    if (!(v & KX_PERMIT_WRITERS))
         return 0;
     /* a writer is inside one copy (at most a progress round, 1 MiB): yield, then nap */
     int64_t deadline = kx_now_ns() + wait_ns;
     for (int step = 0;; step++) {
         v = __atomic_load_n(w, __ATOMIC_SEQ_CST);
-        if (!(v & KX_FENCE_WRITERS) || kx_now_ns() >= deadline)
-            return (uint32_t)(v & KX_FENCE_WRITERS);
+        if (!(v & KX_PERMIT_WRITERS) || kx_now_ns() >= deadline)
+            return (uint32_t)(v & KX_PERMIT_WRITERS);
         kx_pause(step, 50000);
     }
 }
 
-int kx_fence_retire(uint64_t *w)
+int kx_permit_retire(uint64_t *w)
 {
     uint64_t v = __atomic_load_n(w, __ATOMIC_SEQ_CST);
     for (;;) {
-        if (!(v & KX_FENCE_REVOKED) || (v & KX_FENCE_WRITERS))
+        if (!(v & KX_PERMIT_REVOKED) || (v & KX_PERMIT_WRITERS))
             return -EBUSY;    /* a writer never left (killed mid-copy): the slot is never reused */
-        uint64_t next = ((uint64_t)(KX_FENCE_GEN(v) + 1u) << 32) | KX_FENCE_REVOKED;
+        uint64_t next = ((uint64_t)(KX_PERMIT_GEN(v) + 1u) << 32) | KX_PERMIT_REVOKED;
         if (__atomic_compare_exchange_n(w, &v, next, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
             return 0;
     }

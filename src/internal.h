@@ -97,19 +97,19 @@ struct kx_counter {
 };
 
 /* one imm's entry in the counter table */
-typedef struct kx_centry {
+typedef struct kx_imm_entry {
     uint32_t imm;
     int used;
     uint64_t banked;       /* arrivals not yet consumed by an expectation */
     kx_counter *active;    /* the expectation waiting on this imm, if any */
-} kx_centry;
+} kx_imm_entry;
 
 /* open addressing, linear probing, backward-shift deletion */
-typedef struct kx_ctable {
-    kx_centry *slots;
+typedef struct kx_imm_table {
+    kx_imm_entry *slots;
     size_t cap;            /* power of two */
     size_t len;
-} kx_ctable;
+} kx_imm_table;
 
 struct kx_msg {
     struct kx_msg *next;
@@ -137,7 +137,7 @@ typedef struct kx_hub {
     pthread_cond_t cond;
     int refs;              /* rails holding it */
     int open;              /* rails whose endpoint is not yet closed */
-    kx_ctable table;
+    kx_imm_table table;
     kx_counter *done_head, *done_tail;   /* counters with callbacks, for the dispatcher */
     int dispatch_stop;
     kx_msg *msg_head, *msg_tail;
@@ -215,7 +215,7 @@ struct kx_rail {
     uint64_t stat_rx_err;  /* error completions not tied to a transfer */
     uint64_t stat_writes;  /* messages posted */
     uint64_t stat_direct;  /* messages copied through a direct mapping (direct.c) */
-    uint64_t stat_direct_revoked;  /* direct messages whose copy the target's fence refused (direct.c) */
+    uint64_t stat_direct_revoked;  /* direct messages whose copy the target's permit refused (direct.c) */
     uint64_t stat_bell_rings;  /* posts of ours that woke a sleeping peer through its bell */
     uint64_t stat_bell_wakes;  /* sleeps of our progress thread that a peer's ring ended */
 
@@ -230,7 +230,7 @@ static inline int64_t kx_now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* One step of a bounded wait on another thread or process (a peer's lock, a fence's
+/* One step of a bounded wait on another thread or process (a peer's lock, a permit's
  * writers): a live holder lets go within microseconds, so yield the first 64 times, then nap
  * `nap_ns` (one that never lets go must not cost a core). */
 static inline void kx_pause(int step, long nap_ns)
@@ -264,9 +264,9 @@ int kx_hub_wait_flag(kx_hub *h, const int *flag, int64_t slice_ns);
 /* ---- counters.c: the hub and its imm table (everything *_locked runs under hub->lock) -- */
 kx_hub *kx_hub_new(void);
 void kx_hub_unref(kx_hub *h);                   /* frees it with the last rail */
-kx_centry *kx_ctable_find(kx_ctable *t, uint32_t imm);
-kx_centry *kx_ctable_get(kx_ctable *t, uint32_t imm);    /* NULL: out of memory */
-void kx_ctable_del(kx_ctable *t, kx_centry *c);
+kx_imm_entry *kx_imm_table_find(kx_imm_table *t, uint32_t imm);
+kx_imm_entry *kx_imm_table_get(kx_imm_table *t, uint32_t imm);    /* NULL: out of memory */
+void kx_imm_table_del(kx_imm_table *t, kx_imm_entry *c);
 int kx_hub_arrival_locked(kx_hub *h, uint32_t imm);     /* -FI_ENOMEM: not banked */
 int kx_hub_expect(kx_hub *h, uint32_t imm, uint64_t count, int want_callback, kx_counter **out);
 void kx_hub_counter_drop(kx_hub *h, kx_counter *c);
@@ -416,7 +416,7 @@ void kx_bell_sleep(kx_rail *r, uint32_t seq, int64_t ns, int (*look)(kx_rail *))
 
 /* ---- direct.c -------------------------------------------------------------------- */
 void kx_direct_ref(kx_direct *d);    /* NULL: nothing */
-/* more of the built message into x->direct; *revoked: the target's fence refused (nothing copied) */
+/* more of the built message into x->direct; *revoked: the target's permit refused (nothing copied) */
 uint64_t kx_direct_copy(kx_transfer *x, uint64_t limit, int *revoked);
 
 /* ---- mr.c ------------------------------------------------------------------------- */

@@ -167,7 +167,7 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
                 budget -= (int64_t)kx_direct_copy(x, (uint64_t)budget, &revoked);
                 if (revoked) {
                     /* the target deregistered the region, or revoked it under a live key
-                     * (its fence, direct.c): this message's bytes are not all in place, so
+                     * (its permit, direct.c): this message's bytes are not all in place, so
                      * its imm must never count. Fail the transfer and post nothing more of
                      * it, as the RMA path fails on the target's key check */
                     __atomic_add_fetch(&r->stat_direct_revoked, 1, __ATOMIC_RELAXED);

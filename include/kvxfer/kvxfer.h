@@ -53,7 +53,7 @@ typedef struct kx_rail_info {
 typedef struct kx_rail_stats {
     uint64_t writes_posted;
     uint64_t direct_writes;  /* messages whose bytes were copied through a direct mapping */
-    uint64_t direct_revoked; /* direct messages whose copy a fence refused (the target closed the region) */
+    uint64_t direct_revoked; /* direct messages whose copy a permit refused (the target closed the region) */
     uint64_t bell_rings;   /* shm: posts that woke a sleeping peer through its doorbell */
     uint64_t bell_wakes;   /* shm: sleeps of this rail's progress thread that a peer's ring ended */
     uint64_t errors;       /* error completions not tied to a transfer */
@@ -157,35 +157,35 @@ int kx_unmap_key(kx_rail *r, uint64_t key);
 int kx_direct_open(const char *path, uint64_t dev, uint64_t ino, uint64_t offset, uint64_t len, kx_direct **out);
 char *kx_direct_base(const kx_direct *d);   /* where the region's first byte is mapped here */
 void kx_direct_unref(kx_direct *d);          /* the last reference unmaps */
-/* Attach the target's fence (once, before any transfer uses d), and check the target's own
- * record of what it registered: `path` is the target's fence table (the memfd at
+/* Attach the target's permit (once, before any transfer uses d), and check the target's own
+ * record of what it registered: `path` is the target's permit table (the memfd at
  * /proc/<pid>/fd/<n> of the data's process, checked as above), whose header must name
  * `owner` (the descriptor's owner digest, the peer written to), whose word `slot` must carry
  * `gen` unrevoked, and whose record for it must cover the data's file and range. Every later
  * copy through d takes a writer on that word only while it carries `gen` and is not revoked;
- * a refused copy fails its transfer (EACCES) and its imm is never posted. Without a fence
+ * a refused copy fails its transfer (EACCES) and its imm is never posted. Without a permit
  * copies are unchecked: the engine never writes directly without one. A negative errno where
  * a check fails (the caller writes over RMA then). */
 #define KX_OWNER_BYTES 8
-int kx_direct_fence(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, uint32_t slot, uint32_t gen,
+int kx_direct_permit(kx_direct *d, const char *path, uint64_t dev, uint64_t ino, uint32_t slot, uint32_t gen,
                     const uint8_t owner[KX_OWNER_BYTES]);
 
-/* The target's fence table: `slots` 64-bit words [generation: 32 | revoked: 1 | writers: 31],
+/* The target's permit table: `slots` 64-bit words [generation: 32 | revoked: 1 | writers: 31],
  * each slot's record (the memfd and range of the region holding it) and a header naming its
  * owner (the engine's owner digest), in a sealed memfd mapped here (*fd stays open for peers
  * to open through /proc; *words is the first word). */
-int kx_fence_table_open(size_t slots, const uint8_t owner[KX_OWNER_BYTES], int *fd, uint64_t **words);
-void kx_fence_table_close(int fd, uint64_t *words, size_t slots);
+int kx_permit_table_open(size_t slots, const uint8_t owner[KX_OWNER_BYTES], int *fd, uint64_t **words);
+void kx_permit_table_close(int fd, uint64_t *words, size_t slots);
 /* a free slot for a new region, the bytes [offset, offset + len) of the memfd (dev, ino):
  * records them, clears revoked, returns the generation its descriptor names */
-uint32_t kx_fence_issue(uint64_t *words, size_t slots, size_t slot, uint64_t dev, uint64_t ino, uint64_t offset,
+uint32_t kx_permit_issue(uint64_t *words, size_t slots, size_t slot, uint64_t dev, uint64_t ino, uint64_t offset,
                         uint64_t len);
 /* set revoked (no copy starts from now on), wait up to wait_ns for the copies in progress to
  * end; returns the writers still inside (0: none) */
-uint32_t kx_fence_revoke(uint64_t *word, int64_t wait_ns);
+uint32_t kx_permit_revoke(uint64_t *word, int64_t wait_ns);
 /* after deregistration: bump the generation (the slot may serve another region); -EBUSY
  * where a writer never left (the slot must not be reused) */
-int kx_fence_retire(uint64_t *word);
+int kx_permit_retire(uint64_t *word);
 
 /* ---- writes (src/post.c, src/transfer.c) ------------------------------------------- */
 

@@ -157,7 +157,7 @@ def _layouts(preset: str, tokens: int, page_size: int) -> tuple:
     layers, heads, dim, stp, dtp, mla, _ = PRESETS[preset]
     pages = -(-tokens // page_size) + 1
     if mla:
-        mk = lambda: KVLayout.mla(layers, dim, page_size, pages, "float16", placement="layer_major")  # noqa: E731
+        mk = lambda: KVLayout.mla(layers, dim, page_size, pages, "float16", layer_regions="layer_major")  # noqa: E731
         return mk(), Sharding(stp, replicated=True), mk(), Sharding(dtp, replicated=True)
     mk = lambda: KVLayout.layer_major(layers, heads, dim, page_size, pages, "float16")  # noqa: E731
     return mk(), Sharding(stp), mk(), Sharding(dtp)

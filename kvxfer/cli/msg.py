@@ -49,7 +49,7 @@ def _layouts(args: Any) -> dict:
         if args.placement not in ("both", placement):
             continue
         out[placement] = KVLayout(args.layers, args.kv_heads, args.head_dim, args.page_size, args.pages,
-                                  placement=placement, **kw)
+                                  layer_regions=placement, **kw)
     out["minimal"] = KVLayout(1, args.kv_heads, args.head_dim, args.page_size, args.pages, **kw)
     return out
 

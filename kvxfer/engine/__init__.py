@@ -8,7 +8,7 @@ layer then posts whole batches with the GIL released. Its rooms, each one idea:
 - ``reads``: its read calls, the mirrors of the writes (a base class; ``ReadTransfer``);
 - ``counters``: ``expect``, ``banked``, ``discard`` (a base class);
 - ``regions``: ``MemoryRegion``, ``RemoteRegion``, ``RegionPairs``, the buffer door
-  (``_resolve_buffer``) and the direct-copy fence slots (``_FenceSlot``);
+  (``_resolve_buffer``) and the direct-copy permit slots (``_PermitSlot``);
 - ``transfer``: ``Transfer``, ``Counter`` and the callback dispatcher;
 - ``watcher``: ``Watcher`` and ``WatchEntry``;
 - ``rails``: opening rails (provider preference, the native module) and ``Peer``;
@@ -37,12 +37,12 @@ from kvxfer.engine.engine import Engine
 from kvxfer.engine.reads import ReadTransfer
 from kvxfer.engine.rails import PREFERENCE, Peer, _fabric, _message_limits, _need_native, _open_rails, providers
 from kvxfer.engine.regions import (
-    FENCE_SLOTS,
-    FENCE_WAIT,
+    PERMIT_SLOTS,
+    PERMIT_WAIT,
     MemoryRegion,
     RegionPairs,
     RemoteRegion,
-    _FenceSlot,
+    _PermitSlot,
     _resolve_buffer,
 )
 from kvxfer.engine.transfer import Counter, Transfer
@@ -50,3 +50,14 @@ from kvxfer.engine.watcher import MAX_POLL_US, Watcher, WatchEntry, _check_watch
 
 __all__ = ["Engine", "Peer", "MemoryRegion", "RemoteRegion", "RegionPairs", "Transfer", "ReadTransfer", "Counter",
            "Watcher", "WatchEntry", "providers"]
+
+
+# >>> issue 22: deprecated names: FENCE_SLOTS -> PERMIT_SLOTS, FENCE_WAIT -> PERMIT_WAIT.
+def __getattr__(name: str) -> object:
+    new = {"FENCE_SLOTS": "PERMIT_SLOTS", "FENCE_WAIT": "PERMIT_WAIT"}.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+    warnings.warn(f"kvxfer.engine.{name} is deprecated, use {new}", DeprecationWarning, stacklevel=2)
+    return globals()[new]
+# <<< issue 22

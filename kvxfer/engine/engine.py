@@ -10,8 +10,8 @@ On shm, a region that is a shared memfd mapping (a host ``KVBuffer``, or any vie
 travels with a host share in its descriptor, and a peer engine maps it and writes into it
 directly: a memcpy per message, then a 0-byte write carrying the imm (src/direct.c). The
 target counts exactly what it counts over RMA. The share names the region's word in this
-engine's fence table, which ``MemoryRegion.close()`` revokes (and waits out) before it
-returns, so no peer's copy lands after the close (``_FenceSlot``). ``Engine(direct=False)`` or
+engine's permit table, which ``MemoryRegion.close()`` revokes (and waits out) before it
+returns, so no peer's copy lands after the close (``_PermitSlot``). ``Engine(direct=False)`` or
 ``KVXFER_SHM_DIRECT=0`` turns it off.
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 from kvxfer import _environ, _maps, _shm, wire
 from kvxfer.engine._args import _check_cpus, _check_nics, _check_options, _check_timeout, _timeout
 from kvxfer.engine.rails import Peer, _fabric, _message_limits, _need_native, _open_rails
-from kvxfer.engine.regions import FENCE_SLOTS, MemoryRegion, RemoteRegion, _FenceSlot, _resolve_buffer
+from kvxfer.engine.regions import PERMIT_SLOTS, MemoryRegion, RemoteRegion, _PermitSlot, _resolve_buffer
 from kvxfer.engine.transfer import Counter
 from kvxfer.engine.counters import _Counters
 from kvxfer.engine.reads import _Reads
@@ -63,6 +63,22 @@ def _close_at_exit(ref: "weakref.ref[Engine]", pid: int) -> None:
             e.close()
         except Exception:
             pass
+
+
+# >>> issue 22: deprecated name
+class _Stats(dict):
+    """``Engine.stats()``: a dict whose renamed keys still answer ``[]``, with a warning (issue 22)."""
+
+    _RENAMED = {"direct_fence_stuck": "direct_permit_stuck"}
+
+    def __missing__(self, key: str) -> Any:
+        new = self._RENAMED.get(key)
+        if new is None:
+            raise KeyError(key)
+        import warnings
+        warnings.warn(f"stats()[{key!r}] is deprecated, use {new!r}", DeprecationWarning, stacklevel=2)
+        return self[new]
+# <<< issue 22
 
 
 class Engine(_Writes, _Reads, _Counters):
@@ -127,13 +143,13 @@ class Engine(_Writes, _Reads, _Counters):
         self._parked = False         # close() left an endpoint open (kx_rail_park)
         self._lock = threading.Lock()
         self._regions: "weakref.WeakSet[MemoryRegion]" = weakref.WeakSet()
-        # the fence of direct writes into our regions (src/direct.c): made at the first
+        # the permit table of direct writes into our regions (src/direct.c): made at the first
         # registration that offers a host share; one slot per such region
-        self._fence: Any = None
-        self._fence_file = (0, 0)        # its (dev, inode)
-        self._fence_free: "collections.deque[int]" = collections.deque()    # given back without the lock
-        self._fence_next = 0
-        self._fence_stuck: "collections.deque[int]" = collections.deque()   # slots a writer never left (never reused)
+        self._permit: Any = None
+        self._permit_file = (0, 0)        # its (dev, inode)
+        self._permit_free: "collections.deque[int]" = collections.deque()    # given back without the lock
+        self._permit_next = 0
+        self._permit_stuck: "collections.deque[int]" = collections.deque()   # slots a writer never left (never reused)
         self._callbacks: dict[int, Counter] = {}
         self._dispatcher: Optional[threading.Thread] = None
         self._raw_keys: list[tuple[Any, int]] = []
@@ -259,7 +275,7 @@ class Engine(_Writes, _Reads, _Counters):
                 warnings.warn(f"unmapping a peer's raw key: {exc}", ResourceWarning, stacklevel=3)
         for r in reversed(self._rails):
             r.close()
-        self._fence = None                  # its regions' slots hold it until they are done
+        self._permit = None                  # its regions' slots hold it until they are done
         d = self._dispatcher
         if d is not None and d is not threading.current_thread():
             d.join(timeout=5)
@@ -329,12 +345,12 @@ class Engine(_Writes, _Reads, _Counters):
 
     def stats(self) -> dict:
         self._check_open()
-        out: dict = {}
+        out: dict = _Stats()
         for r in self._rails:
             for k, v in r.stats().items():
                 out[k] = out.get(k, 0) + v
-        # closed regions whose fence a peer's copy never left (a writer killed mid-copy)
-        out["direct_fence_stuck"] = len(self._fence_stuck)
+        # closed regions whose permit a peer's copy never left (a writer killed mid-copy)
+        out["direct_permit_stuck"] = len(self._permit_stuck)
         return out
 
     @property
@@ -453,16 +469,16 @@ class Engine(_Writes, _Reads, _Counters):
                 os.close(dmabuf)
         # a shared memfd mapping: shm peers may map it and write directly (src/direct.c)
         share = _maps.host_share(ptr, nbytes) if self.direct and remote and device == "cpu" else None
-        fence = self._fence_take(share, nbytes) if share is not None else None
-        if fence is not None:         # the share names it: peers copy only while it allows
-            share = dataclasses.replace(share, fence=fence.wire())
-        region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote), share, fence, rds)
-        if fence is not None:
+        permit = self._permit_take(share, nbytes) if share is not None else None
+        if permit is not None:         # the share names it: peers copy only while it allows
+            share = dataclasses.replace(share, permit=permit.wire())
+        region = MemoryRegion(self, mrs, keep, ptr, nbytes, device, bool(remote), share, permit, rds)
+        if permit is not None:
             # the slot lives as long as the registration, not the MemoryRegion object: a region
             # dropped while a transfer from it still holds its registration keeps taking its
             # peers' copies (as RMA writes to its key still land), and revoking then would let
             # their imms count without their data
-            mrs[0].fence = fence
+            mrs[0].permit = permit
         with self._lock:
             if self._closed:       # close() ran while we registered: undo, not leak
                 region._close()
@@ -493,11 +509,11 @@ class Engine(_Writes, _Reads, _Counters):
                     out.append(int.from_bytes(k, "little"))
         direct = None
         share = d.host_share
-        # only a fenced share (descriptor version 3) is written directly: the target revokes
-        # its fence when it closes the region, and the copies stop (src/direct.c); an older
+        # only a permitted share (descriptor version 3) is written directly: the target revokes
+        # its permit when it closes the region, and the copies stop (src/direct.c); an older
         # share has no such stop, so it is written over RMA (counted the same: pack_min 0)
-        if self.direct and share is not None and share.fence is not None and not d.device and d.keys:
-            f = share.fence
+        if self.direct and share is not None and share.permit is not None and not d.device and d.keys:
+            f = share.permit
             try:
                 direct = _fabric.DirectMap(f"/proc/{share.pid}/fd/{share.fd}", share.dev, share.inode, share.offset,
                                            d.nbytes, (f"/proc/{share.pid}/fd/{f.fd}", f.dev, f.inode, f.slot,
@@ -527,40 +543,40 @@ class Engine(_Writes, _Reads, _Counters):
         self._watchers.add(w)
         return w
 
-    def _fence_take(self, share: wire.HostShare, nbytes: int) -> Optional[_FenceSlot]:
-        """A slot of this engine's fence table for a region that offers ``share`` (the table
+    def _permit_take(self, share: wire.HostShare, nbytes: int) -> Optional[_PermitSlot]:
+        """A slot of this engine's permit table for a region that offers ``share`` (the table
         is made at the first; the slot records the share's memfd and range, which peers check
         before they map it), or None: no memfd, or every slot taken (the region's share then
-        goes without a fence, and peers write into it over RMA)."""
+        goes without a permit, and peers write into it over RMA)."""
         with self._lock:
             if self._closed:
                 return None
-            if self._fence is None:
+            if self._permit is None:
                 try:
-                    table = _fabric.FenceTable(FENCE_SLOTS, wire.owner_digest(self.address))
+                    table = _fabric.PermitTable(PERMIT_SLOTS, wire.owner_digest(self.address))
                     st = os.fstat(table.fd)
                 except (KvxferError, OSError):
                     return None
-                self._fence, self._fence_file = table, (st.st_dev, st.st_ino)
+                self._permit, self._permit_file = table, (st.st_dev, st.st_ino)
             try:
-                slot = self._fence_free.pop()
+                slot = self._permit_free.pop()
             except IndexError:
-                if self._fence_next >= self._fence.slots:
+                if self._permit_next >= self._permit.slots:
                     return None
-                slot, self._fence_next = self._fence_next, self._fence_next + 1
-            table = self._fence
+                slot, self._permit_next = self._permit_next, self._permit_next + 1
+            table = self._permit
             gen = table.issue(slot, share.dev, share.inode, share.offset, nbytes)
-        return _FenceSlot(self, table, slot, gen, *self._fence_file)
+        return _PermitSlot(self, table, slot, gen, *self._permit_file)
 
-    def _fence_give(self, slot: int, reusable: bool) -> None:
+    def _permit_give(self, slot: int, reusable: bool) -> None:
         # without self._lock: a region's release runs under it (register's undo after a
         # racing close()) and from finalizers, which a collection may start in any thread
         # while it holds the lock (connect, register and disconnect allocate under it); a
         # deque's append and pop are atomic
         if reusable:
-            self._fence_free.append(slot)
+            self._permit_free.append(slot)
         else:
-            self._fence_stuck.append(slot)
+            self._permit_stuck.append(slot)
 
     # -- control messages ----------------------------------------------------------------
     def send(self, peer: Peer, data: bytes, timeout: Optional[float] = 30.0) -> None:

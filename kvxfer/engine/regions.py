@@ -1,9 +1,9 @@
-"""Registered memory: local regions, peers' regions, region pairs, the buffer door, fence slots.
+"""Registered memory: local regions, peers' regions, region pairs, the buffer door, permit slots.
 
 A ``MemoryRegion`` is local memory registered on every rail (it keeps its buffer alive); a
 ``RemoteRegion`` a peer's, decoded from its descriptor; ``RegionPairs`` a checked table of
 both for ``Engine.write_pairs``. ``_resolve_buffer`` is the one door memory comes in by. A
-region offering a host share holds a ``_FenceSlot``: its word in the engine's fence table,
+region offering a host share holds a ``_PermitSlot``: its word in the engine's permit table,
 revoked before ``close()`` returns, so no peer's direct copy lands after it.
 """
 
@@ -30,15 +30,15 @@ if TYPE_CHECKING:
     from kvxfer.engine.engine import Engine
     from kvxfer.engine.rails import Peer
 
-#: words in an engine's fence table (64 KiB): regions offering a host share at once
-FENCE_SLOTS = 8192
+#: words in an engine's permit table (64 KiB): regions offering a host share at once
+PERMIT_SLOTS = 8192
 #: how long closing a region waits for peers' direct copies in progress (a writer killed
 #: mid-copy never leaves; the slot is then retired, never reused)
-FENCE_WAIT = 1.0
+PERMIT_WAIT = 1.0
 
 
-class _FenceSlot:
-    """A region's word in its engine's fence table (src/direct.c, ``_fabric.FenceTable``):
+class _PermitSlot:
+    """A region's word in its engine's permit table (src/direct.c, ``_fabric.PermitTable``):
     peers copy into the region directly only while the word carries ``generation`` and is not
     revoked. Revoked when the region closes (or is dropped), released after deregistration:
     the generation is bumped and the slot serves the next region."""
@@ -53,18 +53,18 @@ class _FenceSlot:
         self.dev = dev
         self.inode = inode
 
-    def wire(self) -> wire.Fence:
-        return wire.Fence(self._table.fd, self.dev, self.inode, self.slot, self.generation)
+    def wire(self) -> wire.Permit:
+        return wire.Permit(self._table.fd, self.dev, self.inode, self.slot, self.generation)
 
     def revoke(self, wait: bool = True) -> None:
-        """Refuse every copy from now on; with ``wait``, wait up to ``FENCE_WAIT`` s (once)
+        """Refuse every copy from now on; with ``wait``, wait up to ``PERMIT_WAIT`` s (once)
         for the copies in progress."""
         with self._lock:
             table = self._table
             if table is None or self._left is not None:
                 return
             if wait:
-                self._left = table.revoke(self.slot, FENCE_WAIT)
+                self._left = table.revoke(self.slot, PERMIT_WAIT)
             else:
                 table.revoke(self.slot, 0.0)
 
@@ -74,7 +74,7 @@ class _FenceSlot:
         with self._lock:
             table, self._table = self._table, None
         if table is not None:
-            self._engine._fence_give(self.slot, self._left == 0 and table.retire(self.slot))
+            self._engine._permit_give(self.slot, self._left == 0 and table.retire(self.slot))
 
     def __del__(self) -> None:
         try:
@@ -88,7 +88,7 @@ class MemoryRegion:
 
     def __init__(self, engine: "Engine", handles: list, obj: Any, ptr: int, nbytes: int, device: str,
                  remote: bool = True, host_share: Optional[wire.HostShare] = None,
-                 fence: Optional["_FenceSlot"] = None, read_handles: Optional[list] = None) -> None:
+                 permit: Optional["_PermitSlot"] = None, read_handles: Optional[list] = None) -> None:
         self.engine = engine
         self.remote = remote
         self._handles = handles      # one RegionHandle (registration) per rail
@@ -101,7 +101,7 @@ class MemoryRegion:
         self.nbytes = nbytes
         self.device = device
         self._host_share = host_share    # a shared memfd mapping: shm peers may write directly
-        self._fence = fence              # its slot in the engine's fence table (with a share)
+        self._permit = permit              # its slot in the engine's permit table (with a share)
 
     def descriptor(self, *, reads_only: bool = False) -> bytes:
         """Compact, versioned bytes a peer passes to ``Engine.remote`` to write here (and read,
@@ -168,28 +168,28 @@ class MemoryRegion:
         self._close()
 
     def _revoke(self, wait: bool = True) -> None:
-        """Stop peers' direct copies into this region (its fence); with ``wait``, until the
-        copies in progress have ended (bounded, ``_FenceSlot.revoke``)."""
-        if self._fence is not None:
-            self._fence.revoke(wait)
+        """Stop peers' direct copies into this region (its permit); with ``wait``, until the
+        copies in progress have ended (bounded, ``_PermitSlot.revoke``)."""
+        if self._permit is not None:
+            self._permit.revoke(wait)
 
     def _close(self) -> None:
         """Deregister on every rail, even if one fails; then raise the first failure. Peers'
-        direct copies are stopped here too (the fence: revoked, copies in progress waited
+        direct copies are stopped here too (the permit: revoked, copies in progress waited
         out), as their RMA writes stop at deregistration; the slot is released after."""
         self._revoke()
         # the read registration goes first: no peer reads from here on
         handles, self._handles, self._obj = self._read_handles + self._handles, [], None
         self._read_handles = []
-        fence, self._fence = self._fence, None
+        permit, self._permit = self._permit, None
         first: Optional[BaseException] = None
         for h in handles:
             try:
                 h.close()
             except FabricError as exc:
                 first = first or exc
-        if fence is not None:
-            fence.release()
+        if permit is not None:
+            permit.release()
         if first is not None:
             raise first
 
@@ -218,7 +218,7 @@ class RemoteRegion:
     ``direct``: writes from host memory go as direct writes, through this process's own
     mapping of the peer's memfd (a ``_fabric.DirectMap``, held here and by every native
     transfer still posting through it; unmapped once none does), only where the share
-    carries its fence (descriptor version 3): a copy is skipped once the target closed the
+    carries its permit (descriptor version 3): a copy is skipped once the target closed the
     region (src/direct.c; ``Engine.stats()["direct_revoked"]``). ``host_share``: the
     descriptor's; with one, rule 3 of the message rule does not apply to writes into the
     region (``pack_min`` 0), on every path (direct or RMA)."""

@@ -11,9 +11,9 @@ from kvxfer.messenger.messenger import Messenger, PeerGroup, Receive, Request, S
 from kvxfer.messenger.stream import LayerCounter, Pass, pages_completed
 from kvxfer.messenger.context import pack_context, unpack_context
 from kvxfer.messenger.paged import (
-    LayoutRegions,
+    RegionTable,
     PlanTransfer,
-    RemoteLayout,
+    RemoteRegionTable,
     post_plan,
     register_layout,
     remote_layout,
@@ -23,6 +23,15 @@ from kvxfer.messenger.workers import collect, publish
 __all__ = [
     "Messenger", "PeerGroup", "Receive", "Request", "Send", "context_stride", "LayerCounter", "Pass",
     "pages_completed", "pack_context", "unpack_context",
-    "LayoutRegions", "RemoteLayout", "PlanTransfer", "register_layout", "remote_layout", "post_plan",
+    "RegionTable", "RemoteRegionTable", "PlanTransfer", "register_layout", "remote_layout", "post_plan",
     "publish", "collect",
 ]
+
+
+# >>> issue 22: deprecated names: LayoutRegions -> RegionTable, RemoteLayout -> RemoteRegionTable.
+def __getattr__(name: str) -> object:
+    if name in ("LayoutRegions", "RemoteLayout"):
+        from kvxfer.messenger import paged
+        return getattr(paged, name)      # warns
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# <<< issue 22

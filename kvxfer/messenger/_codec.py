@@ -308,11 +308,15 @@ def decode_request_id(data: bytes, pos: int = 0) -> tuple[RequestId, int]:
 _LAYOUT_FIELDS = ("num_layers", "kv_heads", "head_dim", "page_size", "num_pages", "dtype", "order", "kv",
                   "placement", "page_stride", "layer_stride")
 _ENGINE_FIELDS = ("iov", "max_write", "pack_min", "rails")
+# >>> issue 22: deprecated name
+#: handshake key -> KVLayout attribute where they differ (the key stays: wire format)
+_LAYOUT_ATTRS = {"placement": "layer_regions"}
+# <<< issue 22
 _DTYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
 
 
 def layout_dict(layout: KVLayout) -> dict:
-    d = {f: getattr(layout, f) for f in _LAYOUT_FIELDS}
+    d = {f: getattr(layout, _LAYOUT_ATTRS.get(f, f)) for f in _LAYOUT_FIELDS}
     d["dtype"] = layout.dtype_format      # a plain name either side reads as the same format
     return d
 
@@ -440,7 +444,7 @@ class Handshake:
             if not _DTYPE_NAME.fullmatch(lay["dtype"]):
                 raise DescriptorError(f"handshake layout dtype {lay['dtype']!r} is not a plain dtype name")
             try:
-                layout = KVLayout(**lay)
+                layout = KVLayout(**{_LAYOUT_ATTRS.get(f, f): v for f, v in lay.items()})
             except LayoutError:
                 raise
             except (TypeError, ValueError, OverflowError) as exc:   # e.g. a dtype numpy refuses

@@ -48,7 +48,7 @@ from kvxfer.messenger import _codec as C
 from kvxfer.messenger._node import Node
 from kvxfer.messenger.decode import IMM_LIMIT, Decoder, Receive
 from kvxfer.messenger.metrics import snapshot as metrics_snapshot
-from kvxfer.messenger.paged import LayoutRegions, register_layout
+from kvxfer.messenger.paged import RegionTable, register_layout
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
 from kvxfer.messenger.prefill import Prefiller
 from kvxfer.messenger.send import Request, Send, context_view
@@ -191,7 +191,7 @@ class Messenger:
         node = self._node = Node(engine, self.uid, secret, self.peer_timeout)
         self._lock = node.lock
         self.counts = node.counts
-        self._local: dict[int, LayoutRegions] = {}
+        self._local: dict[int, RegionTable] = {}
         self._ctx_mr = None
         self._peers_room = Peers(node, layout, sharding, slots, cbytes, lambda: self._blob, self._peer_gone)
         dec = self._decode = Decoder(node, self._peers_room, layout, sharding, self.ranks, slots, cbytes)

@@ -24,7 +24,7 @@ from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, Pl
 from kvxfer.layout import KVLayout, Sharding
 from kvxfer.messenger._codec import pack_item, read_items
 
-__all__ = ["LayoutRegions", "RemoteLayout", "PlanTransfer", "register_layout", "remote_layout", "post_plan",
+__all__ = ["RegionTable", "RemoteRegionTable", "PlanTransfer", "register_layout", "remote_layout", "post_plan",
            "plan_batches"]
 
 _TABLE_MAGIC = b"KXLT"
@@ -32,7 +32,7 @@ _TABLE_VERSION = 1
 _U16 = struct.Struct("<H")
 
 
-class LayoutRegions:
+class RegionTable:
     """One rank's registered regions, indexed by the planner's region ids."""
 
     def __init__(self, engine: Any, layout: KVLayout, sharding: Sharding, regions: list) -> None:
@@ -61,10 +61,10 @@ class LayoutRegions:
             r.close()
 
     def __repr__(self) -> str:
-        return f"<LayoutRegions {len(self.regions)} region(s)>"
+        return f"<RegionTable {len(self.regions)} region(s)>"
 
 
-class RemoteLayout:
+class RemoteRegionTable:
     """A peer's regions (``RemoteRegion`` per region id), decoded once."""
 
     def __init__(self, regions: list) -> None:
@@ -78,7 +78,7 @@ class RemoteLayout:
 
 
 def register_layout(engine: Any, layout: KVLayout, sharding: Sharding, regions: Sequence[Any], *,
-                    remote: bool = True) -> LayoutRegions:
+                    remote: bool = True) -> RegionTable:
     """Register one rank's regions (numpy, torch, ``KVBuffer`` or ``(ptr, nbytes)``, in
     region-id order) in one call. Each must be at least ``layout.region_sizes(sharding)``;
     on any refusal the regions registered so far are closed again."""
@@ -100,7 +100,7 @@ def register_layout(engine: Any, layout: KVLayout, sharding: Sharding, regions: 
         for mr in done:
             mr.close()
         raise
-    return LayoutRegions(engine, layout, sharding, done)
+    return RegionTable(engine, layout, sharding, done)
 
 
 def _split_table(blob: bytes) -> list[bytes]:
@@ -118,8 +118,8 @@ def _split_table(blob: bytes) -> list[bytes]:
     return out
 
 
-def remote_layout(engine: Any, descriptors: bytes | Iterable[bytes]) -> RemoteLayout:
-    """A region table from ``LayoutRegions.descriptor()`` (or a list of descriptors)."""
+def remote_layout(engine: Any, descriptors: bytes | Iterable[bytes]) -> RemoteRegionTable:
+    """A region table from ``RegionTable.descriptor()`` (or a list of descriptors)."""
     if isinstance(descriptors, (bytes, bytearray, memoryview)):
         ds = _split_table(descriptors)
     else:
@@ -128,7 +128,7 @@ def remote_layout(engine: Any, descriptors: bytes | Iterable[bytes]) -> RemoteLa
         except TypeError:
             raise DescriptorError(f"a region table is bytes or a list of descriptors, not "
                                   f"{type(descriptors).__name__}") from None
-    return RemoteLayout([engine.remote(d) for d in ds])
+    return RemoteRegionTable([engine.remote(d) for d in ds])
 
 
 def plan_batches(plan: Any, src_rank: int, dst_rank: int) -> list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]:
@@ -195,8 +195,8 @@ class PlanTransfer:
         return f"<PlanTransfer {len(self.transfers)} region pair(s), {self.num_writes} writes>"
 
 
-def post_plan(engine: Any, plan: Any, src_rank: int, dst_rank: int, src: LayoutRegions, peer: Any,
-              dst: RemoteLayout, *, imm: Optional[int] = None, layers: Optional[Iterable[int]] = None,
+def post_plan(engine: Any, plan: Any, src_rank: int, dst_rank: int, src: RegionTable, peer: Any,
+              dst: RemoteRegionTable, *, imm: Optional[int] = None, layers: Optional[Iterable[int]] = None,
               rail: Optional[int] = None) -> PlanTransfer:
     """Post every write of ``plan`` from ``src_rank`` to ``dst_rank`` (or of ``layers`` only:
     an empty list posts nothing) with ``imm``, in one ``Engine.write_groups`` call (one region pair per group; ``rail``
@@ -228,3 +228,14 @@ def post_plan(engine: Any, plan: Any, src_rank: int, dst_rank: int, src: LayoutR
             raise InvalidArgumentError(f"plan names region pair ({sr}, {dr}); tables have {len(src)} and {len(dst)}")
     groups = [(src[sr], dst[dr], so, do, ln) for sr, dr, so, do, ln in batches]
     return PlanTransfer([engine.write_groups(peer, groups, imm=imm, rail=rail)], imm)
+
+
+# >>> issue 22: deprecated names: LayoutRegions -> RegionTable, RemoteLayout -> RemoteRegionTable.
+def __getattr__(name: str) -> Any:
+    new = {"LayoutRegions": "RegionTable", "RemoteLayout": "RemoteRegionTable"}.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+    warnings.warn(f"kvxfer.messenger.{name} is deprecated, use {new}", DeprecationWarning, stacklevel=2)
+    return globals()[new]
+# <<< issue 22

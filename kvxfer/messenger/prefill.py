@@ -26,7 +26,7 @@ from kvxfer.messenger import _args
 from kvxfer.messenger import _codec as C
 from kvxfer.messenger import prefix
 from kvxfer.messenger._node import Node
-from kvxfer.messenger.paged import LayoutRegions, plan_batches
+from kvxfer.messenger.paged import RegionTable, plan_batches
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
 from kvxfer.messenger.send import Request, Send, StreamState
 from kvxfer._templates import PageTemplate, plan_layers, request_seed
@@ -42,7 +42,7 @@ class Prefiller:
     """The prefill room of one messenger: its requests, inbox, posting and the reaper."""
 
     def __init__(self, node: Node, peers: Peers, layout: KVLayout, sharding: Sharding, ranks: tuple,
-                 local: Mapping[int, LayoutRegions], rails: Mapping[int, int],
+                 local: Mapping[int, RegionTable], rails: Mapping[int, int],
                  on_request: Optional[Callable[[Request], Any]], inline: bool) -> None:
         self.node = node
         self.peers = peers

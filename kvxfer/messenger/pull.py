@@ -26,12 +26,12 @@ from typing import Any, Optional
 
 from kvxfer.errors import InvalidArgumentError, PlanError
 from kvxfer.layout import KVLayout, Sharding
-from kvxfer.messenger.paged import LayoutRegions, PlanTransfer, RemoteLayout, plan_batches
+from kvxfer.messenger.paged import RegionTable, PlanTransfer, RemoteRegionTable, plan_batches
 
 __all__ = ["ExposedLayout", "expose_layout", "pull_plan"]
 
 
-class ExposedLayout(LayoutRegions):
+class ExposedLayout(RegionTable):
     """One rank's regions registered readable; ``descriptor()`` is their reads-only table."""
 
     def descriptors(self) -> list[bytes]:
@@ -63,8 +63,8 @@ def expose_layout(engine: Any, layout: KVLayout, sharding: Sharding, regions: Se
     return ExposedLayout(engine, layout, sharding, done)
 
 
-def pull_plan(engine: Any, plan: Any, src_rank: int, dst_rank: int, dst: LayoutRegions, peer: Any,
-              src: RemoteLayout, *, layers: Optional[Iterable[int]] = None, rail: Optional[int] = None) -> PlanTransfer:
+def pull_plan(engine: Any, plan: Any, src_rank: int, dst_rank: int, dst: RegionTable, peer: Any,
+              src: RemoteRegionTable, *, layers: Optional[Iterable[int]] = None, rail: Optional[int] = None) -> PlanTransfer:
     """Read every piece of ``plan`` from ``src_rank`` (the peer's ``src`` table, from its
     ``expose_layout``) into ``dst_rank`` (this engine's ``dst``), or of ``layers`` only (an
     empty list reads nothing), in one ``Engine.read_groups`` call (one region pair per

@@ -17,7 +17,7 @@ from _providers import available, provider  # noqa: E402,F401  (the shared fixtu
 
 @pytest.fixture
 def shm():
-    """For tests of shm-only paths (direct writes, doorbells, fences): skip where shm is missing."""
+    """For tests of shm-only paths (direct writes, doorbells, permits): skip where shm is missing."""
     if not available("shm"):
         pytest.skip("provider shm is not available here")
 

@@ -1,13 +1,13 @@
 """Hostile descriptors on the direct-write path (src/direct.c): a peer that lies in a region's
-host share about its offset, its length, its memfd or its fence (slot, generation, table)
+host share about its offset, its length, its memfd or its permit (slot, generation, table)
 must not make the sender copy anywhere but inside the memory the target registered for
 remote writes, and a copy that is refused or skipped must fail its transfer, its imm never
-counted. A share the target's own fence record does not vouch for is not mapped: the sender
+counted. A share the target's own permit record does not vouch for is not mapped: the sender
 writes over RMA, where the target's key check governs (docs/reliability.md, issue 26 #1).
 
 Before the fix each test here failed: a shifted offset copied past the region, a longer
-length copied past it too, a share naming the sender's own memfd and fence slot overwrote the
-sender's own memory, and a stale or borrowed fence skipped the copies while the imm counted."""
+length copied past it too, a share naming the sender's own memfd and permit slot overwrote the
+sender's own memory, and a stale or borrowed permit skipped the copies while the imm counted."""
 
 import dataclasses
 import errno
@@ -25,14 +25,14 @@ N = 1 << 16
 
 
 def _forge(blob: bytes, *, nbytes: int | None = None, **share) -> bytes:
-    """The descriptor ``blob`` with its host share's fields (``fence`` too) replaced."""
+    """The descriptor ``blob`` with its host share's fields (``permit`` too) replaced."""
     d = wire.Descriptor.decode(blob)
     s = dataclasses.replace(d.host_share, **share)
     return dataclasses.replace(d, host_share=s, nbytes=d.nbytes if nbytes is None else nbytes).encode()
 
 
-def _fence(blob: bytes, **fields) -> wire.Fence:
-    return dataclasses.replace(wire.Descriptor.decode(blob).host_share.fence, **fields)
+def _permit(blob: bytes, **fields) -> wire.Permit:
+    return dataclasses.replace(wire.Descriptor.decode(blob).host_share.permit, **fields)
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def hostile(shm):
     """A prefiller ``a`` and a decoder ``b`` in this process (shm). b's region is the middle
     third of a 3 N-byte memfd (``b_file``), so bytes past either end of it stay visible; a's
     source is a pattern, and a also holds a region of its own memfd (``victim``, registered
-    for remote writes, so it has a host share and a fence slot of a's own table)."""
+    for remote writes, so it has a host share and a permit slot of a's own table)."""
     a, b = kvxfer.Engine("shm"), kvxfer.Engine("shm")
     kv_b, kv_a = KVBuffer.allocate(3 * N), KVBuffer.allocate(N)
     try:
@@ -49,7 +49,7 @@ def hostile(shm):
         victim = a.register(kv_a)
         src = pattern_array(N, 26, low=1)
         ms = a.register(src)
-        assert md.host_share is not None and md.host_share.fence is not None and victim.host_share is not None
+        assert md.host_share is not None and md.host_share.permit is not None and victim.host_share is not None
         assert a.remote(md.descriptor()).direct            # the honest share is written directly
         yield a, b, ms, src, a.connect(b.address), md, b_file, victim, kv_a.numpy()[:N]
     finally:
@@ -96,15 +96,15 @@ def test_a_longer_length_copies_nothing_past_the_region(hostile):
     assert not dst.direct                       # the record holds N bytes, not 2 N
 
 
-@pytest.mark.parametrize("fence_of", ["sender", "target"])
-def test_a_share_naming_the_senders_own_memory_is_refused(hostile, fence_of):
+@pytest.mark.parametrize("permit_of", ["sender", "target"])
+def test_a_share_naming_the_senders_own_memory_is_refused(hostile, permit_of):
     """The decoder names the prefiller's own memfd (a region the prefiller registered for
-    remote writes), with the prefiller's own fence slot or with its own."""
+    remote writes), with the prefiller's own permit slot or with its own."""
     a, b, ms, src, peer, md, b_file, victim, victim_mem = hostile
     vs = victim.host_share
-    fence = vs.fence if fence_of == "sender" else md.host_share.fence
+    permit = vs.permit if permit_of == "sender" else md.host_share.permit
     forged = _forge(md.descriptor(), pid=vs.pid, fd=vs.fd, dev=vs.dev, inode=vs.inode, offset=vs.offset,
-                    fence=fence)
+                    permit=permit)
     dst = a.remote(forged)
     err, banked = _write_counted(a, b, ms, peer, dst, 0, N, imm=3)
     assert not victim_mem.any()                 # the sender's own memory is untouched
@@ -112,19 +112,19 @@ def test_a_share_naming_the_senders_own_memory_is_refused(hostile, fence_of):
     assert not dst.direct
 
 
-def test_a_share_naming_the_senders_fence_table_with_the_targets_memfd_is_refused(hostile):
+def test_a_share_naming_the_senders_permit_table_with_the_targets_memfd_is_refused(hostile):
     a, b, ms, src, peer, md, b_file, victim, _ = hostile
-    forged = _forge(md.descriptor(), fence=victim.host_share.fence)
+    forged = _forge(md.descriptor(), permit=victim.host_share.permit)
     assert not a.remote(forged).direct          # a's table names a, not b
 
 
-def test_another_regions_fence_slot_is_refused(hostile):
+def test_another_regions_permit_slot_is_refused(hostile):
     """The share borrows the slot (and generation) of another region of the target: when
     that region closes, the copies were skipped while the imm counted."""
     a, b, ms, src, peer, md, b_file, victim, _ = hostile
     with KVBuffer.allocate(N) as other:
         mo = b.register(other)
-        forged = _forge(md.descriptor(), fence=mo.host_share.fence)
+        forged = _forge(md.descriptor(), permit=mo.host_share.permit)
         dst = a.remote(forged)
         mo.close()
         err, banked = _write_counted(a, b, ms, peer, dst, 0, N, imm=4)
@@ -137,8 +137,8 @@ def test_another_regions_fence_slot_is_refused(hostile):
 @pytest.mark.parametrize("delta", [1, -1])
 def test_a_wrong_generation_is_refused(hostile, delta):
     a, b, ms, src, peer, md, b_file, victim, _ = hostile
-    f = md.host_share.fence
-    dst = a.remote(_forge(md.descriptor(), fence=_fence(md.descriptor(), generation=(f.generation + delta) % 2**32)))
+    f = md.host_share.permit
+    dst = a.remote(_forge(md.descriptor(), permit=_permit(md.descriptor(), generation=(f.generation + delta) % 2**32)))
     err, banked = _write_counted(a, b, ms, peer, dst, 0, N, imm=5)
     if banked:
         assert np.array_equal(b_file[N: 2 * N], src)      # counted only with its data
@@ -147,34 +147,34 @@ def test_a_wrong_generation_is_refused(hostile, delta):
 
 
 def test_a_copy_revoked_under_a_live_key_fails_and_never_counts(hostile):
-    """The target revokes its fence word while its key stays registered (a lying or broken
+    """The target revokes its permit word while its key stays registered (a lying or broken
     target): the copies are refused, so the transfer fails and its imm is never posted."""
     a, b, ms, src, peer, md, b_file, victim, _ = hostile
     dst = a.remote(md.descriptor())
     assert dst.direct
-    b._fence.revoke(md.host_share.fence.slot, 0.0)          # the key still takes RMA writes
+    b._permit.revoke(md.host_share.permit.slot, 0.0)          # the key still takes RMA writes
     before = a.stats()["direct_revoked"]
     err, banked = _write_counted(a, b, ms, peer, dst, 0, N, imm=6)
     assert isinstance(err, KvxferError) and getattr(err, "errno", None) == errno.EACCES, err
     assert banked == 0 and not b_file.any()
     assert a.stats()["direct_revoked"] == before + 1
     # the peer stays usable: an honest write over RMA lands and counts
-    rma = a.remote(_forge(md.descriptor(), fence=None))
+    rma = a.remote(_forge(md.descriptor(), permit=None))
     err, banked = _write_counted(a, b, ms, peer, rma, 0, N, imm=7)
     assert err is None and banked == t_writes(a, rma, N) and np.array_equal(b_file[N: 2 * N], src)
 
 
 def test_a_decoder_in_another_process_cannot_aim_at_the_senders_memory(shm):
     """The issue's case: a decoder process hands the prefiller a share naming the
-    prefiller's own memfd and fence slot (every decoder holds the prefiller's handshake)."""
+    prefiller's own memfd and permit slot (every decoder holds the prefiller's handshake)."""
     with Target("shm", N, memory="memfd") as tgt, kvxfer.Engine("shm") as a, KVBuffer.allocate(N) as kv:
         victim = a.register(kv)
         src = pattern_array(N, 27, low=1)
         ms, peer = a.register(src), a.connect(tgt.address)
         vs = victim.host_share
-        for fence in (vs.fence, wire.Descriptor.decode(tgt.descriptor).host_share.fence):
+        for permit in (vs.permit, wire.Descriptor.decode(tgt.descriptor).host_share.permit):
             forged = _forge(tgt.descriptor, pid=vs.pid, fd=vs.fd, dev=vs.dev, inode=vs.inode, offset=vs.offset,
-                            fence=fence)
+                            permit=permit)
             dst = a.remote(forged)
             t = a.write(ms, 0, peer, dst, 0, N, imm=8)
             t.wait(10)
@@ -189,6 +189,6 @@ def test_a_decoder_in_another_process_cannot_aim_at_the_senders_memory(shm):
 def test_a_slot_never_handed_out_is_refused(hostile):
     """Defence in depth (it held before too, by the empty record): a fresh slot starts revoked."""
     a, b, ms, src, peer, md, b_file, victim, _ = hostile
-    free = b._fence_next + 3                                # never issued
-    assert a.remote(_forge(md.descriptor(), fence=_fence(md.descriptor(), slot=free, generation=0))).direct is False
-    assert b._fence.word(free) == 1 << 31                   # revoked, generation 0, no writers
+    free = b._permit_next + 3                                # never issued
+    assert a.remote(_forge(md.descriptor(), permit=_permit(md.descriptor(), slot=free, generation=0))).direct is False
+    assert b._permit.word(free) == 1 << 31                   # revoked, generation 0, no writers

@@ -6,8 +6,8 @@ import importlib
 import pytest
 
 #: the module-level names of kvxfer/engine.py before it became a package
-NAMES = ("Counter", "Engine", "FENCE_SLOTS", "FENCE_WAIT", "MAX_POLL_US", "MemoryRegion", "PREFERENCE", "Peer",
-         "RegionPairs", "RemoteRegion", "Transfer", "WatchEntry", "Watcher", "_FenceSlot", "_MAX_TIMEOUT", "_U32",
+NAMES = ("Counter", "Engine", "PERMIT_SLOTS", "PERMIT_WAIT", "MAX_POLL_US", "MemoryRegion", "PREFERENCE", "Peer",
+         "RegionPairs", "RemoteRegion", "Transfer", "WatchEntry", "Watcher", "_PermitSlot", "_MAX_TIMEOUT", "_U32",
          "_as_index", "_as_offsets", "_check_cpus", "_check_imm", "_check_nics", "_check_options", "_check_rail",
          "_check_timeout", "_check_watch", "_check_word", "_concat_index", "_message_limits", "_need_native",
          "_nonneg", "_open_rails", "_resolve_buffer", "_timeout", "_u64", "providers", "_fabric")

@@ -1,7 +1,7 @@
 """A write the target refuses must fail its own transfer, and only it: the peer stays usable
 (issue 26 #2).
 
-Fixed for the shm direct path, the issue's case: a copy the target's fence refuses (the region
+Fixed for the shm direct path, the issue's case: a copy the target's permit refuses (the region
 closed) used to post its imm anyway, which the target refused too: 64 KiB with an imm stalled
 until ``peer_timeout`` (``PeerError``) and left its source region unclosable, 4 KiB or no imm
 reported ``done``. Now the refused copy fails its transfer at once (``EACCES``) and posts
@@ -36,7 +36,7 @@ def test_a_refused_direct_copy_fails_alone(shm, nbytes, imm):
     with Target("shm", n, memory="memfd", options=opts) as tgt, kvxfer.Engine("shm", **opts) as eng:
         mr, peer, old = eng.register(src), eng.connect(tgt.address), eng.remote(tgt.descriptor)
         assert old.direct
-        tgt.call("close")                          # the fence is revoked; the memfd stays
+        tgt.call("close")                          # the permit is revoked; the memfd stays
         new = eng.remote(tgt.call("register"))     # the same memory, the slot's next generation
         assert new.direct
         tgt.call("fill", 0)

@@ -65,7 +65,7 @@ layouts = st.one_of(
     st.builds(lambda L, h, d, p, n, o: KVLayout.vllm(L, h, d, p, n, "bfloat16", order=o),
               st.integers(1, 6), st.sampled_from([1, 2, 4, 8]), st.sampled_from([8, 64, 128]),
               st.integers(1, 32), st.integers(1, 10**6), st.sampled_from(["HND", "NHD"])),
-    st.builds(lambda L, d, p, n: KVLayout.mla(L, d, p, n, "float16", placement="layer_major"),
+    st.builds(lambda L, d, p, n: KVLayout.mla(L, d, p, n, "float16", layer_regions="layer_major"),
               st.integers(1, 6), st.integers(1, 600), st.integers(1, 32), st.integers(1, 1000)),
     st.builds(lambda L, h: KVLayout.sglang(L, h, 64, 16, 100, "float16"), st.integers(1, 4), st.sampled_from([2, 4])),
 )

@@ -15,13 +15,13 @@ static void arrive(kx_hub *h, uint32_t imm, int times)
 /* every used slot is reachable from its home slot without crossing an empty one */
 static int table_is_consistent(kx_hub *h)
 {
-    kx_ctable *t = &h->table;
+    kx_imm_table *t = &h->table;
     size_t used = 0;
     for (size_t i = 0; i < t->cap; i++) {
         if (!t->slots[i].used)
             continue;
         used++;
-        if (kx_ctable_find(t, t->slots[i].imm) != &t->slots[i])
+        if (kx_imm_table_find(t, t->slots[i].imm) != &t->slots[i])
             return 0;
     }
     return used == t->len;

@@ -30,11 +30,11 @@ import _strategies
 from conftest import STRESS
 from kvxfer import KVLayout, Sharding, errors
 from kvxfer.messenger import (
-    LayoutRegions,
+    RegionTable,
     Pass,
     PeerGroup,
     Receive,
-    RemoteLayout,
+    RemoteRegionTable,
     Send,
     pack_context,
     pages_completed,
@@ -237,7 +237,7 @@ def _handshake(layout, sharding, ranks, slots, cbytes, uid=12345, provider="shm"
 
 HANDSHAKES = [
     _handshake(KVLayout.vllm(2, 4, 64, 16, 100), Sharding(2), (0, 1), 4, 100),
-    _handshake(KVLayout.mla(3, 576, 16, 50, "float16", placement="layer_major"), Sharding(2, replicated=True),
+    _handshake(KVLayout.mla(3, 576, 16, 50, "float16", layer_regions="layer_major"), Sharding(2, replicated=True),
                (1,), 0, 0),
     _handshake(KVLayout.sglang(1, 2, 64, 16, 100, "float16"), Sharding(1), (0,), 1, 8),
 ]
@@ -904,15 +904,15 @@ def test_other_entry_points(world, call, data):
         if _is(x, "MUT"):
             x = data.draw(_mutations(table, 200))
         r = _call((errors.DescriptorError, IA), remote_layout, w.er, x)
-        if isinstance(r, RemoteLayout) and isinstance(x, bytes) and x == table:
+        if isinstance(r, RemoteRegionTable) and isinstance(x, bytes) and x == table:
             assert len(r) == LAYOUT.num_regions
-        assert isinstance(r, (RemoteLayout, errors.KvxferError))
-        assert isinstance(_call(errors.DescriptorError, remote_layout, w.er, table), RemoteLayout)
+        assert isinstance(r, (RemoteRegionTable, errors.KvxferError))
+        assert isinstance(_call(errors.DescriptorError, remote_layout, w.er, table), RemoteRegionTable)
     elif name == "register_layout":
         (x,) = args
         regs = _regions(1) if _is(x, "OK") else x
         r = _call(IA, register_layout, w.ef, LAYOUT, SH, regs)
-        if isinstance(r, LayoutRegions):
+        if isinstance(r, RegionTable):
             assert len(r) == LAYOUT.num_regions
             r.close()
     elif name == "wait":

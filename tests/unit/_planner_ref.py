@@ -61,7 +61,7 @@ class RankMemory:
         per_layer = 2 * pool if layout.kv == "stacked" else pool
         pools = 2 if layout.kv == "separate" else 1
         self.pages_outer = False
-        if layout.placement == "per_layer":
+        if layout.layer_regions == "per_layer":
             nregions, size = L * pools, per_layer
         else:
             self.layer_stride = per_layer if layout.layer_stride is None else layout.layer_stride
@@ -79,7 +79,7 @@ class RankMemory:
 
     def _layer_bytes(self, layer: int, pool: int) -> np.ndarray:
         """The bytes of one layer of one K/V pool (the whole layer for fused/stacked)."""
-        if self.layout.placement == "per_layer":
+        if self.layout.layer_regions == "per_layer":
             return self.regions[layer * self.pools + pool]
         return _view(self.regions[pool], (self.layout.num_layers, self.layer_stride))[layer, : self.per_layer]
 

@@ -144,16 +144,16 @@ def test_vllm_packed_one_storage_layers_outer_and_pages_outer():
     lh, isz = H // 2, 4
     page = lh * P * 2 * D * isz
     outer = _element_offsets((L, N, lh, 2, P, D), isz)  # [layers, blocks, heads, K|V, block, dim]
-    lay = KVLayout.vllm_packed(L, H, D, P, N, dtype="float32", placement="layer_major")
+    lay = KVLayout.vllm_packed(L, H, D, P, N, dtype="float32", layer_regions="layer_major")
     _check(lay, Sharding(2), lambda l, k: 0, lambda l, k, p, h, t: outer[l, p, h, k, t, 0])
     assert lay.region_sizes(Sharding(2)) == (outer.size * isz,)
     inner = _element_offsets((N, L, lh, 2, P, D), isz)  # [blocks, layers, heads, K|V, block, dim]
-    lay = KVLayout.vllm_packed(L, H, D, P, N, dtype="float32", placement="layer_major",
+    lay = KVLayout.vllm_packed(L, H, D, P, N, dtype="float32", layer_regions="layer_major",
                                layer_stride=page, page_stride=L * page)
     _check(lay, Sharding(2), lambda l, k: 0, lambda l, k, p, h, t: inner[p, l, h, k, t, 0])
     assert lay.region_sizes(Sharding(2)) == (inner.size * isz,)
     with pytest.raises(LayoutError, match="inside a page"):  # layers would overlap
-        KVLayout.vllm_packed(L, H, D, P, N, dtype="float32", placement="layer_major",
+        KVLayout.vllm_packed(L, H, D, P, N, dtype="float32", layer_regions="layer_major",
                              layer_stride=page, page_stride=L * page - 1).resolve(Sharding(2))
     with pytest.raises(LayoutError, match="stacked"):  # a stacked V pool cannot sit inside a page
         KVLayout.layer_major(L, H, D, P, N, kv="stacked", layer_stride=page // 2,
@@ -180,7 +180,7 @@ def test_explicit_strides_pad_pages_and_layers():
 @pytest.mark.parametrize("kw,match", [
     (dict(order="HDN"), "order"),
     (dict(kv="interleaved"), "kv"),
-    (dict(placement="page_major"), "placement"),
+    (dict(layer_regions="page_major"), "layer_regions"),
     (dict(kv="mla"), "MLA"),
     (dict(num_pages=0), "num_pages"),
     (dict(head_dim=2.0), "head_dim"),
@@ -219,7 +219,7 @@ def test_plans_join_layouts_of_one_number_format_only(a, b, same):
 
     la, lb = KVLayout.vllm(2, 2, 4, 4, 4, dtype=a), KVLayout.vllm(2, 2, 4, 4, 4, dtype=b)
     if same:
-        assert plan(la, Sharding(1), lb, Sharding(1), [0], [1]).num_writes > 0
+        assert plan(la, Sharding(1), lb, Sharding(1), [0], [1]).num_triples > 0
     else:
         with pytest.raises(LayoutError, match="dtype"):
             plan(la, Sharding(1), lb, Sharding(1), [0], [1])

@@ -115,7 +115,7 @@ def _check_roundtrip(src, dst, src_pages, dst_pages, layers, seed) -> TransferPl
                 np.testing.assert_array_equal(got, logical[layer, k][:, m.heads])
         arrived = sum(len(p.writes(s, d)) for s in range(ss.tp_size))
         assert p.expected_writes[d] == arrived
-    assert p.num_writes == int(p.expected_writes.sum())
+    assert p.num_triples == int(p.expected_writes.sum())
     assert p.num_bytes == len(planned) * planes * n * sl.page_size * cb * sum(len(m.heads) for m in dst_mem)
     return p
 
@@ -152,7 +152,7 @@ def test_groups_and_layers_are_views_of_writes(cfg):
                             & (w.src_offset[:-1] + w.length[:-1] == w.src_offset[1:])
                             & (w.dst_offset[:-1] + w.length[:-1] == w.dst_offset[1:]))
                 assert not joinable.any()
-    assert sum(p.layer(layer).num_writes for layer in p.layers) == p.num_writes
+    assert sum(p.layer(layer).num_triples for layer in p.layers) == p.num_triples
 
 
 # -- a few configurations spelled out ---------------------------------------------------------
@@ -169,10 +169,10 @@ def test_hnd_is_one_write_per_head_slice_nhd_one_per_token(src_tp, dst_tp):
     hnd = plan(_llama("HND"), Sharding(src_tp), _llama("HND"), Sharding(dst_tp), sp, dp, seed=0)
     nhd = plan(_llama("NHD"), Sharding(src_tp), _llama("NHD"), Sharding(dst_tp), sp, dp, seed=0)
     slices = max(src_tp, dst_tp)  # (src, dst) pairs whose head ranges meet
-    assert hnd.num_writes == 2 * 40 * 2 * slices  # layers * pages * K/V * slices
-    assert nhd.num_writes == 16 * hnd.num_writes  # one write per token
+    assert hnd.num_triples == 2 * 40 * 2 * slices  # layers * pages * K/V * slices
+    assert nhd.num_triples == 16 * hnd.num_triples  # one write per token
     assert hnd.num_bytes == nhd.num_bytes
-    assert (hnd.expected_writes == hnd.num_writes // dst_tp).all()
+    assert (hnd.expected_writes == hnd.num_triples // dst_tp).all()
 
 
 def test_same_sharding_contiguous_pages_coalesce_to_one_write_per_layer():
@@ -242,14 +242,14 @@ def test_replicated_destinations_each_get_a_copy():
 
 def test_empty_page_list_plans_nothing():
     p = plan(_llama("HND"), Sharding(8), _llama("HND"), Sharding(4), [], [])
-    assert p.num_writes == 0 and p.pairs == [] and list(p.groups(0, 0)) == []
+    assert p.num_triples == 0 and p.pairs == [] and list(p.groups(0, 0)) == []
     assert len(p.writes(0, 0)) == 0
 
 
 def test_summary_shows_cost():
     p = plan(_llama("NHD"), Sharding(8), _llama("NHD"), Sharding(4), range(4), range(4))
     text = str(p)
-    assert "TP8 NHD -> TP4 NHD" in text and str(p.num_writes) in text and "expected_writes" in text
+    assert "TP8 NHD -> TP4 NHD" in text and str(p.num_triples) in text and "expected_writes" in text
     assert repr(p).startswith("TransferPlan(")
 
 
@@ -318,6 +318,6 @@ def test_planner_imports_without_libfabric():
         "import kvxfer\n"
         "lay = kvxfer.KVLayout.vllm(2, 8, 8, 16, 4)\n"
         "p = kvxfer.plan(lay, kvxfer.Sharding(8), lay, kvxfer.Sharding(4), [0, 1], [2, 3])\n"
-        "assert p.num_writes == 2 * 2 * 2 * 8, p\n"
+        "assert p.num_triples == 2 * 2 * 2 * 8, p\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -22,7 +22,7 @@ def _packed(kv_heads: int, order: str = "HND", **kw) -> KVLayout:
 def _cpu_storage(kv_heads: int, tp: int) -> KVLayout:
     """vLLM's CPU cache: one storage, each layer's block inside one block stride."""
     page = 2 * max(kv_heads // tp, 1) * P * D * 2
-    return _packed(kv_heads, placement="layer_major", layer_stride=page + 16, page_stride=L * (page + 16))
+    return _packed(kv_heads, layer_regions="layer_major", layer_stride=page + 16, page_stride=L * (page + 16))
 
 
 @pytest.mark.parametrize("order", ["HND", "NHD"])
@@ -50,7 +50,7 @@ def test_same_packed_shape_coalesces_whole_page_runs():
     for order in ("HND", "NHD"):
         lay = _packed(8, order)
         p = plan(lay, Sharding(2), lay, Sharding(2), [1, 2, 3], [2, 3, 4])
-        assert (p.writes_per_pair.diagonal() == L).all() and p.num_writes == 2 * L
+        assert (p.writes_per_pair.diagonal() == L).all() and p.num_triples == 2 * L
         assert list(p.writes(0, 0).length) == [3 * 2 * 4 * P * D * 2] * L
 
 
@@ -60,8 +60,8 @@ def test_packed_tp_mismatch_write_shapes():
     transposes, one write per (head, token, plane) vector: an HND head keeps its K rows apart
     from its V rows (vLLM's CPU view), NHD puts them side by side."""
     hnd = plan(_packed(8), Sharding(2), _packed(8), Sharding(1), [0], [0])
-    assert hnd.num_writes == L * 2 and (hnd.writes(0, 0).length == 4 * P * 2 * D * 2).all()
+    assert hnd.num_triples == L * 2 and (hnd.writes(0, 0).length == 4 * P * 2 * D * 2).all()
     nhd = plan(_packed(8, "NHD"), Sharding(2), _packed(8, "NHD"), Sharding(1), [0], [0])
-    assert nhd.num_writes == L * 2 * P and (nhd.writes(0, 0).length == 4 * 2 * D * 2).all()
+    assert nhd.num_triples == L * 2 * P and (nhd.writes(0, 0).length == 4 * 2 * D * 2).all()
     mixed = plan(_packed(8), Sharding(2), _packed(8, "NHD"), Sharding(1), [0], [0])
-    assert mixed.num_writes == L * 2 * 4 * P * 2 and (mixed.writes(1, 0).length == D * 2).all()
+    assert mixed.num_triples == L * 2 * 4 * P * 2 and (mixed.writes(1, 0).length == D * 2).all()

@@ -203,11 +203,11 @@ def test_hnd_writes_one_per_piece_and_head():
     """16-token source pages into 32-token destination pages, HND, same TP: each source page
     is one run per head on both sides (the destination's head stride is 32 tokens)."""
     p = plan(_vllm(16), Sharding(2), _vllm(32), Sharding(2), [5, 9, 2, 7], [3, 1], num_tokens=64)
-    assert p.num_writes == 2 * 2 * (4 * 4 * 2)  # layers x ranks x (pages x heads x K/V)
+    assert p.num_triples == 2 * 2 * (4 * 4 * 2)  # layers x ranks x (pages x heads x K/V)
     assert (p.writes(0, 0).length == 16 * 8 * 2).all()
     # the other way the pieces are the same tokens: as many writes
     q = plan(_vllm(32), Sharding(2), _vllm(16), Sharding(2), [3, 1], [5, 9, 2, 7], num_tokens=64)
-    assert q.num_writes == p.num_writes
+    assert q.num_triples == p.num_triples
 
 
 def test_contiguous_pages_coalesce_across_piece_boundaries():
@@ -263,4 +263,4 @@ def test_token_counts_checked(kw, err, match):
 
 def test_zero_tokens_plan_nothing():
     p = plan(_vllm(16), Sharding(2), _vllm(32), Sharding(1), [], [], num_tokens=0)
-    assert p.num_writes == 0 and p.pairs == []
+    assert p.num_triples == 0 and p.pairs == []

@@ -39,46 +39,46 @@ def test_descriptor_round_trip(prov, base, nbytes, virt, raw, dev, owner, share,
             wire.Descriptor(prov, base, nbytes, keys, virt, raw, dev, owner).encode()
 
 
-fences = st.builds(wire.Fence, st.integers(0, 2**31 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+permits = st.builds(wire.Permit, st.integers(0, 2**31 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
                    st.integers(0, 2**28 - 1), st.integers(0, 2**32 - 1))
 
 
 @given(providers, st.integers(0, 2**63), st.integers(0, 2**62), st.booleans(), st.booleans(), st.booleans(),
-       st.binary(min_size=8, max_size=8), host_shares, fences, st.data())
-def test_fenced_descriptor_round_trip(prov, base, nbytes, virt, raw, dev, owner, share, fence, data):
-    """Version 3: a host share with its fence (docs/architecture.md, "Direct writes")."""
+       st.binary(min_size=8, max_size=8), host_shares, permits, st.data())
+def test_permitted_descriptor_round_trip(prov, base, nbytes, virt, raw, dev, owner, share, permit, data):
+    """Version 3: a host share with its permit (docs/architecture.md, "Direct writes")."""
     key = st.binary(min_size=1, max_size=64) if raw else st.binary(min_size=8, max_size=8)
     keys = tuple(data.draw(st.lists(key, min_size=1, max_size=6)))
-    fenced = dataclasses.replace(share, fence=fence)
-    d = wire.Descriptor(prov, base, nbytes, keys, virt, raw, dev, owner, fenced)
+    permitted = dataclasses.replace(share, permit=permit)
+    d = wire.Descriptor(prov, base, nbytes, keys, virt, raw, dev, owner, permitted)
     blob = d.encode()
     got = wire.Descriptor.decode(blob)
-    assert got == d and got.host_share.fence == fence
-    assert blob[3] == 3 and blob[4] & wire.FLAG_FENCE and blob[4] & wire.FLAG_HOST_SHARE
-    # the same bytes as version 2 plus 28 bytes of fence: the share's layout did not move
-    assert blob[:3] + bytes([2, blob[4] & ~wire.FLAG_FENCE]) + blob[5:-28] == \
+    assert got == d and got.host_share.permit == permit
+    assert blob[3] == 3 and blob[4] & wire.FLAG_PERMIT and blob[4] & wire.FLAG_HOST_SHARE
+    # the same bytes as version 2 plus 28 bytes of permit: the share's layout did not move
+    assert blob[:3] + bytes([2, blob[4] & ~wire.FLAG_PERMIT]) + blob[5:-28] == \
         wire.Descriptor(prov, base, nbytes, keys, virt, raw, dev, owner, share).encode()
 
 
-def test_older_descriptors_still_decode_without_a_fence():
-    """Versions 1 and 2 decode as before: a share without a fence (its sender writes over RMA)."""
+def test_older_descriptors_still_decode_without_a_permit():
+    """Versions 1 and 2 decode as before: a share without a permit (its sender writes over RMA)."""
     share = wire.HostShare(1234, 7, 1, 99, 4096)
     v2 = wire.Descriptor("shm", 1, 2, (b"k" * 8,), host_share=share).encode()
     v1 = wire.Descriptor("shm", 1, 2, (b"k" * 8,)).encode()
     assert (v1[3], v2[3]) == (1, 2)
-    assert wire.Descriptor.decode(v2).host_share == share and share.fence is None
+    assert wire.Descriptor.decode(v2).host_share == share and share.permit is None
     assert wire.Descriptor.decode(v1).host_share is None
     assert wire.DESCRIPTOR_VERSIONS[:3] == (1, 2, 3)
 
 
-def test_fence_is_checked():
-    fence = wire.Fence(9, 1, 100, 5, 7)
-    share = wire.HostShare(1234, 7, 1, 99, 4096, fence)
+def test_permit_is_checked():
+    permit = wire.Permit(9, 1, 100, 5, 7)
+    share = wire.HostShare(1234, 7, 1, 99, 4096, permit)
     d = bytearray(wire.Descriptor("shm", 1, 2, (b"k" * 8,), host_share=share).encode())
     assert d[3] == 3
-    for version, flags in ((2, d[4]),                                  # the fence flag in version 2
-                           (3, d[4] & ~wire.FLAG_FENCE),               # version 3 without its fence
-                           (3, d[4] & ~wire.FLAG_HOST_SHARE)):         # a fence without a share
+    for version, flags in ((2, d[4]),                                  # the permit flag in version 2
+                           (3, d[4] & ~wire.FLAG_PERMIT),               # version 3 without its permit
+                           (3, d[4] & ~wire.FLAG_HOST_SHARE)):         # a permit without a share
         e = bytearray(d)
         e[3], e[4] = version, flags
         with pytest.raises(DescriptorError, match="flags"):
@@ -86,17 +86,17 @@ def test_fence_is_checked():
     for at, bad in ((-28, 0xFF), (-24, 0xFF)):                        # fd beyond 2**31; slot beyond 2**28
         e = bytearray(d)
         e[at:at + 4] = bytes([bad]) * 4
-        with pytest.raises(DescriptorError, match="fence"):
+        with pytest.raises(DescriptorError, match="permit"):
             wire.Descriptor.decode(bytes(e))
     for cut in range(1, 29):
         with pytest.raises(DescriptorError):
             wire.Descriptor.decode(bytes(d[:-cut]))
     with pytest.raises(InvalidArgumentError):
         wire.Descriptor("shm", 1, 2, (b"k" * 8,), host_share=wire.HostShare(1, 7, 1, 99, 0,
-                                                                         wire.Fence(2**31, 1, 1, 0, 0))).encode()
+                                                                         wire.Permit(2**31, 1, 1, 0, 0))).encode()
     with pytest.raises(InvalidArgumentError):
         wire.Descriptor("shm", 1, 2, (b"k" * 8,), host_share=wire.HostShare(1, 7, 1, 99, 0,
-                                                                         wire.Fence(3, 1, 1, 2**28, 0))).encode()
+                                                                         wire.Permit(3, 1, 1, 2**28, 0))).encode()
 
 
 @settings(max_examples=300)

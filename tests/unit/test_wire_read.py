@@ -14,7 +14,7 @@ from kvxfer.errors import DescriptorError, InvalidArgumentError
 providers = st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=40)
 host_shares = st.builds(wire.HostShare, st.integers(1, 2**31 - 1), st.integers(0, 2**31 - 1),
                         st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**62))
-fences = st.builds(wire.Fence, st.integers(0, 2**31 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+fences = st.builds(wire.Permit, st.integers(0, 2**31 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
                    st.integers(0, 2**28 - 1), st.integers(0, 2**32 - 1))
 
 
@@ -54,7 +54,7 @@ def test_a_descriptor_without_read_keys_keeps_its_old_version(keys, share, fence
         share = dataclasses.replace(share, fence=fence)
     d = wire.Descriptor("tcp;ofi_rxm", 0, 4096, tuple(keys), host_share=share)
     blob = d.encode()
-    assert blob[3] == (1 if share is None else 2 if share.fence is None else 3)
+    assert blob[3] == (1 if share is None else 2 if share.permit is None else 3)
     assert not blob[4] & wire.FLAG_READABLE
     got = wire.Descriptor.decode(blob)
     assert got == d and not got.readable and got.read_keys == ()

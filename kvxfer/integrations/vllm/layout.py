@@ -75,7 +75,7 @@ def cache_regions(kv_caches: dict, kv_cache_config: Any, total_kv_heads: int, tp
         if stride <= 0 or any(offs[i] - offs[0] != i * stride for i in range(L)):
             raise UnsupportedError(f"layers sit at offsets {offs[:4]}... in their storage, not one layer_stride apart")
         layout = KVLayout.vllm_packed(L, total_kv_heads, two_d // 2, bs, nblocks, dtype, "HND",
-                                      placement="layer_major", layer_stride=stride, page_stride=block_stride)
+                                      layer_regions="layer_major", layer_stride=stride, page_stride=block_stride)
         (need,) = layout.region_sizes(sharding)
         if offs[0] + need > size:
             raise UnsupportedError(f"the layout needs {need} bytes from offset {offs[0]}, the storage has {size}")

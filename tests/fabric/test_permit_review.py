@@ -1,4 +1,4 @@
-"""A review of the direct-write fence, the posting futex and the cached pidfd check
+"""A review of the direct-write permit, the posting futex and the cached pidfd check
 (docs/reliability.md, the review of 2026-12-01, finding 17). Real shm provider; whatever may
 hang runs in a spawned child with a deadline."""
 
@@ -17,16 +17,16 @@ from _data import pattern_array
 from _procs import run_in_child
 
 
-# -- a region's fence slot goes back without the engine's lock --------------------------------
+# -- a region's permit slot goes back without the engine's lock --------------------------------
 
 def _register_while_closing():
-    """register() finds the engine closed after it took a fence slot, and undoes the region
+    """register() finds the engine closed after it took a permit slot, and undoes the region
     (region._close() under the engine's lock), whose slot release took that lock again."""
     import kvxfer.engine as E
 
     eng = kvxfer.Engine("shm")
     kv = KVBuffer.allocate(1 << 16)
-    take = E.Engine._fence_take
+    take = E.Engine._permit_take
 
     def take_then_close(self, *args):
         slot = take(self, *args)
@@ -35,13 +35,13 @@ def _register_while_closing():
         th.join(10)
         return slot
 
-    E.Engine._fence_take = take_then_close
+    E.Engine._permit_take = take_then_close
     try:
         eng.register(kv)
     except kvxfer.errors.ClosedError:
         pass
     finally:
-        E.Engine._fence_take = take
+        E.Engine._permit_take = take
     kv.close()
     return "ok"
 
@@ -51,13 +51,13 @@ def test_register_racing_close_does_not_deadlock(shm):
 
 
 def _collect_under_the_engine_lock():
-    """A fenced region in a reference cycle is collected by a collection that starts while
+    """A permitted region in a reference cycle is collected by a collection that starts while
     this thread holds the engine's lock (any allocation can start one: connect, register,
     disconnect all allocate under it); its slot's finalizer must not wait for that lock."""
     eng = kvxfer.Engine("shm")
     kv = KVBuffer.allocate(1 << 16)
     md = eng.register(kv)
-    assert md.host_share.fence is not None
+    assert md.host_share.permit is not None
     md._cycle = md                       # garbage only the cycle collector finds
     del md
     gc.disable()
@@ -68,11 +68,11 @@ def _collect_under_the_engine_lock():
         gc.enable()
     st = eng.stats()
     again = eng.register(kv)             # the slot came back, reusable
-    slot = again.host_share.fence.slot
+    slot = again.host_share.permit.slot
     again.close()
     eng.close()
     kv.close()
-    return st["direct_fence_stuck"], slot
+    return st["direct_permit_stuck"], slot
 
 
 def test_a_collected_region_releases_its_slot_under_the_engine_lock(shm):
@@ -91,7 +91,7 @@ def test_generations_and_slot_reuse_across_many_regions(shm):
         olds = []
         for k in range(50):
             md = b.register(kv)
-            f = md.host_share.fence
+            f = md.host_share.permit
             assert f.slot == 0 and f.generation == k
             olds.append(a.remote(md.descriptor()))
             md.close()
@@ -100,7 +100,7 @@ def test_generations_and_slot_reuse_across_many_regions(shm):
         kv.numpy()[:] = 0
         for old in olds:
             assert old.direct
-            with pytest.raises(FabricError) as ei:      # refused by the fence: the transfer fails
+            with pytest.raises(FabricError) as ei:      # refused by the permit: the transfer fails
                 a.write(ms, 0, peer, old, 0, n).wait(10)
             assert ei.value.errno == errno.EACCES
         time.sleep(0.05)
@@ -108,20 +108,20 @@ def test_generations_and_slot_reuse_across_many_regions(shm):
         a.write(ms, 0, peer, new, 0, n).wait(10)
         assert np.array_equal(kv.numpy(), src)
         md.close()
-        assert b.stats()["direct_fence_stuck"] == 0
+        assert b.stats()["direct_permit_stuck"] == 0
 
 
 def _fds_and_maps():
     import os
 
     with open("/proc/self/maps") as f:
-        fences = sum("kvxfer-fence" in line for line in f)
-    return len(os.listdir("/proc/self/fd")), fences
+        permits = sum("kvxfer-fence" in line for line in f)
+    return len(os.listdir("/proc/self/fd")), permits
 
 
-def test_fence_tables_and_their_mappings_go_with_engines_and_remotes(shm):
-    """Many engines, each with regions that took slots, and remotes that mapped their fence
-    pages: once closed and dropped, no fence table's fd or mapping is left."""
+def test_permit_tables_and_their_mappings_go_with_engines_and_remotes(shm):
+    """Many engines, each with regions that took slots, and remotes that mapped their permit
+    pages: once closed and dropped, no permit table's fd or mapping is left."""
     with KVBuffer.allocate(1 << 16) as kv:
         gc.collect()
         before = _fds_and_maps()
