@@ -172,23 +172,8 @@ class PageTemplate:
         destination pages)``, each pair's pages ordered by ``by_source``. Without replicas every
         pair moves every page; with them each segment's chunk j goes to the j-th owner of
         ``plan``'s draw for ``seed`` (a permutation of the candidates), pairs with no page left out."""
-        sp, dp = np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64)
-        n = len(sp)
-        if n == 0:
-            return []
-        if not self.replicas:
-            a, b = self.by_source(sp, dp)
-            return [(i, a, b) for i in range(len(self.pairs))]
-        rng = np.random.default_rng(seed)
-        out = []
-        for d, cands in self._draw:
-            r = len(cands)
-            for j, s in enumerate(_owners(rng, cands)):
-                i = self._index.get((s, d))
-                a, b = _chunk(j, r, n)
-                if i is not None and a < b:
-                    out.append((i, *self.by_source(sp[a:b], dp[a:b])))
-        return out
+        dp = np.asarray(dst_pages, np.int64)
+        return self.assign_part(src_pages, dp, np.arange(len(dp)), seed)
 
     def assign_part(self, src_pages: np.ndarray, dst_pages: np.ndarray, part: np.ndarray,
                     seed: Optional[int] = None) -> list[tuple[int, np.ndarray, np.ndarray]]:

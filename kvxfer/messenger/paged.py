@@ -24,7 +24,7 @@ from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, Pl
 from kvxfer.layout import KVLayout, Sharding
 from kvxfer.messenger._codec import pack_item, read_items
 
-__all__ = ["RegionTable", "RemoteRegionTable", "PlanTransfer", "register_layout", "remote_layout", "post_plan",
+__all__ = ["RegionTable", "RemoteRegionTable", "PlanTransfer", "register_layout", "register_regions", "remote_layout", "post_plan",
            "plan_batches"]
 
 _TABLE_MAGIC = b"KXLT"
@@ -82,6 +82,13 @@ def register_layout(engine: Any, layout: KVLayout, sharding: Sharding, regions: 
     """Register one rank's regions (numpy, torch, ``KVBuffer`` or ``(ptr, nbytes)``, in
     region-id order) in one call. Each must be at least ``layout.region_sizes(sharding)``;
     on any refusal the regions registered so far are closed again."""
+    return RegionTable(engine, layout, sharding, register_regions(engine, layout, sharding, regions, remote=remote))
+
+
+def register_regions(engine: Any, layout: KVLayout, sharding: Sharding, regions: Sequence[Any],
+                     **register: Any) -> list:
+    """``register_layout``'s registrations as a list of ``MemoryRegion`` (``register`` goes to
+    each ``Engine.register``: ``remote=``, ``readable=``), all or none."""
     sizes = layout.region_sizes(sharding)
     try:
         regions = list(regions)
@@ -92,7 +99,7 @@ def register_layout(engine: Any, layout: KVLayout, sharding: Sharding, regions: 
     done: list = []
     try:
         for i, (obj, size) in enumerate(zip(regions, sizes)):
-            mr = engine.register(obj, remote=remote)
+            mr = engine.register(obj, **register)
             done.append(mr)
             if mr.nbytes < size:
                 raise InvalidArgumentError(f"region {i} has {mr.nbytes} bytes; the layout needs {size}")
@@ -100,7 +107,7 @@ def register_layout(engine: Any, layout: KVLayout, sharding: Sharding, regions: 
         for mr in done:
             mr.close()
         raise
-    return RegionTable(engine, layout, sharding, done)
+    return done
 
 
 def _split_table(blob: bytes) -> list[bytes]:

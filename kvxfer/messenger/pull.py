@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from kvxfer.errors import InvalidArgumentError, PlanError
 from kvxfer.layout import KVLayout, Sharding
-from kvxfer.messenger.paged import RegionTable, PlanTransfer, RemoteRegionTable, plan_batches
+from kvxfer.messenger.paged import PlanTransfer, RegionTable, RemoteRegionTable, plan_batches, register_regions
 
 __all__ = ["ExposedLayout", "expose_layout", "pull_plan"]
 
@@ -42,25 +42,7 @@ def expose_layout(engine: Any, layout: KVLayout, sharding: Sharding, regions: Se
     """Register one rank's regions (region-id order) readable, in one call: each at least
     ``layout.region_sizes(sharding)``; on any refusal the regions registered so far are closed
     again. Peers may read them (with the table's read keys) until ``close()``."""
-    sizes = layout.region_sizes(sharding)
-    try:
-        regions = list(regions)
-    except TypeError:
-        raise InvalidArgumentError(f"regions must list one rank's regions, got {type(regions).__name__}") from None
-    if len(regions) != len(sizes):
-        raise InvalidArgumentError(f"layout has {len(sizes)} region(s) per rank, got {len(regions)}")
-    done: list = []
-    try:
-        for i, (obj, size) in enumerate(zip(regions, sizes)):
-            mr = engine.register(obj, readable=True)
-            done.append(mr)
-            if mr.nbytes < size:
-                raise InvalidArgumentError(f"region {i} has {mr.nbytes} bytes; the layout needs {size}")
-    except BaseException:
-        for mr in done:
-            mr.close()
-        raise
-    return ExposedLayout(engine, layout, sharding, done)
+    return ExposedLayout(engine, layout, sharding, register_regions(engine, layout, sharding, regions, readable=True))
 
 
 def pull_plan(engine: Any, plan: Any, src_rank: int, dst_rank: int, dst: RegionTable, peer: Any,
