@@ -29,7 +29,7 @@ from kvxfer.messenger._node import Node
 from kvxfer.messenger.paged import RegionTable, plan_batches
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
 from kvxfer.messenger.send import Request, Send, StreamState
-from kvxfer._templates import PageTemplate, plan_layers, request_seed
+from kvxfer._templates import PageTemplate, plan_layers
 from kvxfer.planner import plan
 
 __all__ = ["Prefiller"]
@@ -286,14 +286,14 @@ class Prefiller:
     @staticmethod
     def _seed(t: PageTemplate, request: Request) -> Optional[int]:
         """The request's replica seed where the template draws owners (else none is needed)."""
-        return request_seed(C.encode_request_id(request.request_id)) if t.replicas else None
+        return request.replica_seed if t.replicas else None
 
     def _plan(self, pg: PeerGroup, request: Request, src_pages: Any, end: int, first: int = 0) -> Any:
         """The planner's plan of ``request`` from this messenger's ranks to ``pg``'s (tokens
         ``[first, end)`` where the page sizes differ, each side's pages in its own size; the
         pages ``src_pages`` / ``request.dst_pages`` whole otherwise), with the request's
         replica seed."""
-        seed = request_seed(C.encode_request_id(request.request_id))
+        seed = request.replica_seed
         if self.layout.page_size == pg.layout.page_size and not request.first_token:
             return plan(self.layout, self.sharding, pg.layout, pg.sharding, src_pages, request.dst_pages, seed=seed)
         # kvxfer/messenger/prefix.py: both lists from a common token, the prefix left out

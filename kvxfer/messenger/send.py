@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
+from kvxfer._templates import request_seed
 from kvxfer.errors import InvalidArgumentError, KvxferError, PeerError, TimeoutError
 from kvxfer.messenger import _args
 from kvxfer.messenger import _codec as C
@@ -43,7 +44,7 @@ class Request:
     num_tokens)``), ``peer`` (the decoder's ``PeerGroup``), ``slot`` (the decoder's context
     slot this messenger writes; -1 when it writes none: no slots, or another rank process of
     a per-rank instance writes it), ``imm`` (the request's imm on this leg), ``aborted``,
-    ``rejected``, ``send`` (its Send once made), ``t_arrived``, ``room``."""
+    ``rejected``, ``send`` (its Send once made), ``t_arrived``, ``room``, ``replica_seed``."""
 
     def __init__(self, room: "Prefiller", pg: PeerGroup, msg: C.Control) -> None:
         self.room = room                          #: the Prefiller (room) that received it
@@ -60,6 +61,14 @@ class Request:
         self.rejected: Optional[str] = None   #: the reason given to ``reject``
         self.send: Optional[Send] = None      #: its Send, once ``send``/``stream`` made one
         self.t_arrived = time.monotonic()     #: when the REQUEST was read (monotonic)
+
+    @property
+    def replica_seed(self) -> int:
+        """The seed every process of the request draws replica owners with (the decoder's
+        ``writing_ranks``, each prefill rank's template): ``kvxfer.planner.request_seed`` of
+        the encoded request id. An engine that routes requests to ranks itself (the vLLM
+        connector's prefill ranks) computes the same owners with it."""
+        return request_seed(C.encode_request_id(self.request_id))
 
     def reject(self, reason: str) -> None:
         """Refuse this request (its KV is gone, it was preempted, the id is unknown): the

@@ -179,6 +179,8 @@ def test_replicas_spread_per_request(provider):
             k = pgs.index(r.legs[0].peer)
             writers.append(k)
             (q,) = inst.requests(1, [k])[k]
+            # the public seed an engine routing requests to ranks itself draws owners with
+            assert q.replica_seed == kvxfer.planner.request_seed(C.encode_request_id(f"m{i}"))
             inst.pre[k].send(q, [i % 8]).finish()
             assert r.wait(10) == "done"
             inst.check(np.array([i]), np.array([i % 8]))

@@ -15,8 +15,7 @@ from kvxfer.errors import KvxferError
 from kvxfer.integrations.vllm.loader import remember
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
 # the id's wire encoding, which the replica seed hashes (the messenger has no public name for it)
-from kvxfer.messenger._codec import encode_request_id
-from kvxfer.planner import request_seed, writing_ranks
+from kvxfer.planner import writing_ranks
 
 log = logging.getLogger("kvxfer.integrations.vllm")
 
@@ -87,7 +86,7 @@ class Sender:
         seed, over the decoder's pages) has this rank write to; every rank of a node decoder."""
         pg, m = req.peer, self.messenger
         n = len(req.dst_pages)          # equal block sizes: the decoder draws over its page list
-        seed = request_seed(encode_request_id(req.request_id))
+        seed = req.replica_seed
         return {d for d in range(pg.sharding.tp_size)
                 if self.rank in writing_ranks(m.layout, m.sharding, pg.layout, pg.sharding, [d], n, seed=seed)}
 
