@@ -4,6 +4,8 @@ processes at once: the decoder's greedy tokens equal one vLLM without a connecto
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import HAVE_VLLM
@@ -50,5 +52,12 @@ def test_tp2_prefiller_to_tp1_decoder(tp2, reference):
     assert not p.call(op="drain", timeout=60)["busy"]
     pin, din = p.call(op="inspect"), d.call(op="inspect")
     assert pin["free_blocks"] == free_p and not pin["pending_push"]
-    assert din["stats"]["loads_done"] >= len(ps) and din["stats"]["loads_failed"] == 0
+    # the decoder's counters (seen once at 0 with every token right and P's blocks freed: a
+    # lag or race in the stats' accounting, not yet explained): read again for a bounded while,
+    # and say what they were
+    end = time.monotonic() + 10
+    while din["stats"]["loads_done"] < len(ps) and time.monotonic() < end:
+        time.sleep(0.5)
+        din = d.call(op="inspect")
+    assert din["stats"]["loads_done"] >= len(ps) and din["stats"]["loads_failed"] == 0, din["stats"]
     assert din["stats"]["peers_up"] >= 2                               # both rank processes
