@@ -6,6 +6,7 @@ starts without waiting, so its minutes of imports overlap the P and D instances'
 from __future__ import annotations
 
 import importlib.util
+import os
 import tempfile
 from pathlib import Path
 
@@ -15,6 +16,40 @@ import pytest
 # namespace package "vllm" (no origin); an installed vLLM, a regular package, wins over it
 _spec = importlib.util.find_spec("vllm")
 HAVE_VLLM = _spec is not None and _spec.origin is not None
+
+
+def _held_open() -> set:
+    """The /dev/shm files some live process has open (its fds or its maps)."""
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            with open(f"/proc/{pid}/maps") as f:
+                held.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line)
+        except OSError:
+            continue
+    return held
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shm_segments_of_killed_instances():
+    """vLLM's shared-memory segments and semaphores (Python ``SharedMemory`` and
+    ``multiprocessing``: ``/dev/shm/psm_*``, ``sem.mp-*``) outlive the instances these tests
+    kill with SIGKILL: after the session, those it created that no live process holds are
+    removed."""
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    yield
+    if not os.path.isdir("/dev/shm"):
+        return
+    new = [n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-")) and n not in before]
+    held = _held_open() if new else set()
+    for n in new:
+        if f"/dev/shm/{n}" not in held:
+            try:
+                os.unlink(f"/dev/shm/{n}")
+            except OSError:
+                pass
 
 
 @pytest.fixture(scope="session")
