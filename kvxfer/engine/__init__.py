@@ -46,7 +46,7 @@ from kvxfer.engine.regions import (
     _resolve_buffer,
 )
 from kvxfer.engine.transfer import Counter, Transfer
-from kvxfer.engine.watcher import MAX_POLL_US, Watcher, WatchEntry, _check_watch, _check_word
+from kvxfer.engine.watcher import MAX_POLL_US, Watcher, WatchEntry, _check_watch, _check_word, check_watch
 
 __all__ = ["Engine", "Peer", "MemoryRegion", "RemoteRegion", "RegionPairs", "Transfer", "ReadTransfer", "Counter",
            "Watcher", "WatchEntry", "providers"]

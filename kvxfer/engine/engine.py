@@ -39,7 +39,7 @@ from kvxfer.engine.transfer import Counter
 from kvxfer.engine.counters import _Counters
 from kvxfer.engine.reads import _Reads
 from kvxfer.engine.writes import _Writes
-from kvxfer.engine.watcher import Watcher, _check_watch, _check_word
+from kvxfer.engine.watcher import Watcher, _check_word, check_watch
 from kvxfer.errors import (
     ArgumentTypeError,
     ClosedError,
@@ -536,7 +536,7 @@ class Engine(_Writes, _Reads, _Counters):
         """A native counter watcher that posts armed writes when a counter reaches their
         threshold (see ``Watcher``); pinned to ``cpus`` (default: the engine's)."""
         self._check_open()
-        _check_watch(poll_us, rt_priority)
+        check_watch(poll_us, rt_priority)
         word = _check_word(word)
         cpus = self.cpus if cpus is None else _check_cpus(cpus)
         w = Watcher(self, word, poll_us, cpus or (), keep, rt_priority)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 MAX_POLL_US = 1e9
 
 
-def _check_watch(poll_us, rt_priority, prefix: str = "") -> None:
+def check_watch(poll_us, rt_priority, prefix: str = "") -> None:
     """A watcher's poll interval (µs, positive, at most ``MAX_POLL_US``) and SCHED_FIFO
     priority (0..99); ``prefix`` names them as the caller's options do (the messenger's
     ``watch_``)."""
@@ -37,6 +37,7 @@ def _check_watch(poll_us, rt_priority, prefix: str = "") -> None:
     as_int(rt_priority, f"{prefix}rt_priority", minimum=0, maximum=99)
 
 
+_check_watch = check_watch          # the name of before (kvxfer.engine still exports it)
 
 
 def _check_word(word) -> int:

@@ -153,7 +153,7 @@ class Messenger:
                  placements: Optional[Mapping[int, Any]] = None, counter_device: Optional[int] = None,
                  watch_poll_us: float = 10.0, watch_cpus: Optional[Iterable[int]] = None,
                  watch_rt_priority: int = 0) -> None:
-        from kvxfer.engine import Engine, _check_watch     # here: the codecs import without libfabric
+        from kvxfer.engine import Engine, check_watch      # here: the codecs import without libfabric
 
         if not isinstance(engine, Engine):
             raise InvalidArgumentError(f"engine must be a kvxfer Engine, got {type(engine).__name__}")
@@ -175,7 +175,7 @@ class Messenger:
             raise InvalidArgumentError(f"context_bytes {context_bytes} exceeds one message of this engine")
         if counter_device is not None and (not is_int(counter_device) or counter_device < 0):
             raise InvalidArgumentError(f"counter_device must be a CUDA device ordinal, got {counter_device!r}")
-        _check_watch(watch_poll_us, watch_rt_priority, "watch_")     # Engine.watcher's own check, up front
+        check_watch(watch_poll_us, watch_rt_priority, "watch_")      # Engine.watcher's own check, up front
         poll_us, rt = float(watch_poll_us), int(watch_rt_priority)
         cpus = _args.cpus(watch_cpus)
         self.secret = secret
