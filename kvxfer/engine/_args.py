@@ -123,3 +123,31 @@ def _check_nics(nics) -> Optional[list[str]]:
     if not nics:
         raise InvalidArgumentError("nics must name at least one NIC (libfabric domain)")
     return nics
+
+
+def _page_triples(page_bytes, near: tuple, far: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The triples of a page-list call (``write_pages``, ``read_pages``): page i moves
+    ``page_bytes`` between ``offset + pages[i] * stride`` on each side, as ``(near offsets,
+    far offsets, lengths)``. ``near``/``far``: ``(name, side, region, pages, offset, stride,
+    region bytes)``, ``name`` the arguments' prefix (``src``, ``local``…), ``side`` and
+    ``region`` the words of the bounds error. Every argument is checked, then the bounds, before
+    anything is returned."""
+    (nn, nside, nreg, np_, noff, nst, nsize), (fn, fside, freg, fp, foff, fst, fsize) = near, far
+    np_ = _as_index(np_, f"{nn}_pages")
+    fp = _as_index(fp, f"{fn}_pages")
+    if len(np_) != len(fp):
+        raise InvalidArgumentError(f"{nn}_pages has {len(np_)} pages, {fn}_pages {len(fp)}")
+    page_bytes = _nonneg(page_bytes, "page_bytes", positive=True)
+    noff = _nonneg(noff, f"{nn}_offset")
+    foff = _nonneg(foff, f"{fn}_offset")
+    nst = page_bytes if nst is None else _nonneg(nst, f"{nn}_stride", positive=True)
+    fst = page_bytes if fst is None else _nonneg(fst, f"{fn}_stride", positive=True)
+    sides = ((nside, nreg, np_, noff, nst, nsize), (fside, freg, fp, foff, fst, fsize))
+    if len(np_):
+        for side, region, pages, off, stride, size in sides:
+            top = int(pages.max())
+            if off + top * stride + page_bytes > size:
+                raise OutOfBoundsError(f"{side} page {top} ends at byte {off + top * stride + page_bytes}, "
+                                       f"beyond the {size}-byte {region}")
+    no, fo = (pages.astype(np.uint64) * np.uint64(stride) + np.uint64(off) for _, _, pages, off, stride, _ in sides)
+    return no, fo, np.full(len(np_), page_bytes, dtype=np.uint64)

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from kvxfer import wire
 from kvxfer._check import as_int
-from kvxfer.engine._args import _as_index, _as_offsets, _concat_index, _nonneg
+from kvxfer.engine._args import _as_offsets, _concat_index, _nonneg, _page_triples
 from kvxfer.engine.rails import Peer, _fabric
 from kvxfer.engine.regions import MemoryRegion, RemoteRegion
 from kvxfer.engine.transfer import Transfer
@@ -123,25 +123,11 @@ class _Reads:
         (``DescriptorError``), a page outside either region (``OutOfBoundsError``), malformed
         pages (``InvalidArgumentError``)."""
         self._read_ends(local, peer, remote)
-        lp = _as_index(local_pages, "local_pages")
-        rp = _as_index(remote_pages, "remote_pages")
-        if len(lp) != len(rp):
-            raise InvalidArgumentError(f"local_pages has {len(lp)} pages, remote_pages {len(rp)}")
-        page_bytes = _nonneg(page_bytes, "page_bytes", positive=True)
-        local_offset = _nonneg(local_offset, "local_offset")
-        remote_offset = _nonneg(remote_offset, "remote_offset")
-        ls = page_bytes if local_stride is None else _nonneg(local_stride, "local_stride", positive=True)
-        rs = page_bytes if remote_stride is None else _nonneg(remote_stride, "remote_stride", positive=True)
-        if len(lp):
-            for side, pages, off, stride, size in (("local", lp, local_offset, ls, local.nbytes),
-                                                   ("remote", rp, remote_offset, rs, remote.nbytes)):
-                top = int(pages.max())
-                if off + top * stride + page_bytes > size:
-                    raise OutOfBoundsError(f"{side} page {top} ends at byte {off + top * stride + page_bytes}, "
-                                           f"beyond the {size}-byte {side} region")
-        lo = lp.astype(np.uint64) * np.uint64(ls) + np.uint64(local_offset)
-        ro = rp.astype(np.uint64) * np.uint64(rs) + np.uint64(remote_offset)
-        ln = np.full(len(lp), page_bytes, dtype=np.uint64)
+        lo, ro, ln = _page_triples(page_bytes,
+                                   ("local", "local", "local region", local_pages, local_offset, local_stride,
+                                    local.nbytes),
+                                   ("remote", "remote", "remote region", remote_pages, remote_offset, remote_stride,
+                                    remote.nbytes))
         return self._post_read(local, peer, remote, lo, ro, ln)
 
     def read_batch(self, local: MemoryRegion, peer: Peer, remote: RemoteRegion, local_offsets: npt.ArrayLike,

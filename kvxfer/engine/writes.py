@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from kvxfer import wire
 from kvxfer._check import as_int, check_triples
-from kvxfer.engine._args import _as_index, _as_offsets, _check_imm, _concat_index, _nonneg
+from kvxfer.engine._args import _as_index, _as_offsets, _check_imm, _concat_index, _nonneg, _page_triples
 from kvxfer.engine.rails import Peer, _fabric
 from kvxfer.engine.regions import MemoryRegion, RegionPairs, RemoteRegion
 from kvxfer.engine.transfer import Transfer
@@ -111,27 +111,10 @@ class _Writes:
         """Page i copies ``page_bytes`` from ``src_offset + src_pages[i]*src_stride`` to
         ``dst_offset + dst_pages[i]*dst_stride``; runs contiguous on both sides become one write."""
         self._endpoints(src, peer, dst)
-        sp = _as_index(src_pages, "src_pages")
-        dp = _as_index(dst_pages, "dst_pages")
-        if len(sp) != len(dp):
-            raise InvalidArgumentError(f"src_pages has {len(sp)} pages, dst_pages {len(dp)}")
-        page_bytes = _nonneg(page_bytes, "page_bytes", positive=True)
-        src_offset = _nonneg(src_offset, "src_offset")
-        dst_offset = _nonneg(dst_offset, "dst_offset")
-        ss = page_bytes if src_stride is None else _nonneg(src_stride, "src_stride", positive=True)
-        ds = page_bytes if dst_stride is None else _nonneg(dst_stride, "dst_stride", positive=True)
-        if len(sp):
-            for side, pages, off, stride, size in (("source", sp, src_offset, ss, src.nbytes),
-                                                   ("destination", dp, dst_offset, ds, dst.nbytes)):
-                top = int(pages.max())
-                if off + top * stride + page_bytes > size:
-                    raise OutOfBoundsError(
-                        f"{side} page {top} ends at byte {off + top * stride + page_bytes}, "
-                        f"beyond the {size}-byte {'remote ' if side == 'destination' else ''}region"
-                    )
-        so = sp.astype(np.uint64) * np.uint64(ss) + np.uint64(src_offset)
-        do = dp.astype(np.uint64) * np.uint64(ds) + np.uint64(dst_offset)
-        ln = np.full(len(sp), page_bytes, dtype=np.uint64)
+        so, do, ln = _page_triples(page_bytes,
+                                   ("src", "source", "region", src_pages, src_offset, src_stride, src.nbytes),
+                                   ("dst", "destination", "remote region", dst_pages, dst_offset, dst_stride,
+                                    dst.nbytes))
         return self._post(src, peer, dst, so, do, ln, imm)
 
     def write_batch(self, src: MemoryRegion, peer: Peer, dst: RemoteRegion, src_offsets: npt.ArrayLike,
