@@ -484,6 +484,8 @@ class Messenger:
         """The messenger thread: read control messages, route them, tick."""
         next_tick = 0.0
         eng, st, dec = self.engine, self._streamer, self._decode
+        hist = self._node.hist
+        last = time.monotonic()
         while not self._stop.is_set():
             skips = st.skipping
             if skips:
@@ -510,6 +512,8 @@ class Messenger:
                 except KvxferError:
                     data = None
             now = time.monotonic()
+            hist.observe("loop_gap", now - last)  # one round: its wait, its messages, any starvation
+            last = now
             if dec.busy or now >= next_tick:
                 try:
                     dec.tick(now)

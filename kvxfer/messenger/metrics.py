@@ -14,7 +14,11 @@ the rooms' transitions):
 * seconds (histograms): ``receive`` (``receive()`` to final), ``receive_announce``
   (``receive()`` to the first ANNOUNCE: the prefiller has posted), ``send`` (REQUEST in to the
   Send final), ``send_first_post`` (REQUEST in to its first write posted: the prefiller's time
-  to first byte), ``fence`` (ABORTED in to the leg fenced);
+  to first byte), ``fence`` (ABORTED in to the leg fenced), ``peer_silence`` (at each message
+  accepted from a live peer: the time since the one before, so how near ``peer_timeout`` a
+  live peer came), ``loop_gap`` (one round of the messenger thread: its wait of at most
+  ``peer_timeout / 8``, the messages it read, and any time it was not scheduled: a round far
+  past the wait says this process, not its peer, was starved);
 * peers: ``up`` (HELLO answered), ``left`` (a clean BYE), ``dead`` (silence, a broken
   protocol, a failed send: a BYE is not one), ``closed`` (this messenger closed), ``connects_failed``;
 * control messages dropped, by reason (``drop_*`` of ``stats()``).

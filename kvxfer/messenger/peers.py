@@ -438,7 +438,9 @@ class Peers:
             self.node.count("drop_replayed")
             return False
         pg.recv_seq = m.seq
-        pg.last_heard = time.monotonic()
+        now = time.monotonic()
+        self.node.hist.observe("peer_silence", now - pg.last_heard)   # how near peer_timeout it came
+        pg.last_heard = now
         return True
 
     def on_hello(self, m: C.Control, pg: Optional[PeerGroup]) -> None:

@@ -55,6 +55,12 @@ def test_metrics_count_outcomes_bytes_times_and_peers(cl):
     assert all(pm["seconds"]["send_first_post"]["count"] >= 1 and pm["seconds"]["send"]["count"] == 2
                for pm in pms)
     assert dm["peers"]["up"] == len(pre) and all(pm["peers"]["up"] == 1 for pm in pms)
+    # liveness: every message accepted from a live peer is one silence observed (the decoder
+    # accepted at least one ANNOUNCE or REJECT per prefill messenger); every round of the
+    # messenger thread one loop gap
+    accepted = sum(v for k, v in d.stats().items() if k.startswith("recv_") and k != "recv_HELLO")
+    assert dm["seconds"]["peer_silence"]["count"] >= accepted >= len(pre)
+    assert dm["seconds"]["loop_gap"]["count"] >= 1 and dm["seconds"]["loop_gap"]["sum"] > 0
     reg = prom.CollectorRegistry()
     reg.register(PrometheusCollector([d, *pre]))
     text = prom.generate_latest(reg).decode()
