@@ -10,7 +10,9 @@ progress threads' CPU time (``/proc/<pid>/task/*/schedstat`` of threads named
 ``kvxfer-progress``, both processes, sampled while the run lasts).
 
     python bench/ab_progress_rt.py [--hog] [--rounds 2] [--prio 5] [--repeat 5]
-        [--provider 'tcp;ofi_rxm' --provider shm]
+        [--provider 'tcp;ofi_rxm' --provider shm] [--variant NAME=DIR]
+
+``arm`` is the priority asked (0: the option off), or a ``--variant``'s name.
 """
 
 from __future__ import annotations
@@ -52,14 +54,14 @@ def _progress_cpu(pid: int, seen: dict) -> None:
             seen[(p, int(t))] = (run, wait)
 
 
-def _one(provider: str, prio: int, repeat: str) -> dict:
+def _one(provider: str, prio: int, repeat: str, tree: str = ROOT) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "kvxfer.cli.bench", "kv", "--preset", "stream-tp2-tp1", "--tokens", "384",
                "--layer-ms", "20", "--repeat", repeat, "--provider", provider, "--progress-rt", str(prio),
                "--json", f.name]
         load = os.getloadavg()[0]
         t0 = time.time()
-        p = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT,
+        p = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=tree), cwd=tree,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         seen: dict = {}
         while p.poll() is None:
@@ -83,24 +85,28 @@ def main() -> None:
     ap.add_argument("--prio", type=int, default=5)
     ap.add_argument("--repeat", default="5")
     ap.add_argument("--hog", action="store_true", help="a busy loop per core beside the runs")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
+                    help="one more arm per round: --prio with the kvxfer built in checkout DIR (an A/B of a change)")
     args = ap.parse_args()
     providers = args.provider or ["tcp;ofi_rxm", "shm"]
     hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(os.cpu_count() or 1)] \
         if args.hog else []
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, hog {bool(hogs)}, "
           f"{os.cpu_count()} cores, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'round':>5} {'provider':<12} {'prio':>4} {'granted d/p':>11} {'load':>5} {'layer ms':>9} "
+    arms = [("0", 0, ROOT), (str(args.prio), args.prio, ROOT)]
+    arms += [(v.split("=", 1)[0], args.prio, os.path.abspath(v.split("=", 1)[1])) for v in args.variant]
+    print(f"{'round':>5} {'provider':<12} {'arm':>6} {'granted d/p':>11} {'load':>5} {'layer ms':>9} "
           f"{'tail ms':>9} {'tail/layer':>10} {'progress cpu ms':>15} {'runq wait ms':>12}", flush=True)
     try:
         for rnd in range(1, args.rounds + 1):
             for prov in providers:
-                for prio in (0, args.prio):
-                    r = _one(prov, prio, args.repeat)
+                for name, prio, tree in arms:
+                    r = _one(prov, prio, args.repeat, tree)
                     if "error" in r:
-                        print(f"{rnd:>5} {prov:<12} {prio:>4} failed: {r['error']}", flush=True)
+                        print(f"{rnd:>5} {prov:<12} {name:>6} failed: {r['error']}", flush=True)
                         continue
                     g = "/".join(str(x) for x in r["granted"])
-                    print(f"{rnd:>5} {prov:<12} {prio:>4} {g:>11} {r['load']:>5.1f} {r['layer_ms']:>9.2f} "
+                    print(f"{rnd:>5} {prov:<12} {name:>6} {g:>11} {r['load']:>5.1f} {r['layer_ms']:>9.2f} "
                           f"{r['tail_ms']:>9.2f} {r['ratio']:>10.2f} {r['progress_cpu_ms']:>15.1f} "
                           f"{r['progress_wait_ms']:>12.1f}", flush=True)
     finally:

@@ -150,3 +150,18 @@ def test_without_cap_sys_nice_the_engine_opens_at_normal_scheduling(provider):
     cat, msg = out["warnings"][0]
     assert cat == "SchedulingWarning" and "EPERM" in msg and "CAP_SYS_NICE" in msg
     assert out["strict"] == "SchedulingWarning"
+
+
+@needs_fifo
+def test_kv_bench_opens_both_nodes_at_fifo(provider, tmp_path, capsys):
+    """``kvxfer-bench kv --progress-rt 5``: both nodes' engines opened with the option, and the
+    row says what each side was granted."""
+    from kvxfer.cli import bench
+
+    out = tmp_path / "kv.json"
+    rc = bench.main(["kv", "--preset", "stream-tp2-tp1", "--tokens", "64", "--layer-ms", "2", "--repeat", "1",
+                     "--provider", provider, "--progress-rt", "5", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    (row,) = json.loads(out.read_text())["results"]
+    assert (row["progress_rt"], row["prefill_progress_rt"]) == (5, 5)
+    assert row["stream_tail_ms"] >= 0
