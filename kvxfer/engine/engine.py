@@ -118,7 +118,9 @@ class Engine(_Writes, _Reads, _Counters):
     stale memfd) is written over RMA, silently. ``progress_rt_priority`` (0: off, the default;
     else 1..99): each progress thread puts itself at SCHED_FIFO at that priority when it starts,
     so on a loaded machine it runs at each wake-up instead of waiting in the run queue (issue 28);
-    ``progress="block"`` only (``InvalidArgumentError`` with "spin"). Refused by the kernel
+    ``progress="block"`` only (``InvalidArgumentError`` with "spin"). A caller posting in this
+    process then returns later (the thread preempts it to post the queued rest itself) and its
+    transfer completes sooner (docs/benchmarks.md, issue 28). Refused by the kernel
     (EPERM: no CAP_SYS_NICE, or RLIMIT_RTPRIO below it), the engine still opens, at normal
     scheduling, with a ``kvxfer.errors.SchedulingWarning``; ``stats()["progress_rt"]`` is the
     priority granted (0: none) and ``stats()["progress_rt_errno"]`` the refusal's errno.
