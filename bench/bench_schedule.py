@@ -15,9 +15,13 @@ alternating the two, median of ``--repeat`` requests each, so both sides of the 
 from the same run and the same machine phase (issue 28, item 1: ``ratio`` at most 3).
 
     python bench/bench_schedule.py [--provider shm] [--tokens 256,1024,4096] [--repeat 7]
-        [--preset NAME]... [--profile] [--poll-us 10]
+        [--preset NAME]... [--profile] [--poll-us 10] [--progress-rt 0,5]
 
-``--profile`` prints the top of a cProfile of the schedule calls per case.
+``--profile`` prints the top of a cProfile of the schedule calls per case. ``pairs done``: ms
+from the write_pairs calls to the completion of their transfers (median). ``--progress-rt``
+opens both engines with ``Engine(progress_rt_priority=)``; its progress thread then preempts
+the posting caller and moves the queued rest itself, so ``write_pairs ms`` grows while ``pairs
+done`` shrinks: compare ``pairs done`` then (docs/benchmarks.md, issue 28).
 """
 
 from __future__ import annotations
@@ -38,10 +42,11 @@ except ImportError:                       # a checkout from before the acceptanc
     DEFAULT_PRESETS = tuple(sorted(PRESETS))
 
 
-def _open(preset: str, tokens: int, page_size: int, provider: str, poll_us: float = 10.0):
+def _open(preset: str, tokens: int, page_size: int, provider: str, poll_us: float = 10.0, progress_rt: int = 0):
     sl, ss, dl, ds = _layouts(preset, tokens, page_size)
     node = None if provider.startswith("shm") else "127.0.0.1"
-    ea, eb = kvxfer.Engine(provider, node), kvxfer.Engine(provider, node)
+    ea = kvxfer.Engine(provider, node, progress_rt_priority=progress_rt)
+    eb = kvxfer.Engine(provider, node, progress_rt_priority=progress_rt)
     kvp = {r: [np.full(s, r + 1, np.uint8) for s in sl.region_sizes(ss)] for r in range(ss.tp_size)}
     kvd = {r: [np.zeros(s, np.uint8) for s in dl.region_sizes(ds)] for r in range(ds.tp_size)}
     p = kvxfer.Messenger(ea, sl, ss, kvp, peer_timeout=60, watch_poll_us=poll_us)
@@ -103,13 +108,14 @@ def _pairs_posts(p, pg_back, batches: list) -> list:
     return out
 
 
-def _write_pairs_once(posts: list, imm: int) -> float:
+def _write_pairs_once(posts: list, imm: int) -> tuple[float, float]:
+    """(seconds the write_pairs calls took, seconds until their transfers completed)."""
     t0 = time.perf_counter()
     ts = [eng.write_pairs(rp, so, do, ln, counts, imm=imm) for eng, rp, so, do, ln, counts in posts]
     dt = time.perf_counter() - t0
     for t in ts:
         t.wait(60)
-    return dt
+    return dt, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -123,11 +129,15 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--poll-us", type=float, default=10.0,
                     help="the prefill messenger's watch_poll_us (default 10, the messenger's default)")
+    ap.add_argument("--progress-rt", default="0", metavar="PRIO[,PRIO...]",
+                    help="Engine(progress_rt_priority=) of both engines; several: each case once per value, "
+                         "back to back (default 0)")
     args = ap.parse_args()
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} provider {args.provider}, "
           f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'preset':<16} {'tokens':>6} {'msgs':>6} {'writes':>7} {'schedule ms':>11} {'us/write':>8} "
-          f"{'write_pairs ms':>14} {'us/write':>8} {'ratio':>6}")
+    prios = [int(x) for x in args.progress_rt.split(",")]
+    print(f"{'preset':<16} {'tokens':>6} {'rt':>3} {'msgs':>6} {'writes':>7} {'schedule ms':>11} {'us/write':>8} "
+          f"{'write_pairs ms':>14} {'us/write':>8} {'ratio':>6} {'pairs done':>10}")
     done = set()
     for preset in args.preset or DEFAULT_PRESETS:
         for want in (int(x) for x in args.tokens.split(",")):
@@ -135,32 +145,42 @@ def main() -> None:
             if (preset, tokens) in done:
                 continue
             done.add((preset, tokens))
-            p, d, pg, keep = _open(preset, tokens, args.page_size, args.provider, args.poll_us)
-            try:
-                back = p._peers[d.uid]
-                _, n, batches, msgs = _schedule_once(p, d, pg, tokens, "warm")     # templates, tables, pages
-                posts = _pairs_posts(p, back, batches)
-                _write_pairs_once(posts, 1)
-                prof = None
-                if args.profile:
-                    import cProfile
-                    prof = cProfile.Profile()
-                st, wt = [], []
-                for i in range(args.repeat):
-                    st.append(_schedule_once(p, d, pg, tokens, f"r{i}", prof)[0])
-                    wt.append(_write_pairs_once(posts, 2 + i))
-                s_med, w_med = statistics.median(st), statistics.median(wt)
-                print(f"{preset:<16} {tokens:>6} {msgs:>6} {n:>7} {s_med * 1e3:>11.3f} {s_med / n * 1e6:>8.2f} "
-                      f"{w_med * 1e3:>14.3f} {w_med / n * 1e6:>8.2f} {s_med / w_med:>6.2f}", flush=True)
-                if prof is not None:
-                    import pstats
-                    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-            finally:
-                d.close()
-                p.close()
-                keep[0].close()
-                keep[1].close()
+            for prio in prios:
+                _case(args, preset, tokens, prio)
     print(f"# load at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def _case(args, preset: str, tokens: int, prio: int) -> None:
+    """One row: ``--repeat`` requests of one case, schedule and write_pairs alternating."""
+    p, d, pg, keep = _open(preset, tokens, args.page_size, args.provider, args.poll_us, prio)
+    rt = keep[0].stats()["progress_rt"]
+    try:
+        back = p._peers[d.uid]
+        _, n, batches, msgs = _schedule_once(p, d, pg, tokens, "warm")     # templates, tables, pages
+        posts = _pairs_posts(p, back, batches)
+        _write_pairs_once(posts, 1)
+        prof = None
+        if args.profile:
+            import cProfile
+            prof = cProfile.Profile()
+        st, wt, wd = [], [], []
+        for i in range(args.repeat):
+            st.append(_schedule_once(p, d, pg, tokens, f"r{i}", prof)[0])
+            call, done = _write_pairs_once(posts, 2 + i)
+            wt.append(call)
+            wd.append(done)
+        s_med, w_med = statistics.median(st), statistics.median(wt)
+        print(f"{preset:<16} {tokens:>6} {rt:>3} {msgs:>6} {n:>7} {s_med * 1e3:>11.3f} {s_med / n * 1e6:>8.2f} "
+              f"{w_med * 1e3:>14.3f} {w_med / n * 1e6:>8.2f} {s_med / w_med:>6.2f} {statistics.median(wd) * 1e3:>10.2f}",
+              flush=True)
+        if prof is not None:
+            import pstats
+            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    finally:
+        d.close()
+        p.close()
+        keep[0].close()
+        keep[1].close()
 
 
 if __name__ == "__main__":

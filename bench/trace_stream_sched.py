@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("--provider", default="tcp;ofi_rxm")
     ap.add_argument("--repeat", default="3")
     ap.add_argument("--hog", action="store_true", help="a busy loop per core beside the run")
-    ap.add_argument("--progress-rt", default="0", help="kvxfer-bench kv --progress-rt")
+    ap.add_argument("--progress-rt", default="0",
+                    help="kvxfer-bench kv --progress-rt: both engines opened with progress_rt_priority=")
     args = ap.parse_args()
     hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(os.cpu_count() or 1)] \
         if args.hog else []

@@ -94,6 +94,8 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     void kx_rail_get_info(const kx_rail *r, kx_rail_info *out)
     void kx_rail_get_stats(const kx_rail *r, kx_rail_stats *out)
     int kx_rail_thread_id(const kx_rail *r)
+    int kx_rail_set_progress_rt(kx_rail *r, int priority)
+    int kx_rail_progress_rt(const kx_rail *r, int *err)
 
     # peers and addresses
     int kx_getname(kx_rail *r, void *buf, size_t *len)

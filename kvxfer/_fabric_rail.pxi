@@ -157,6 +157,16 @@ cdef class Rail:
         """The progress thread's kernel thread id (0 until it has started running)."""
         return kx_rail_thread_id(self._rail())
 
+    def set_progress_rt(self, int priority):
+        """Before start(): the progress thread puts itself at SCHED_FIFO `priority` (0: normal)."""
+        check(kx_rail_set_progress_rt(self._rail(), priority), "set_progress_rt")
+
+    def progress_rt(self):
+        """(priority the progress thread runs at, 0: normal; errno SCHED_FIFO was refused with, 0: none)."""
+        cdef int err = 0
+        cdef int prio = kx_rail_progress_rt(self._rail(), &err)
+        return prio, err
+
     def stats(self):
         cdef kx_rail_stats s
         kx_rail_get_stats(self._rail(), &s)

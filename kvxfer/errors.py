@@ -26,6 +26,7 @@ __all__ = [
     "TopologyError",
     "BufferError",
     "RendezvousError",
+    "SchedulingWarning",
 ]
 
 
@@ -104,3 +105,10 @@ class BufferError(KvxferError, _builtins.BufferError):  # noqa: A001
 class RendezvousError(KvxferError, ConnectionError):
     """A rendezvous store (etcd, Redis, TCPStore, a directory) is unreachable or refused an
     operation; established fabric connections are not affected (kvxfer.rendezvous)."""
+
+
+class SchedulingWarning(RuntimeWarning):
+    """A real-time scheduling request was refused (``Engine(progress_rt_priority=)`` without
+    CAP_SYS_NICE or a high enough RLIMIT_RTPRIO): the engine runs, at normal scheduling;
+    ``Engine.stats()`` says so. A warning, not an error (``warnings.simplefilter("error",
+    SchedulingWarning)`` makes it one)."""

@@ -188,6 +188,10 @@ struct kx_rail {
     int endpoint_closed;
     int quiesced;
     pid_t tid;             /* the progress thread's kernel id, for tests of pinning */
+    int rt_priority;       /* SCHED_FIFO priority the progress thread asks for at its start (0: normal; progress.c) */
+    int rt;                /* the priority it runs at (0: normal scheduling) */
+    int rt_errno;          /* pthread_setschedparam's refusal (EPERM: no CAP_SYS_NICE / RLIMIT_RTPRIO), 0 if none */
+    int rt_done;           /* futex word: the thread has tried (kx_rail_start waits for it) */
 
     kx_transfer *inflight;        /* transfers not yet done */
     kx_transfer *q_head, *q_tail; /* transfers with messages still to post (progress thread posts) */
@@ -283,6 +287,7 @@ void kx_posting_wait(kx_rail *r);   /* the progress thread: until the callers' b
 void kx_wake(kx_rail *r);
 
 /* ---- progress.c ------------------------------------------------------------------- */
+void kx_progress_rt_await(kx_rail *r);   /* kx_rail_start: until the thread tried SCHED_FIFO */
 /* kx_hub_wait_flag, but the waiter first drives progress on r for up to r->spin_ns */
 int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns);
 /* the waiter drives progress until *head is non-NULL or its window passes; returns the

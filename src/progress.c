@@ -18,11 +18,20 @@
  *
  * Blocking mode (the default, for 2-core machines): while tx operations are outstanding, or
  * for a short window after the last completion, the thread polls with sched_yield between
- * empty reads; otherwise it blocks: poll() on the CQ's wait fd after fi_trywait where the
- * provider has one (tcp), fi_cq_sread where it has a wait object but no fd, else (shm) a
- * futex wait on the rail's doorbell (bell.c) with an exponential back-off capped at 10 ms, or
- * a condition-variable wait capped at 1 ms where it has no doorbell. Posting threads signal it so a new transfer never waits out a back-off. Spin mode never
- * blocks. */
+ * empty reads (naps at SCHED_FIFO, below); otherwise it blocks: poll() on the CQ's wait fd
+ * after fi_trywait where the provider has one (tcp), fi_cq_sread where it has a wait object
+ * but no fd, else (shm) a futex wait on the rail's doorbell (bell.c) with an exponential
+ * back-off capped at 10 ms, or a condition-variable wait capped at 1 ms where it has no
+ * doorbell. Posting threads signal it so a new transfer never waits out a back-off. Spin mode
+ * never blocks.
+ *
+ * SCHED_FIFO (kx_rail_set_progress_rt, Engine(progress_rt_priority=)): the thread puts itself
+ * at that priority when it starts. On a loaded machine a normal thread waits about a millisecond
+ * in the run queue at each wake-up, and tcp needs a wake-up on each side per message
+ * (docs/benchmarks.md, issue 28 item 3). Under FIFO sched_yield() yields only to FIFO threads
+ * of the same priority, so the polls between empty reads above nap KX_RT_NAP_NS instead: the
+ * thread still answers within tens of microseconds, and lower threads on its core still run.
+ * Spin mode never sleeps, so it is refused at FIFO. */
 #include "internal.h"
 
 #include <limits.h>
@@ -38,6 +47,7 @@
                                                * back-off only serves writers without one */
 #define KX_RECENT_NS        10000000LL   /* ... if the rail was busy this recently (or has ops out) */
 #define KX_PARK_NS          1000000LL    /* a parked progress thread looks again after this */
+#define KX_RT_NAP_NS        20000L       /* at SCHED_FIFO: the pause between empty polls */
 
 /* KVXFER_DRIVE_US: microseconds a waiter drives progress before it blocks; unset or 0:
  * never (the default). On the 2-core machine it was measured on (docs/benchmarks.md, issue
@@ -55,6 +65,66 @@ static int64_t kx_drive_ns_from_env(const kx_rail *r)
     if (*end || us < 0)
         return 0;
     return us > 1000000 ? 1000000000LL : us * 1000LL;
+}
+
+int kx_rail_set_progress_rt(kx_rail *r, int priority)
+{
+    if (priority == 0) {
+        r->rt_priority = 0;
+        return 0;
+    }
+    int lo = sched_get_priority_min(SCHED_FIFO), hi = sched_get_priority_max(SCHED_FIFO);
+    if (r->thread_started || r->spin || lo < 0 || hi < 0 || priority < lo || priority > hi)
+        return -FI_EINVAL;
+    r->rt_priority = priority;
+    return 0;
+}
+
+int kx_rail_progress_rt(const kx_rail *r, int *err)
+{
+    if (err)
+        *err = __atomic_load_n(&r->rt_errno, __ATOMIC_ACQUIRE);
+    return __atomic_load_n(&r->rt, __ATOMIC_ACQUIRE);
+}
+
+/* the progress thread, first thing: SCHED_FIFO on itself if asked; then tell kx_rail_start */
+static void kx_progress_rt_self(kx_rail *r)
+{
+    int err = 0, granted = 0;
+    if (r->rt_priority > 0) {
+        struct sched_param sp = {.sched_priority = r->rt_priority};
+        err = pthread_setschedparam(pthread_self(), SCHED_FIFO, &sp);
+        int policy;
+        if (!err && pthread_getschedparam(pthread_self(), &policy, &sp) == 0 && policy == SCHED_FIFO)
+            granted = sp.sched_priority;
+    }
+    __atomic_store_n(&r->rt, granted, __ATOMIC_RELEASE);
+    __atomic_store_n(&r->rt_errno, err, __ATOMIC_RELEASE);
+    __atomic_store_n(&r->rt_done, 1, __ATOMIC_RELEASE);
+    syscall(SYS_futex, &r->rt_done, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+void kx_progress_rt_await(kx_rail *r)
+{
+    if (r->rt_priority <= 0)
+        return;
+    int64_t until = kx_now_ns() + 5000000000LL;   /* a thread not scheduled in 5 s: report it later */
+    while (!__atomic_load_n(&r->rt_done, __ATOMIC_ACQUIRE) && kx_now_ns() < until) {
+        struct timespec ts = {0, 10000000};
+        syscall(SYS_futex, &r->rt_done, FUTEX_WAIT_PRIVATE, 0, &ts, NULL, 0);
+    }
+}
+
+/* block mode's pause between empty polls: sched_yield, or at SCHED_FIFO a short nap (a FIFO
+ * thread's yield lets no normal thread run) */
+static void kx_progress_pause(const kx_rail *r)
+{
+    if (r->rt > 0) {
+        struct timespec ts = {0, KX_RT_NAP_NS};
+        nanosleep(&ts, NULL);
+    } else {
+        sched_yield();
+    }
 }
 
 static int kx_poll_try(kx_rail *r)
@@ -347,6 +417,7 @@ void *kx_progress_main(void *arg)
     r->tid = (pid_t)syscall(SYS_gettid);
     if (r->pin)
         pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &r->cpus);
+    kx_progress_rt_self(r);
     __atomic_store_n(&r->spin_ns, kx_drive_ns_from_env(r), __ATOMIC_RELAXED);
     int wait_fd = -1;      /* the CQ's wait fd, where the provider exposes it (tcp) */
     if (r->has_wait && fi_control(&r->cq->fid, FI_GETWAIT, &wait_fd) != 0)
@@ -382,7 +453,7 @@ void *kx_progress_main(void *arg)
         int64_t outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_RELAXED) + (r->q_head != NULL)
                               + __atomic_load_n(&r->awake, __ATOMIC_RELAXED);
         if (quiet < KX_SPIN_WINDOW_NS || (outstanding > 0 && quiet < KX_STALL_NS)) {
-            sched_yield();
+            kx_progress_pause(r);
             continue;
         }
         /* idle: block. Announce it first, then look again, so a post (or a driver) that

@@ -194,6 +194,7 @@ int kx_rail_start(kx_rail *r, const int *cpus, int ncpus)
         return -ret;
     pthread_setname_np(r->thread, "kvxfer-progress");
     r->thread_started = 1;
+    kx_progress_rt_await(r);     /* progress_rt_priority: its outcome is known when start returns */
     return 0;
 }
 

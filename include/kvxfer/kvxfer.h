@@ -85,7 +85,17 @@ typedef struct kx_counter_state {
  * whose hub this one shares (NULL: a new hub). */
 int kx_rail_open(const char *prov, const char *node, const char *domain, int hmem, int spin,
                  kx_rail *join, kx_rail **out, char *errcall, size_t errcall_len);
-/* Start the progress thread, pinned to `cpus` when ncpus > 0. */
+/* Before kx_rail_start: the progress thread puts itself at SCHED_FIFO `priority` when it
+ * starts (0: normal scheduling, the default). -FI_EINVAL: outside sched_get_priority_min/max
+ * of SCHED_FIFO, a spin-mode rail (it never sleeps: under FIFO it would keep every lower
+ * thread off its core), or the thread already started. (src/progress.c) */
+int kx_rail_set_progress_rt(kx_rail *r, int priority);
+/* The outcome once started: the priority the thread runs at (0: normal), and in *err the
+ * errno pthread_setschedparam refused with (EPERM without CAP_SYS_NICE or a high enough
+ * RLIMIT_RTPRIO), 0 when granted or not asked. */
+int kx_rail_progress_rt(const kx_rail *r, int *err);
+/* Start the progress thread, pinned to `cpus` when ncpus > 0 (with a progress priority
+ * set, it returns once the thread has tried it: kx_rail_progress_rt then tells). */
 int kx_rail_start(kx_rail *r, const int *cpus, int ncpus);
 /* Closing, in this order (each idempotent):
  *   drain           cancel queued writes; let posted ones complete (blocks, timeout_ns)

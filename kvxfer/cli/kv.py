@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -135,8 +134,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rt", type=rt_priority, default=0, metavar="PRIO",
                    help="run the prefill node's watcher thread SCHED_FIFO at this priority (default 0: normal)")
     p.add_argument("--progress-rt", type=rt_priority, default=0, metavar="PRIO",
-                   help="run both nodes' engine progress threads SCHED_FIFO at this priority (default 0: normal; "
-                        "on a loaded machine they otherwise wait for a CPU at every wake-up)")
+                   help="open both nodes' engines with progress_rt_priority=PRIO: their progress threads run "
+                        "SCHED_FIFO (default 0: normal; on a loaded machine they otherwise wait for a CPU at every "
+                        "wake-up); the row's progress_rt / prefill_progress_rt say what was granted")
     p.add_argument("--tokens-per-s", type=positive_float, default=None, help="derive --layer-ms from this prefill rate")
     p.add_argument("--repeat", type=positive_int, default=5, help="requests per mode (default 5)")
     p.add_argument("--max-mib", type=positive_int, default=192,
@@ -190,10 +190,9 @@ def _prefill_main(argv: list[str]) -> int:
     ap.add_argument("--progress-rt", type=int, default=0)
     args = ap.parse_args(argv)
     node = None if args.provider.startswith("shm") else LOOPBACK
-    eng = kvxfer.Engine(args.provider, node)
-    progress_rt(eng, args.progress_rt)
+    eng = kvxfer.Engine(args.provider, node, progress_rt_priority=args.progress_rt)
     m = None
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True, "progress_rt": eng.stats()["progress_rt"]}), flush=True)
     try:
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -215,19 +214,6 @@ def _prefill_main(argv: list[str]) -> int:
             m.close()
         eng.close()
     return 0
-
-
-def progress_rt(eng: Any, prio: int) -> int:
-    """``--progress-rt``: SCHED_FIFO at ``prio`` for the engine's progress threads
-    (``Engine.progress_threads``); returns the priority granted (0: none asked, or refused)."""
-    if not prio:
-        return 0
-    try:
-        for tid in eng.progress_threads():
-            os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(prio))
-    except (OSError, AttributeError):        # no permission (CAP_SYS_NICE), or not Linux
-        return 0
-    return prio
 
 
 def _prefill_run(m: Any, cmd: dict) -> dict:
@@ -304,7 +290,8 @@ class _Prefill:
                                    "--poll-us", str(args.poll_us), "--rt", str(args.rt),
                                    "--progress-rt", str(args.progress_rt)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.read()
+        #: the SCHED_FIFO priority the prefill engine's progress threads got (0: none)
+        self.progress_rt = int(self.read().get("progress_rt", 0))
 
     def read(self) -> dict:
         line = self.p.stdout.readline()
@@ -424,8 +411,8 @@ def run_kv(args: argparse.Namespace) -> int:
         return 2
     node = None if args.provider.startswith("shm") else LOOPBACK
     try:  # here first: a provider that cannot open is one line, before a process is spawned
-        eng = kvxfer.Engine(args.provider, node)
-        granted_rt = progress_rt(eng, args.progress_rt)
+        eng = kvxfer.Engine(args.provider, node, progress_rt_priority=args.progress_rt)
+        granted_rt = eng.stats()["progress_rt"]      # 0 where refused (a SchedulingWarning says why)
     except (KvxferError, ImportError) as exc:  # ImportError: kvxfer built without its engine
         print(f"kvxfer-bench kv: provider {args.provider!r} cannot be opened here: {type(exc).__name__}: {exc}",
               file=sys.stderr)
@@ -460,6 +447,7 @@ def run_kv(args: argparse.Namespace) -> int:
                 res["hot"] = args.hot
                 res["watcher_rt"] = info["rt"]
                 res["progress_rt"] = granted_rt
+                res["prefill_progress_rt"] = pre.progress_rt
                 results.append(res)
                 _print_row(res, first=len(results) == 1)
     except (KvxferError, RuntimeError, OSError, ValueError) as exc:  # the run failed: one line

@@ -8,6 +8,7 @@ them (``_check_cpus``). A leaf of the engine package: numpy and kvxfer._check on
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -88,6 +89,21 @@ def _check_options(progress, iov, max_write, pack_min, rails) -> None:
                            ("rails", rails, 1)):
         if v is not None:
             as_int(v, name, minimum=least)
+
+
+def _check_progress_rt(progress, priority) -> int:
+    """``progress_rt_priority``: 0 (normal scheduling) or a SCHED_FIFO priority in
+    sched_get_priority_min/max (1..99 on Linux); refused with ``progress="spin"``, whose
+    thread never sleeps (at FIFO it would keep every lower thread off its core)."""
+    lo, hi = os.sched_get_priority_min(os.SCHED_FIFO), os.sched_get_priority_max(os.SCHED_FIFO)
+    v = as_int(priority, "progress_rt_priority", minimum=0, maximum=hi)
+    if 0 < v < lo:
+        raise InvalidArgumentError(f"progress_rt_priority must be 0 or in {lo}..{hi}, got {v}")
+    if v and progress == "spin":
+        raise InvalidArgumentError(
+            "progress_rt_priority needs progress='block': a spinning thread at SCHED_FIFO never sleeps "
+            "and keeps every lower-priority thread off its core")
+    return v
 
 
 def _u64(v, name: str) -> int:

@@ -32,8 +32,9 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from kvxfer import _environ, _maps, _shm, wire
-from kvxfer.engine._args import _check_cpus, _check_nics, _check_options, _check_timeout, _timeout
-from kvxfer.engine.rails import Peer, _fabric, _message_limits, _need_native, _open_rails
+from kvxfer.engine._args import _check_cpus, _check_nics, _check_options, _check_progress_rt, _check_timeout, _timeout
+from kvxfer.engine.rails import (Peer, _fabric, _message_limits, _need_native, _open_rails, _progress_rt,
+                                 _warn_progress_rt)
 from kvxfer.engine.regions import PERMIT_SLOTS, MemoryRegion, RemoteRegion, _PermitSlot, _resolve_buffer
 from kvxfer.engine.transfer import Counter
 from kvxfer.engine.counters import _Counters
@@ -114,7 +115,15 @@ class Engine(_Writes, _Reads, _Counters):
     does: ``count_writes(..., region=)``. shm peers are the same user on the same host and
     already trusted with each other's memory (docs/architecture.md, "Known provider
     limits"); a peer that cannot be mapped (another namespace, no permission, an unsealed or
-    stale memfd) is written over RMA, silently.
+    stale memfd) is written over RMA, silently. ``progress_rt_priority`` (0: off, the default;
+    else 1..99): each progress thread puts itself at SCHED_FIFO at that priority when it starts,
+    so on a loaded machine it runs at each wake-up instead of waiting in the run queue (issue 28);
+    ``progress="block"`` only (``InvalidArgumentError`` with "spin"). A caller posting in this
+    process then returns later (the thread preempts it to post the queued rest itself) and its
+    transfer completes sooner (docs/benchmarks.md, issue 28). Refused by the kernel
+    (EPERM: no CAP_SYS_NICE, or RLIMIT_RTPRIO below it), the engine still opens, at normal
+    scheduling, with a ``kvxfer.errors.SchedulingWarning``; ``stats()["progress_rt"]`` is the
+    priority granted (0: none) and ``stats()["progress_rt_errno"]`` the refusal's errno.
     """
 
     def __init__(
@@ -134,6 +143,7 @@ class Engine(_Writes, _Reads, _Counters):
         peer_timeout: Optional[float] = 10.0,
         delivery_complete: Optional[bool] = None,
         direct: Optional[bool] = None,
+        progress_rt_priority: int = 0,
     ) -> None:
         _need_native()
         pt = _timeout(peer_timeout, "peer_timeout")
@@ -157,6 +167,7 @@ class Engine(_Writes, _Reads, _Counters):
         self._watchers: "weakref.WeakSet[Watcher]" = weakref.WeakSet()
         self._rails: list = []
         _check_options(progress, iov, max_write, pack_min, rails)
+        rt_prio = _check_progress_rt(progress, progress_rt_priority)
         for name, v in (("direct", direct), ("delivery_complete", delivery_complete), ("hmem", hmem)):
             if v is not None and not isinstance(v, (bool, np.bool_)):
                 raise ArgumentTypeError(f"{name} must be True, False{'' if name == 'hmem' else ' or None'}, got {v!r}")
@@ -190,12 +201,16 @@ class Engine(_Writes, _Reads, _Counters):
             for r in self._rails:
                 r.set_peer_timeout(pt or 0.0)
                 r.set_delivery_complete(self.delivery_complete)
+                r.set_progress_rt(rt_prio)
                 r.start(self.cpus)
             self._address = wire.Address(self.provider, tuple(r.getname() for r in self._rails)).encode()
         except BaseException:
             for r in reversed(self._rails):
                 r.close()
             raise
+        #: the SCHED_FIFO priority asked for the progress threads (0: normal scheduling)
+        self.progress_rt_priority = rt_prio
+        _warn_progress_rt(self._rails, rt_prio)
         self._closed = False
         #: closes this engine at interpreter exit unless it was closed before (unregistered then)
         self._at_exit = functools.partial(_close_at_exit, weakref.ref(self), os.getpid())
@@ -351,6 +366,9 @@ class Engine(_Writes, _Reads, _Counters):
                 out[k] = out.get(k, 0) + v
         # closed regions whose permit a peer's copy never left (a writer killed mid-copy)
         out["direct_permit_stuck"] = len(self._permit_stuck)
+        # progress_rt_priority's outcome: the SCHED_FIFO priority the progress threads run at
+        # (0: normal scheduling) and, where it was refused, the errno (EPERM: no CAP_SYS_NICE)
+        out["progress_rt"], out["progress_rt_errno"] = _progress_rt(self._rails)
         return out
 
     @property

@@ -7,10 +7,12 @@ rule's limits taken from the first rail, and ``Peer``: one address-vector entry 
 
 from __future__ import annotations
 
+import errno
+import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
 from kvxfer import wire
-from kvxfer.errors import FabricError, UnsupportedError
+from kvxfer.errors import FabricError, SchedulingWarning, UnsupportedError
 
 _fabric: Any
 try:
@@ -123,3 +125,26 @@ class Peer:
 
     def __repr__(self) -> str:
         return f"<Peer {self.remote_rails} rail(s) of {self.engine.provider}{' closed' if self.closed else ''}>"
+
+
+def _progress_rt(rails: list) -> tuple[int, int]:
+    """``progress_rt_priority``'s outcome over an engine's rails: the SCHED_FIFO priority
+    every progress thread runs at (0 if any runs at normal scheduling), and the errno the
+    first refusal gave (0: none)."""
+    got = [r.progress_rt() for r in rails]
+    prio = min(p for p, _ in got) if got else 0
+    return prio, next((e for _, e in got if e), 0)
+
+
+def _warn_progress_rt(rails: list, asked: int) -> None:
+    """A SchedulingWarning when ``asked`` (> 0) was not granted to every progress thread:
+    the engine runs, at normal scheduling; ``stats()`` says so too."""
+    if not asked:
+        return
+    prio, err = _progress_rt(rails)
+    if prio != asked:
+        why = errno.errorcode.get(err, str(err)) if err else "not applied"
+        warnings.warn(f"progress_rt_priority={asked}: SCHED_FIFO refused ({why}; it needs CAP_SYS_NICE or "
+                      f"RLIMIT_RTPRIO >= {asked}): the progress threads run at normal scheduling "
+                      f"(stats()['progress_rt'] == 0, stats()['progress_rt_errno'] == {err})",
+                      SchedulingWarning, stacklevel=3)
