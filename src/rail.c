@@ -392,6 +392,7 @@ void kx_rail_free(kx_rail *r)
     if (r->pdir)      /* a rail that failed to open before its endpoint existed */
         kx_peers_free(r);
     kx_bell_free(r);
+    kx_ctl_rail_free(r);
     kx_hub_unref(r->hub);
     free(r);
 }

@@ -35,6 +35,7 @@ from kvxfer import _environ, _maps, _shm, wire
 from kvxfer.engine._args import _check_cpus, _check_nics, _check_options, _check_timeout, _timeout
 from kvxfer.engine.rails import Peer, _fabric, _message_limits, _need_native, _open_rails
 from kvxfer.engine.regions import PERMIT_SLOTS, MemoryRegion, RemoteRegion, _PermitSlot, _resolve_buffer
+from kvxfer.engine.revoke import Revocations
 from kvxfer.engine.transfer import Counter
 from kvxfer.engine.counters import _Counters
 from kvxfer.engine.reads import _Reads
@@ -154,6 +155,7 @@ class Engine(_Writes, _Reads, _Counters):
         self._dispatcher: Optional[threading.Thread] = None
         self._raw_keys: list[tuple[Any, int]] = []
         self._peers: dict[bytes, Peer] = {}
+        self._revokes = Revocations(self)   # a region's close, announced to its writers
         self._watchers: "weakref.WeakSet[Watcher]" = weakref.WeakSet()
         self._rails: list = []
         _check_options(progress, iov, max_write, pack_min, rails)
@@ -351,6 +353,8 @@ class Engine(_Writes, _Reads, _Counters):
                 out[k] = out.get(k, 0) + v
         # closed regions whose permit a peer's copy never left (a writer killed mid-copy)
         out["direct_permit_stuck"] = len(self._permit_stuck)
+        # keys of peers' regions their owners closed: writes to them fail, posting nothing (revoke.py)
+        out["revoked_keys"] = self._rails[0].revoked_keys
         return out
 
     @property
@@ -387,6 +391,7 @@ class Engine(_Writes, _Reads, _Counters):
                      for i, r in enumerate(self._rails)]
             peer = Peer(self, address, tuple(s[0] for s in slots), tuple(s[1] for s in slots), len(a.names))
             self._peers[address] = peer
+        self._revokes.hello(peer)        # so that a region it closes is announced here
         return peer
 
     def disconnect(self, peer: Peer, timeout: float = 1.0) -> None:

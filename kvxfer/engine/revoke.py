@@ -1,0 +1,156 @@
+"""The revoke exchange, the engine's half: a region's close is announced to the peers that may
+write into it, and it is deregistered once they have acknowledged (src/revoke.c).
+
+On libfabric 1.17 a write into a region its target closed is refused in ways no sender can
+act on (shm reports it done, lands it in deregistered memory or stalls until
+``peer_timeout``; tcp;ofi_rxm drops the connection, failing the honest writes behind it), so
+such a write must never be posted. ``Engine.connect`` sends the peer a HELLO with this
+engine's address and waits (at most ``HELLO_WAIT`` s) until it was delivered; the peer's
+engine keeps it. ``MemoryRegion.close`` on an open engine first sends a REVOKE with the
+region's keys to every peer that said HELLO and is neither disconnected nor dead, and waits
+(at most ``REVOKE_WAIT`` s) for each one's ACK, or for its send to fail (the peer is gone).
+A peer's native layer, on a REVOKE, refuses every later post to those keys (the transfer
+fails with ``EACCES``, nothing of it posted; ``stats()["revoked_keys"]``) and acknowledges
+once the writes it already posted to them are ahead of the ACK on the endpoint.
+
+What it does not cover: a peer that connects while the region is being closed, holding its
+descriptor, and writes at once (its HELLO arrives after the list of peers was taken); the
+writes of a peer's rail beyond this engine's rail count (an ACK orders only the writes of
+the rail it travels on); a peer that does not answer within ``REVOKE_WAIT`` (it is then
+written to as before, and a late write of its is refused by the provider). Regions dropped
+without ``close()`` and those of a closing engine are not announced: their endpoints close
+first, and a peer's writes to a closed endpoint fail as writes to a dead peer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import threading
+import time
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from kvxfer.engine.rails import _fabric
+from kvxfer.errors import KvxferError
+
+if TYPE_CHECKING:
+    from kvxfer.engine.engine import Engine
+    from kvxfer.engine.rails import Peer
+    from kvxfer.engine.regions import MemoryRegion
+
+#: how long connect() waits for its HELLO to be delivered
+HELLO_WAIT = 1.0
+#: how long MemoryRegion.close() waits for each peer's ACK
+REVOKE_WAIT = 1.0
+_SENT = 1 << 63          # a token's bit in the answers: our own send of it completed ...
+_FAILED = 1 << 62        # ... with an error
+_SLICE = 0.01
+
+
+class Revocations:
+    """An engine's side of the exchange: the peers that said HELLO, and the answers."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._tokens = itertools.count(1)
+        self._answered: dict[int, None] = {}   # tokens answered, not yet claimed (in order)
+        self._writers: dict[bytes, None] = {}  # addresses of peers that said HELLO
+
+    def _wait(self, want: set, timeout: float, until_one: Optional[dict] = None) -> set:
+        """Wait up to ``timeout`` s until every token of ``want`` was answered; returns those
+        that were (claimed). ``until_one``: {token: other token}: a token also ends when its
+        other token is answered (a REVOKE's ACK, or its send's failure)."""
+        rail = self._engine._rails[0]
+        got: set = set()
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                for t in list(want):
+                    other = until_one.get(t) if until_one else None
+                    if t in self._answered or (other is not None and other in self._answered):
+                        self._answered.pop(t, None)
+                        if other is not None:
+                            self._answered.pop(other, None)
+                        want.discard(t)
+                        got.add(t)
+            left = deadline - time.monotonic()
+            if not want or left <= 0 or self._engine.closed:
+                return got
+            try:
+                answers = rail.ctl_take(min(_SLICE, left))
+            except KvxferError:
+                return got
+            if answers:
+                with self._lock:
+                    for a in answers:
+                        self._answered[a] = None
+                    while len(self._answered) > 4096:     # answers nobody waits for any more
+                        self._answered.pop(next(iter(self._answered)))
+
+    def hello(self, peer: "Peer") -> None:
+        """Tell a newly connected peer our address (``Engine.connect``); wait until it has it,
+        so a region it closes from now on is announced to us."""
+        eng = self._engine
+        rail = eng._rails[0]
+        token = next(self._tokens)
+        try:
+            if not rail.ctl_send(peer.fi_addrs[0], peer.gens[0], _fabric.CTL_HELLO, token,
+                                 np.frombuffer(eng.address, dtype=np.uint8), 0.05):
+                return
+        except KvxferError:
+            return       # a peer that is gone already: its first write says so, as before
+        wait = HELLO_WAIT if eng.peer_timeout is None else min(HELLO_WAIT, eng.peer_timeout)
+        self._wait({token | _SENT}, wait, {token | _SENT: token | _SENT | _FAILED})
+
+    def _peers(self) -> list:
+        """The live peers that said HELLO: connected here when their HELLO is first seen; one
+        disconnected since (``Engine.disconnect``) is no longer told, until it says HELLO again."""
+        eng = self._engine
+        for r in eng._rails:
+            r.flush()                   # a HELLO delivered before now is handled after this
+        for a in eng._rails[0].ctl_hellos():
+            try:
+                eng.connect(a)
+            except KvxferError:
+                continue                # not an address of this provider, or gone already
+            self._writers[a] = None
+        out = []
+        for a in list(self._writers):
+            p = eng._peers.get(a)
+            if p is None or p.closed:
+                self._writers.pop(a, None)
+            else:
+                out.append(p)
+        return out
+
+    def revoke(self, region: "MemoryRegion") -> None:
+        """Announce ``region``'s close to the peers that may write into it; return once each
+        acknowledged, is gone, or ``REVOKE_WAIT`` passed."""
+        eng = self._engine
+        handles = region._handles
+        if eng.closed or not handles or not region.remote or handles[0].raw_key:
+            return
+        keys = [int(h.key) for h in handles]
+        peers = self._peers()
+        if not peers:
+            return
+        want: set = set()
+        until: dict = {}
+        for p in peers:
+            for k, r in enumerate(eng._rails):
+                token = next(self._tokens)
+                name = r.getname()
+                data = struct.pack(f"<QII{len(keys)}Q", token, len(keys), len(name), *keys) + name
+                try:
+                    if not r.ctl_send(p.fi_addrs[k], p.gens[k], _fabric.CTL_REVOKE, token,
+                                      np.frombuffer(data, dtype=np.uint8), 0.05):
+                        continue
+                except KvxferError:
+                    continue     # dead or disconnected: it writes nothing more
+                want.add(token)
+                until[token] = token | _SENT | _FAILED
+        if want:
+            self._wait(want, REVOKE_WAIT, until)
