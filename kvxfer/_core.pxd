@@ -168,7 +168,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     void kx_msg_free(kx_msg *m)
 
     # the revoke exchange
-    int KX_CTL_HELLO, KX_CTL_REVOKE
+    int KX_CTL_HELLO, KX_CTL_REVOKE, KX_CTL_BYE
     int kx_ctl_send(kx_rail *r, fi_addr_t peer, uint32_t gen, int type, uint64_t token, const char *data, size_t len)
     int kx_ctl_take(kx_rail *r, int64_t slice_ns, uint64_t *tokens, size_t max, size_t *n)
     int kx_ctl_hello(kx_rail *r, kx_msg **out)

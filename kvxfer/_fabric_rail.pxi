@@ -494,7 +494,7 @@ cdef class Rail:
 
     # -- the revoke exchange (src/revoke.c, kvxfer/engine/revoke.py) ------------------------
     def ctl_send(self, fi_addr_t peer, uint32_t gen, int kind, uint64_t token, const uint8_t[::1] data, timeout=1.0):
-        """Post a HELLO or REVOKE (``kind``: ``CTL_HELLO``, ``CTL_REVOKE``) carrying ``token``;
+        """Post a HELLO, BYE or REVOKE (``kind``: ``CTL_HELLO``, ``CTL_BYE``, ``CTL_REVOKE``) carrying ``token``;
         False if the provider's queue stayed full for ``timeout`` s."""
         cdef kx_rail *r = self._rail()
         cdef size_t n = data.shape[0]
@@ -526,13 +526,14 @@ cdef class Rail:
         return [buf[i] for i in range(n)]
 
     def ctl_hellos(self):
-        """The addresses of peers that said HELLO since the last call."""
+        """(kind, address) of each HELLO or BYE received since the last call, in order."""
         cdef kx_rail *r = self._rail()
         cdef kx_msg *m = NULL
         out = []
         while kx_ctl_hello(r, &m):
             try:
-                out.append(PyBytes_FromStringAndSize(kx_msg_data(m), kx_msg_len(m)))
+                out.append((<uint8_t>kx_msg_data(m)[0],
+                            PyBytes_FromStringAndSize(kx_msg_data(m) + 1, kx_msg_len(m) - 1)))
             finally:
                 kx_msg_free(m)
         return out

@@ -57,13 +57,11 @@ int kx_send_op(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_
         /* the peer's entry (counts, bell) only while entered: kx_av_remove waits for that */
         kx_peer_count(r, peer, 1);
         if (ctl) {
-            /* delivery-complete where writes are (rxm): a HELLO's completion then says the
-             * peer has it, which is what connect() waits for (revoke.c) */
-            struct iovec iov = {.iov_base = s->data, .iov_len = len};
-            struct fi_msg m = {.msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = peer,
-                               .context = &s->op.fi, .data = ctl};
-            ret = fi_sendmsg(r->ep, &m, FI_COMPLETION | FI_REMOTE_CQ_DATA |
-                                        (r->delivery_complete ? FI_DELIVERY_COMPLETE : 0));
+            /* no FI_DELIVERY_COMPLETE: rxm 1.17 hung inside such a send between two engines
+             * of one process (a messenger test, once in 136). A completion says the bytes
+             * left (tcp: in the peer's socket; shm: in its queue), and the peer's flush
+             * (kx_rail_flush) then reads them: what connect()'s wait for a HELLO relies on */
+            ret = fi_senddata(r->ep, s->data, len, desc, ctl, peer, &s->op.fi);
         } else {
             ret = fi_send(r->ep, s->data, len, desc, peer, &s->op.fi);
         }

@@ -256,7 +256,9 @@ void kx_rail_flush(kx_rail *r, int64_t wait_ns)
     int64_t end = kx_now_ns() + wait_ns;
     for (int step = 0;; step++) {
         if (kx_poll_try(r)) {     /* whoever read before us has handled what it read */
-            for (int i = 0; i < 16 && kx_progress_once(r) > 0; i++)
+            /* a few rounds even when one reads nothing: tcp reads a socket's bytes into the
+             * CQ during the read, so what arrived may show only in the next one */
+            for (int i = 0; i < 16 && (kx_progress_once(r) > 0 || i < 4); i++)
                 ;
             kx_poll_done(r);
             break;

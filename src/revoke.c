@@ -12,6 +12,8 @@
  *          region's keys and the target's endpoint name. The peer adds the keys to its hub's
  *          revoked set (every later post to one of them fails its transfer with EACCES, before
  *          anything is posted: kx_revoked_check) and answers ...
+ *   BYE    (peer -> target, at Engine.close): the peer's address; the target announces
+ *          nothing more to it (it would wait for an ACK that never comes).
  *   ACK    (peer -> target): the token, posted once no caller of the peer is inside a posting
  *          burst that checked its key before the revocation, so every write the peer posted
  *          to the region travels ahead of the ACK on the same endpoint and is placed before
@@ -143,13 +145,14 @@ static int kx_peer_by_name_locked(kx_rail *r, uint64_t hash, fi_addr_t *fa, uint
 void kx_ctl_arrival_locked(kx_rail *r, uint32_t type, const char *data, size_t len)
 {
     kx_hub *h = r->hub;
-    if (type == KX_CTL_HELLO) {
-        kx_msg *m = malloc(sizeof(kx_msg) + len);
+    if (type == KX_CTL_HELLO || type == KX_CTL_BYE) {
+        kx_msg *m = malloc(sizeof(kx_msg) + len + 1);
         if (!m)
             return;
         m->next = NULL;
-        m->len = len;
-        memcpy(m->data, data, len);
+        m->len = len + 1;
+        m->data[0] = (char)type;
+        memcpy(m->data + 1, data, len);
         if (h->hello_tail)
             h->hello_tail->next = m;
         else
@@ -229,7 +232,7 @@ int kx_ctl_post_acks(kx_rail *r)
 /* ---- the engine's face ------------------------------------------------------------------ */
 int kx_ctl_send(kx_rail *r, fi_addr_t peer, uint32_t gen, int type, uint64_t token, const char *data, size_t len)
 {
-    if (type != KX_CTL_HELLO && type != KX_CTL_REVOKE)
+    if (type != KX_CTL_HELLO && type != KX_CTL_REVOKE && type != KX_CTL_BYE)
         return -FI_EINVAL;
     if (!token || (token & (KX_CTL_SENT | KX_CTL_FAILED)))
         return -FI_EINVAL;

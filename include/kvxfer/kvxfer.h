@@ -268,15 +268,16 @@ void kx_msg_free(kx_msg *m);
 
 /* ---- the revoke exchange (src/revoke.c): a target closing a region tells its peers ----- */
 
-enum { KX_CTL_HELLO = 1, KX_CTL_REVOKE = 2, KX_CTL_ACK = 3 };
-/* Post a HELLO (data: our address) or a REVOKE (token u64, nkeys u32, namelen u32, keys,
+enum { KX_CTL_HELLO = 1, KX_CTL_REVOKE = 2, KX_CTL_ACK = 3, KX_CTL_BYE = 4 };
+/* Post a HELLO or BYE (data: our address) or a REVOKE (token u64, nkeys u32, namelen u32, keys,
  * our endpoint name) with `token` (nonzero, below 2^62): its completion is reported by
  * kx_ctl_take as token | 2^63 (| 2^62 on error); -FI_EAGAIN as kx_send. */
 int kx_ctl_send(kx_rail *r, fi_addr_t peer, uint32_t gen, int type, uint64_t token, const char *data, size_t len);
 /* Waits up to slice_ns for answered tokens (ACKs received, our sends completed); takes up
  * to max of them into tokens, *n of them. */
 int kx_ctl_take(kx_rail *r, int64_t slice_ns, uint64_t *tokens, size_t max, size_t *n);
-/* The next HELLO received (a peer's address; kx_msg_free it): 1, else 0 at once. */
+/* The next HELLO or BYE received (its kind's byte, then the peer's address; kx_msg_free
+ * it): 1, else 0 at once. A BYE: that engine is closing, announce nothing more to it. */
 int kx_ctl_hello(kx_rail *r, kx_msg **out);
 /* Keys of peers' regions revoked so far (writes to them fail with EACCES, posting nothing). */
 uint64_t kx_revoked_count(kx_rail *r);

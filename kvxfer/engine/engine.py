@@ -242,6 +242,8 @@ class Engine(_Writes, _Reads, _Counters):
 
     def _close_steps(self) -> None:
         """``close()``'s steps; each may run again after an interrupt (``close()``)."""
+        if not self._rails[0].closed:
+            self._revokes.bye()           # peers stop announcing their closes here (revoke.py)
         for w in list(self._watchers):  # armed writes never post into a closing rail
             w.close()
         self._rails[0].dispatch_stop()
@@ -368,7 +370,9 @@ class Engine(_Writes, _Reads, _Counters):
 
     # -- peers and regions ---------------------------------------------------------------
     def connect(self, address: bytes) -> Peer:
-        """Insert a peer's address (from its ``Engine.address``) into the address vector."""
+        """Insert a peer's address (from its ``Engine.address``) into the address vector, and
+        tell the peer ours (a HELLO, waited for up to 1 s), so that it announces the close of
+        its regions here before deregistering them (kvxfer/engine/revoke.py)."""
         self._check_open()
         a = wire.Address.decode(address)
         if a.provider != self.provider:
@@ -405,6 +409,8 @@ class Engine(_Writes, _Reads, _Counters):
         if not isinstance(peer, Peer) or peer.engine is not self:
             raise InvalidArgumentError("peer must come from this engine's connect()")
         timeout = _check_timeout(timeout)
+        if not peer.closed and not self._closed:
+            self._revokes.bye([peer])     # its closes announce nothing more here (revoke.py)
         with self._lock:
             if peer.closed:
                 return

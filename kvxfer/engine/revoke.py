@@ -5,8 +5,9 @@ On libfabric 1.17 a write into a region its target closed is refused in ways no 
 act on (shm reports it done, lands it in deregistered memory or stalls until
 ``peer_timeout``; tcp;ofi_rxm drops the connection, failing the honest writes behind it), so
 such a write must never be posted. ``Engine.connect`` sends the peer a HELLO with this
-engine's address and waits (at most ``HELLO_WAIT`` s) until it was delivered; the peer's
-engine keeps it. ``MemoryRegion.close`` on an open engine first sends a REVOKE with the
+engine's address and waits (at most ``HELLO_WAIT`` s) until it was sent; the peer's engine
+keeps it (and reads its CQ before it takes the list). ``Engine.close`` and
+``Engine.disconnect`` send a BYE: the peer then announces nothing more here. ``MemoryRegion.close`` on an open engine first sends a REVOKE with the
 region's keys to every peer that said HELLO and is neither disconnected nor dead, and waits
 (at most ``REVOKE_WAIT`` s) for each one's ACK, or for its send to fail (the peer is gone).
 A peer's native layer, on a REVOKE, refuses every later post to those keys (the transfer
@@ -105,13 +106,31 @@ class Revocations:
         wait = HELLO_WAIT if eng.peer_timeout is None else min(HELLO_WAIT, eng.peer_timeout)
         self._wait({token | _SENT}, wait, {token | _SENT: token | _SENT | _FAILED})
 
+    def bye(self, peers: Optional[list] = None) -> None:
+        """``Engine.close`` (every peer) and ``Engine.disconnect`` (that one): tell the peers
+        we said HELLO to that we write nothing more to them, so their closes do not wait for
+        our ACK (we answer none once we no longer know them)."""
+        eng = self._engine
+        rail = eng._rails[0]
+        data = np.frombuffer(eng.address, dtype=np.uint8)
+        for p in (list(eng._peers.values()) if peers is None else peers):
+            if p.closed:
+                continue
+            try:
+                rail.ctl_send(p.fi_addrs[0], p.gens[0], _fabric.CTL_BYE, next(self._tokens), data, 0.05)
+            except KvxferError:
+                pass
+
     def _peers(self) -> list:
         """The live peers that said HELLO: connected here when their HELLO is first seen; one
         disconnected since (``Engine.disconnect``) is no longer told, until it says HELLO again."""
         eng = self._engine
         for r in eng._rails:
-            r.flush()                   # a HELLO delivered before now is handled after this
-        for a in eng._rails[0].ctl_hellos():
+            r.flush(1.0)                # a HELLO delivered before now is handled after this
+        for kind, a in eng._rails[0].ctl_hellos():
+            if kind == _fabric.CTL_BYE:
+                self._writers.pop(a, None)      # closing: it writes nothing more
+                continue
             try:
                 eng.connect(a)
             except KvxferError:
