@@ -93,7 +93,7 @@ def test_a_closed_regions_old_remote_writes_nothing(shm, how):
         assert after["direct_writes"] == before["direct_writes"]
         if how == "close":
             # the target's REVOKE stopped it before any copy (kvxfer/engine/revoke.py): the
-            # fence, its second line, had nothing to refuse (test_direct_hostile.py tests it)
+            # permit, its second line, had nothing to refuse (test_direct_hostile.py tests it)
             assert after["revoked_keys"] >= 1
             assert after["direct_revoked"] == before["direct_revoked"]
             assert tgt.call("banked", 2) == 0    # no imm was posted
@@ -125,7 +125,7 @@ def test_close_under_a_stream_of_direct_writes_stops_them(shm):
             assert _until(lambda: eng.stats()["direct_writes"] > 8)
             left = tgt.call("close_fill_watch", 0.3)
             assert left == 0                     # bytes landed after close() returned: none
-            # stopped by the target's REVOKE (revoke.py), or by the fence mid-copy
+            # stopped by the target's REVOKE (revoke.py), or by the permit mid-copy
             assert _until(lambda: eng.stats()["direct_revoked"] > 0 or eng.stats()["revoked_keys"] > 0)
         finally:
             stop.set()
