@@ -390,6 +390,7 @@ class Engine(_Writes, _Reads, _Counters):
         with self._lock:
             peer = self._peers.get(address)
             if peer is not None and not peer.closed:
+                self._revokes.claimed(address)   # the caller's now (revoke.py)
                 return peer
             slots = [r.av_insert(np.frombuffer(a.names[i % len(a.names)], dtype=np.uint8))
                      for i, r in enumerate(self._rails)]

@@ -12,7 +12,13 @@ region's keys to every peer that said HELLO and is neither disconnected nor dead
 (at most ``REVOKE_WAIT`` s) for each one's ACK, or for its send to fail (the peer is gone).
 A peer's native layer, on a REVOKE, refuses every later post to those keys (the transfer
 fails with ``EACCES``, nothing of it posted; ``stats()["revoked_keys"]``) and acknowledges
-once the writes it already posted to them are ahead of the ACK on the endpoint.
+once the writes it already posted to them are ahead of the ACK on the endpoint. A readable
+region's read keys are revoked with its write keys: reads of it stop the same way.
+
+The HELLOs and BYEs are read when a region is first closed after them, each address's last
+word counting: a writer that said BYE is never connected back (it may be a closed engine of
+this process, whose name shm 1.17 cannot even insert: src/rail.c refuses it), and a peer
+connected here only by the exchange is disconnected after its BYE.
 
 What it does not cover: a peer that connects while the region is being closed, holding its
 descriptor, and writes at once (its HELLO arrives after the list of peers was taken); the
@@ -59,6 +65,8 @@ class Revocations:
         self._tokens = itertools.count(1)
         self._answered: dict[int, None] = {}   # tokens answered, not yet claimed (in order)
         self._writers: dict[bytes, None] = {}  # addresses of peers that said HELLO
+        self._own: set[bytes] = set()          # ... of those, connected by the exchange, not by a caller
+        self._quiet: set[bytes] = set()        # peers being removed after their BYE: told nothing
 
     def _wait(self, want: set, timeout: float, until_one: Optional[dict] = None) -> set:
         """Wait up to ``timeout`` s until every token of ``want`` was answered; returns those
@@ -106,6 +114,11 @@ class Revocations:
         wait = HELLO_WAIT if eng.peer_timeout is None else min(HELLO_WAIT, eng.peer_timeout)
         self._wait({token | _SENT}, wait, {token | _SENT: token | _SENT | _FAILED})
 
+    def claimed(self, address: bytes) -> None:
+        """A caller's ``Engine.connect`` returned the peer we had connected: it is the caller's
+        now, and a BYE of it no longer removes it."""
+        self._own.discard(address)
+
     def bye(self, peers: Optional[list] = None) -> None:
         """``Engine.close`` (every peer) and ``Engine.disconnect`` (that one): tell the peers
         we said HELLO to that we write nothing more to them, so their closes do not wait for
@@ -114,7 +127,7 @@ class Revocations:
         rail = eng._rails[0]
         data = np.frombuffer(eng.address, dtype=np.uint8)
         for p in (list(eng._peers.values()) if peers is None else peers):
-            if p.closed:
+            if p.closed or p.address in self._quiet:
                 continue
             try:
                 rail.ctl_send(p.fi_addrs[0], p.gens[0], _fabric.CTL_BYE, next(self._tokens), data, 0.05)
@@ -127,20 +140,39 @@ class Revocations:
         eng = self._engine
         for r in eng._rails:
             r.flush(1.0)                # a HELLO delivered before now is handled after this
+        said: dict[bytes, int] = {}     # each address's last word, in order of arrival
         for kind, a in eng._rails[0].ctl_hellos():
+            said.pop(a, None)
+            said[a] = kind
+        for a, kind in said.items():
             if kind == _fabric.CTL_BYE:
-                self._writers.pop(a, None)      # closing: it writes nothing more
+                # closing: it writes nothing more. Never connect back to it (a closed engine
+                # of this process must not be posted to); one we connected only to announce
+                # closes is removed, so the address vector does not grow with every writer
+                self._writers.pop(a, None)
+                p = eng._peers.get(a)
+                if a in self._own and p is not None and not p.closed:
+                    self._own.discard(a)
+                    self._quiet.add(a)          # no BYE back: it is closing
+                    try:
+                        eng.disconnect(p, 0.1)
+                    finally:
+                        self._quiet.discard(a)
                 continue
-            try:
-                eng.connect(a)
-            except KvxferError:
-                continue                # not an address of this provider, or gone already
+            known = eng._peers.get(a)
+            if known is None or known.closed:
+                try:
+                    eng.connect(a)
+                except KvxferError:
+                    continue            # not an address of this provider, or gone already
+                self._own.add(a)        # connected here, by the exchange alone
             self._writers[a] = None
         out = []
         for a in list(self._writers):
             p = eng._peers.get(a)
             if p is None or p.closed:
                 self._writers.pop(a, None)
+                self._own.discard(a)
             else:
                 out.append(p)
         return out
@@ -152,7 +184,7 @@ class Revocations:
         handles = region._handles
         if eng.closed or not handles or not region.remote or handles[0].raw_key:
             return
-        keys = [int(h.key) for h in handles]
+        keys = [int(h.key) for h in region._read_handles + handles]    # its reads stop too
         peers = self._peers()
         if not peers:
             return

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import kvxfer
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, PeerError
 from _data import pattern_array
 from _target import Target
 
@@ -157,3 +157,57 @@ def test_a_close_waits_for_no_dead_writer(provider):
             assert time.monotonic() - t0 < 5.0
         finally:
             writer.close()
+
+
+def test_a_writer_that_closed_is_never_connected_back(provider):
+    """Engines of this process that said HELLO and then closed (BYE) are not connected back
+    when the target first closes a region (shm 1.17 crashed inside ``fi_av_insert`` of such
+    a name, see the next test), and the target keeps no peer for them."""
+    with kvxfer.Engine(provider, "127.0.0.1") as tgt:
+        mr = tgt.register(np.zeros(1 << 16, np.uint8))
+        for _ in range(3):
+            with kvxfer.Engine(provider, "127.0.0.1") as w:
+                w.connect(tgt.address)              # HELLO
+            # closed: BYE
+        tgt.register(np.zeros(4096, np.uint8)).close()     # reads the HELLOs and BYEs
+        assert tgt._peers == {}
+        live = kvxfer.Engine(provider, "127.0.0.1")
+        try:
+            live.connect(tgt.address)
+            tgt.register(np.zeros(4096, np.uint8)).close()  # a live writer is connected back
+            assert list(tgt._peers) == [live.address]
+            live.close()
+            mr.close()                                      # ... and removed after its BYE
+            assert tgt._peers == {}
+        finally:
+            live.close()
+
+
+def test_connecting_to_a_closed_engine_of_this_process_raises(provider):
+    """shm 1.17 crashed (SIGSEGV inside ``fi_av_insert``) inserting the name of an engine of
+    its own process that had closed: refused now with ``PeerError`` (ECONNREFUSED) before the
+    provider sees it. tcp inserts the address, and a write to it fails as to a gone peer."""
+    a = kvxfer.Engine(provider, "127.0.0.1", peer_timeout=1)
+    b = kvxfer.Engine(provider, "127.0.0.1", peer_timeout=1)
+    try:
+        src = b.register(np.ones(1 << 16, np.uint8))
+        dst = a.register(np.zeros(1 << 16, np.uint8))
+        address, descriptor = a.address, dst.descriptor()
+        a.close()
+        if provider == "shm":
+            with pytest.raises(PeerError) as ei:
+                b.connect(address)
+            assert ei.value.errno == errno.ECONNREFUSED
+            assert b._peers == {}
+        else:
+            peer = b.connect(address)
+            with pytest.raises(PeerError):
+                b.write(src, 0, peer, b.remote(descriptor), 0, 4096, imm=3).wait(30)
+        other = kvxfer.Engine(provider, "127.0.0.1")      # b stays usable
+        try:
+            b.connect(other.address)
+        finally:
+            other.close()
+    finally:
+        a.close()
+        b.close()
