@@ -18,7 +18,9 @@ region's read keys are revoked with its write keys: reads of it stop the same wa
 The HELLOs and BYEs are read when a region is first closed after them, each address's last
 word counting: a writer that said BYE is never connected back (it may be a closed engine of
 this process, whose name shm 1.17 cannot even insert: src/rail.c refuses it), and a peer
-connected here only by the exchange is disconnected after its BYE.
+connected here only by the exchange is disconnected after its BYE. A caller's
+``Engine.disconnect`` voids that peer's HELLO (one read later was sent before) and waits, at
+most ``HELLO_WAIT``, until its BYE went out, before the address is removed.
 
 What it does not cover: a peer that connects while the region is being closed, holding its
 descriptor, and writes at once (its HELLO arrives after the list of peers was taken); the
@@ -67,6 +69,18 @@ class Revocations:
         self._writers: dict[bytes, None] = {}  # addresses of peers that said HELLO
         self._own: set[bytes] = set()          # ... of those, connected by the exchange, not by a caller
         self._quiet: set[bytes] = set()        # peers being removed after their BYE: told nothing
+        self._said: dict[bytes, int] = {}      # HELLOs and BYEs read, not yet handled (last word each)
+
+    def _read_said(self) -> None:
+        """Take the HELLOs and BYEs received so far (each address's last word counts)."""
+        try:
+            said = self._engine._rails[0].ctl_hellos()
+        except KvxferError:
+            return                      # closing
+        with self._lock:
+            for kind, a in said:
+                self._said.pop(a, None)
+                self._said[a] = kind
 
     def _wait(self, want: set, timeout: float, until_one: Optional[dict] = None) -> set:
         """Wait up to ``timeout`` s until every token of ``want`` was answered; returns those
@@ -126,13 +140,32 @@ class Revocations:
         eng = self._engine
         rail = eng._rails[0]
         data = np.frombuffer(eng.address, dtype=np.uint8)
+        if peers is not None:
+            # a caller's disconnect: a HELLO of theirs read from now on but sent before is
+            # void (connecting back to it, we would wait REVOKE_WAIT at each close for an
+            # ACK it cannot send: it disconnected us too, as the messenger does)
+            for r in eng._rails:
+                r.flush(1.0)            # a HELLO delivered before now is read here
+            self._read_said()
+            with self._lock:
+                for p in peers:
+                    self._said.pop(p.address, None)
+                    self._writers.pop(p.address, None)
+                    self._own.discard(p.address)
+        sent: dict = {}
         for p in (list(eng._peers.values()) if peers is None else peers):
             if p.closed or p.address in self._quiet:
                 continue
+            token = next(self._tokens)
             try:
-                rail.ctl_send(p.fi_addrs[0], p.gens[0], _fabric.CTL_BYE, next(self._tokens), data, 0.05)
+                if rail.ctl_send(p.fi_addrs[0], p.gens[0], _fabric.CTL_BYE, token, data, 0.05):
+                    sent[token | _SENT] = token | _SENT | _FAILED
             except KvxferError:
                 pass
+        if peers is not None and sent:
+            # a caller's disconnect removes the address next: the BYE goes out first, so no
+            # send of ours is left outstanding to a removed peer (at most HELLO_WAIT)
+            self._wait(set(sent), HELLO_WAIT, sent)
 
     def _peers(self) -> list:
         """The live peers that said HELLO: connected here when their HELLO is first seen; one
@@ -140,10 +173,9 @@ class Revocations:
         eng = self._engine
         for r in eng._rails:
             r.flush(1.0)                # a HELLO delivered before now is handled after this
-        said: dict[bytes, int] = {}     # each address's last word, in order of arrival
-        for kind, a in eng._rails[0].ctl_hellos():
-            said.pop(a, None)
-            said[a] = kind
+        self._read_said()
+        with self._lock:
+            said, self._said = self._said, {}
         for a, kind in said.items():
             if kind == _fabric.CTL_BYE:
                 # closing: it writes nothing more. Never connect back to it (a closed engine

@@ -211,3 +211,22 @@ def test_connecting_to_a_closed_engine_of_this_process_raises(provider):
     finally:
         a.close()
         b.close()
+
+
+def test_a_peer_the_caller_disconnected_is_not_connected_back(provider):
+    """A HELLO read after the caller disconnected that peer, sent before, is void: the next
+    region close neither connects back to it nor announces anything to it. (The messenger
+    disconnects both ways at close; connecting back, each of its region closes waited
+    REVOKE_WAIT for an ACK the peer, which had disconnected us too, could not send.)"""
+    with kvxfer.Engine(provider, "127.0.0.1") as a, kvxfer.Engine(provider, "127.0.0.1") as b:
+        pb = b.connect(a.address)
+        a.connect(b.address)                      # a's HELLO, not yet read by b
+        b.disconnect(pb)
+        b.register(np.zeros(4096, np.uint8)).close()
+        assert a.address not in b._peers
+        again = b.connect(a.address)              # a caller's connect: announced to again
+        assert again is not pb
+        b.register(np.zeros(4096, np.uint8)).close()
+        a.connect(b.address)
+        b.register(np.zeros(4096, np.uint8)).close()
+        assert list(b._peers) == [a.address]
