@@ -169,6 +169,14 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     const char *kx_msg_data(const kx_msg *m)
     void kx_msg_free(kx_msg *m)
 
+    # the revoke exchange
+    int KX_CTL_HELLO, KX_CTL_REVOKE, KX_CTL_BYE
+    int kx_ctl_send(kx_rail *r, fi_addr_t peer, uint32_t gen, int type, uint64_t token, const char *data, size_t len)
+    int kx_ctl_take(kx_rail *r, int64_t slice_ns, uint64_t *tokens, size_t max, size_t *n)
+    int kx_ctl_hello(kx_rail *r, kx_msg **out)
+    uint64_t kx_revoked_count(kx_rail *r)
+    void kx_rail_flush(kx_rail *r, int64_t wait_ns)
+
     # the layer watcher
     int KX_WATCH_ARMED, KX_WATCH_POSTING, KX_WATCH_POSTED, KX_WATCH_DISARMED, KX_WATCH_FAILED
     ctypedef struct kx_watch_state:

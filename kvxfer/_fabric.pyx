@@ -50,6 +50,9 @@ MR_RAW = FI_MR_RAW
 CAP_RMA_EVENT = FI_RMA_EVENT
 CAP_HMEM = FI_HMEM
 MSG_MAX = KX_MSG_MAX
+CTL_HELLO = KX_CTL_HELLO
+CTL_REVOKE = KX_CTL_REVOKE
+CTL_BYE = KX_CTL_BYE
 MAX_IOV = KX_MAX_IOV
 HAVE_DMABUF = bool(kx_have_dmabuf())
 
@@ -81,6 +84,8 @@ def error_from(str call, int err):
             return PeerError(err, f"transfer failed: {_os.strerror(err)}")
     elif call == "fi_send" and err in PEER_ERRNOS:   # the peer is known dead (src/peers.c)
         return PeerError(err, f"control message not sent: the peer is gone ({_os.strerror(err)})")
+    elif call == "fi_av_insert" and err == _errno.ECONNREFUSED:    # src/rail.c: kx_av_insert
+        return PeerError(err, "peer not connected: that engine of this process has closed")
     elif call == "kx_expect" and err == _errno.EBUSY:
         return InvalidArgumentError("this imm already has an unfinished expectation")
     elif err == _errno.ECANCELED:

@@ -502,6 +502,64 @@ cdef class Rail:
         check(ret, "fi_send")
         return True
 
+    # -- the revoke exchange (src/revoke.c, kvxfer/engine/revoke.py) ------------------------
+    def ctl_send(self, fi_addr_t peer, uint32_t gen, int kind, uint64_t token, const uint8_t[::1] data, timeout=1.0):
+        """Post a HELLO, BYE or REVOKE (``kind``: ``CTL_HELLO``, ``CTL_BYE``, ``CTL_REVOKE``) carrying ``token``;
+        False if the provider's queue stayed full for ``timeout`` s."""
+        cdef kx_rail *r = self._rail()
+        cdef size_t n = data.shape[0]
+        cdef const char *p = <const char *>"\0"
+        if n:
+            p = <const char *>&data[0]
+        cdef int ret
+        deadline = _time.monotonic() + timeout
+        while True:
+            with nogil:
+                ret = kx_ctl_send(r, peer, gen, kind, token, p, n)
+            if ret != -FI_EAGAIN:
+                break
+            if _deadline_passed(deadline):
+                return False
+            r = self._rail()
+        check(ret, "fi_sendmsg")
+        return True
+
+    def ctl_take(self, double timeout):
+        """The tokens answered since the last call (ACKs; our sends' completions with bit 63,
+        failed ones with bit 62 too), waiting up to ``timeout`` s for the first."""
+        cdef kx_rail *r = self._rail()
+        cdef uint64_t buf[64]
+        cdef size_t n = 0
+        cdef int64_t ns = <int64_t>(timeout * 1e9)
+        with nogil:
+            kx_ctl_take(r, ns, buf, 64, &n)
+        return [buf[i] for i in range(n)]
+
+    def ctl_hellos(self):
+        """(kind, address) of each HELLO or BYE received since the last call, in order."""
+        cdef kx_rail *r = self._rail()
+        cdef kx_msg *m = NULL
+        out = []
+        while kx_ctl_hello(r, &m):
+            try:
+                out.append((<uint8_t>kx_msg_data(m)[0],
+                            PyBytes_FromStringAndSize(kx_msg_data(m) + 1, kx_msg_len(m) - 1)))
+            finally:
+                kx_msg_free(m)
+        return out
+
+    def flush(self, double wait=0.1):
+        """Handle what the CQ holds now (a HELLO delivered before this call is seen after)."""
+        cdef kx_rail *r = self._rail()
+        cdef int64_t ns = <int64_t>(wait * 1e9)
+        with nogil:
+            kx_rail_flush(r, ns)
+
+    @property
+    def revoked_keys(self):
+        """Keys of peers' regions revoked so far."""
+        return kx_revoked_count(self._rail())
+
     def recv(self, timeout):
         """The next control message, or None when `timeout` (seconds, None: forever) passes."""
         cdef kx_rail *r = self._rail()

@@ -43,6 +43,7 @@ void kx_hub_unref(kx_hub *h)
     pthread_mutex_unlock(&h->lock);
     if (!last)
         return;
+    kx_ctl_free_locked(h);
     pthread_mutex_destroy(&h->lock);
     pthread_cond_destroy(&h->cond);
     free(h->table.slots);

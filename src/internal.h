@@ -73,6 +73,7 @@ struct kx_transfer {
     void *desc;
     uint64_t dst_base, key, flags;
     uint32_t imm;
+    uint64_t revoke_epoch;         /* the hub's revoke_epoch its key was last checked at (revoke.c) */
     kx_direct *direct;             /* direct write (direct.c): the peer region's mapping here, one reference until posting ends */
     char *direct_base;             /* ... its first byte */
     uint64_t copied;               /* direct: bytes of the built message in place (all: its 0-byte write is due) */
@@ -128,6 +129,8 @@ typedef struct kx_sendbuf {
     fi_addr_t peer;
     uint32_t gen;          /* the peer slot's generation (kx_peer_enter; completions) */
     struct fid_mr *mr;     /* registered only where the provider wants FI_MR_LOCAL */
+    uint64_t token;        /* a control message of the revoke exchange (revoke.c): its completion is
+                            * reported as token | KX_CTL_SENT (0: a user message) */
     size_t len;
     char data[];
 } kx_sendbuf;
@@ -142,6 +145,13 @@ typedef struct kx_hub {
     int dispatch_stop;
     kx_msg *msg_head, *msg_tail;
     size_t nmsgs;
+    /* the revoke exchange (revoke.c) */
+    uint64_t *revoked;     /* keys of peers' regions their owners closed: open addressing, 0 = empty */
+    size_t revoked_cap, revoked_len;
+    uint64_t revoke_epoch; /* bumped by every revocation (atomic): a transfer then checks its key again */
+    kx_msg *hello_head, *hello_tail;   /* HELLOs received (peers' addresses), for the engine */
+    uint64_t *acks;        /* tokens answered (ACKs in, our own control sends completed) */
+    size_t acks_len, acks_cap;
     uint64_t stat_imm;     /* immediates received */
     uint64_t stat_lost;    /* arrivals that could not be banked (out of memory) */
 } kx_hub;
@@ -211,6 +221,8 @@ struct kx_rail {
     int deferred;              /* shm: closing, its fids wait until no open engine maps it (1), being closed (2) */
     int domain_requested;      /* deferred: kx_rail_close_domain was called */
     int free_requested;        /* deferred: kx_rail_free was called; the final step frees it */
+
+    struct kx_ctl_ack *ack_head;   /* ACKs the progress thread still has to post (revoke.c) */
 
     kx_rxbuf rx[KX_RX_BUFS];
     struct fid_mr *rx_mr;  /* the receive slab's registration (FI_MR_LOCAL providers) */
@@ -314,6 +326,21 @@ kx_transfer *kx_transfer_new(const uint64_t *src_off, const uint64_t *dst_off, c
 void kx_transfer_fail(kx_rail *r, kx_transfer *x, int err);   /* first error wins; posts nothing more */
 
 
+/* ---- revoke.c: the revoke exchange (control messages carrying KX_CTL_TAG as their data) -- */
+#define KX_CTL_TAG  0x4b584354ULL        /* "KXCT": the upper half of a control message's data */
+#define KX_CTL_SENT (1ULL << 63)         /* in the acks: our own control send with this token completed */
+#define KX_CTL_FAILED (1ULL << 62)       /* ... with an error (the peer is gone: wait for no ACK from it) */
+int kx_send_op(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t len, uint64_t ctl,
+               uint64_t token, int64_t wait_ns);      /* msg.c */
+int kx_ctl_is(uint64_t flags, uint64_t data);
+void kx_ctl_arrival_locked(kx_rail *r, uint32_t type, const char *data, size_t len);
+void kx_ctl_sent_locked(kx_rail *r, kx_sendbuf *s, int err);
+int kx_ctl_post_acks(kx_rail *r);       /* the poll owner: post the ACKs due; returns how many */
+int kx_revoked_check(kx_rail *r, kx_transfer *x);   /* before each post: FI_EACCES if x's key was revoked */
+void kx_ctl_free_locked(kx_hub *h);
+void kx_ctl_rail_free(kx_rail *r);
+uint64_t kx_name_hash(const void *name, size_t len);
+
 /* ---- the peers: peers.c (the table), local.c (same-process cells), names.c, shmlock.c -- */
 #define KX_PEER_SCAN_NS 10000000LL   /* the progress thread looks at its peers every 10 ms */
 #define KX_ALIVE_NS 500000LL         /* a poster trusts a shm peer's pidfd's "running" this long: one
@@ -347,6 +374,7 @@ typedef struct kx_peer {
     int64_t refused_ns;   /* since when every post to it was refused (-FI_EAGAIN), 0: not */
     int64_t alive_ns;     /* when its pidfd last said "running" to a poster (kx_peer_gone; KX_ALIVE_NS) */
     pid_t pid;            /* shm, another process: its pid (0: none) */
+    uint64_t name_hash;   /* its endpoint name's hash: whom a REVOKE's ACK goes to (revoke.c) */
     volatile int *lockw;  /* shm, another process: its region's spin lock (NULL: unknown layout; written only by kx_peers_unstick) */
     void *map;            /* the page lockw lies in (our own mapping of it) */
     struct kx_bell *bell; /* shm: the peer's doorbell, rung after each post (bell.c); NULL: none */

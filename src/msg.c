@@ -3,6 +3,16 @@
 
 int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t len)
 {
+    return kx_send_op(r, peer, gen, data, len, 0, 0, 50000000LL);
+}
+
+/* Post one message: a user's (ctl 0, fi_send) or one of the revoke exchange's (ctl: its
+ * data word, tagged KX_CTL_TAG; token: how its completion is reported, revoke.c). While the
+ * provider's queue is full, retry for `wait_ns` (0: one try; the progress thread, which
+ * must not wait on itself). */
+int kx_send_op(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t len, uint64_t ctl,
+               uint64_t token, int64_t wait_ns)
+{
     kx_sendbuf *s = malloc(sizeof(kx_sendbuf) + (len ? len : 1));
     if (!s)
         return -FI_ENOMEM;
@@ -12,6 +22,7 @@ int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t l
     s->peer = peer;
     s->gen = gen;
     s->mr = NULL;
+    s->token = token;
     s->len = len;
     if (len)
         memcpy(s->data, data, len);
@@ -35,8 +46,8 @@ int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t l
     }
     __atomic_add_fetch(&r->outstanding, 1, __ATOMIC_SEQ_CST);
     ssize_t ret;
-    /* queue full: let the progress thread drain it, for 50 ms at most; the caller retries */
-    int64_t until = kx_now_ns() + 50000000LL;
+    /* queue full: let the progress thread drain it, for wait_ns at most; the caller retries */
+    int64_t until = kx_now_ns() + wait_ns;
     for (;;) {
         int gone = kx_peer_enter(r, peer, gen);     /* never to a closed, exited or stalled peer */
         if (gone) {
@@ -45,13 +56,21 @@ int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t l
         }
         /* the peer's entry (counts, bell) only while entered: kx_av_remove waits for that */
         kx_peer_count(r, peer, 1);
-        ret = fi_send(r->ep, s->data, len, desc, peer, &s->op.fi);
+        if (ctl) {
+            /* no FI_DELIVERY_COMPLETE: rxm 1.17 hung inside such a send between two engines
+             * of one process (a messenger test, once in 136). A completion says the bytes
+             * left (tcp: in the peer's socket; shm: in its queue), and the peer's flush
+             * (kx_rail_flush) then reads them: what connect()'s wait for a HELLO relies on */
+            ret = fi_senddata(r->ep, s->data, len, desc, ctl, peer, &s->op.fi);
+        } else {
+            ret = fi_send(r->ep, s->data, len, desc, peer, &s->op.fi);
+        }
         if (ret == 0)
             kx_peer_accepted(r, peer);
         else
             kx_peer_uncount(r, peer, ret == -FI_EAGAIN);
         kx_peer_leave(r, peer);
-        if (ret != -FI_EAGAIN || r->stop || kx_now_ns() > until)
+        if (ret != -FI_EAGAIN || r->stop || kx_now_ns() >= until)
             break;
         kx_wake(r);
         struct timespec ts = {0, 20000};

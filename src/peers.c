@@ -100,6 +100,7 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     p->refused_ns = 0;
     p->alive_ns = 0;
     p->last_ns = kx_now_ns();
+    p->name_hash = kx_name_hash(name, len);
     __atomic_store_n(&p->dead, dead, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->used, 1, __ATOMIC_RELEASE);
     if ((size_t)fa + 1 > r->peer_hi)

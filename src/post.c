@@ -147,6 +147,13 @@ static int kx_pump(kx_rail *r, kx_transfer *x, int64_t budget)
         }
         if (budget <= 0)
             return 0;
+        /* the target closed the region (its REVOKE, revoke.c): post nothing more to it, as it
+         * would refuse it in a way neither provider reports (docs/reliability.md) */
+        int refused = kx_revoked_check(r, x);
+        if (refused) {
+            kx_transfer_fail(r, x, refused);
+            return 1;
+        }
         int np = x->npieces;
         int64_t bytes = 0;
         for (int k = 0; k < np; k++)

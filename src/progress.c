@@ -173,6 +173,14 @@ static void kx_complete_recv_locked(kx_rail *r, kx_rxbuf *b, size_t len, int err
 
 static void kx_complete_locked(kx_rail *r, void *context, uint64_t flags, uint64_t data, size_t len, int err)
 {
+    if (kx_ctl_is(flags, data) && context && !err && ((kx_op *)context)->kind == KX_OP_RECV) {
+        /* the revoke exchange's (revoke.c): handled here, never queued for recv() */
+        kx_rxbuf *b = (kx_rxbuf *)((kx_op *)context)->owner;
+        r->took_msgs = 1;
+        kx_ctl_arrival_locked(r, (uint32_t)data, b->data, len);
+        b->repost = 1;
+        return;
+    }
     if ((flags & FI_REMOTE_CQ_DATA) && !err) {
         if (kx_hub_arrival_locked(r->hub, (uint32_t)data))
             r->stat_rx_err++;
@@ -212,10 +220,16 @@ static void kx_complete_locked(kx_rail *r, void *context, uint64_t flags, uint64
         __atomic_sub_fetch(&r->outstanding, 1, __ATOMIC_RELAXED);
         if (current)
             kx_peer_count(r, s->peer, -1);
-        if (err && kx_is_peer_errno(err) && current)
-            kx_peer_kill_locked(r, s->peer, err);
-        if (err)
-            r->stat_rx_err++;
+        if (s->token) {
+            /* the revoke exchange's: its error says only that the peer is gone (the engine
+             * stops waiting for it); a HELLO to a peer not yet listening kills nothing */
+            kx_ctl_sent_locked(r, s, err);
+        } else {
+            if (err && kx_is_peer_errno(err) && current)
+                kx_peer_kill_locked(r, s->peer, err);
+            if (err)
+                r->stat_rx_err++;
+        }
         if (s->mr)
             fi_close(&s->mr->fid);
         free(s);
@@ -253,7 +267,7 @@ static void kx_handle_batch(kx_rail *r, struct fi_cq_data_entry *ent, ssize_t n)
     pthread_mutex_lock(&r->hub->lock);
     for (ssize_t i = 0; i < n; i++) {
         kx_complete_locked(r, ent[i].op_context, ent[i].flags, ent[i].data, ent[i].len, 0);
-        rx |= (ent[i].flags & FI_RECV) && !(ent[i].flags & FI_REMOTE_CQ_DATA);
+        rx |= (ent[i].flags & FI_RECV) && (!(ent[i].flags & FI_REMOTE_CQ_DATA) || kx_ctl_is(ent[i].flags, ent[i].data));
     }
     pthread_mutex_unlock(&r->hub->lock);
     if (rx)
@@ -301,7 +315,29 @@ static int kx_progress_once(kx_rail *r)
     if ((r->q_head && (n > 0 || kx_now_ns() - r->eagain_ns > 100000)) ||
         __atomic_load_n(&r->cancel_pending, __ATOMIC_ACQUIRE))
         n += kx_pump_queue(r);
+    n += kx_ctl_post_acks(r);     /* after the pump: the writes it posted go out ahead of the ACK */
     return n;
+}
+
+void kx_rail_flush(kx_rail *r, int64_t wait_ns)
+{
+    if (!kx_enter(r))
+        return;
+    int64_t end = kx_now_ns() + wait_ns;
+    for (int step = 0;; step++) {
+        if (kx_poll_try(r)) {     /* whoever read before us has handled what it read */
+            /* a few rounds even when one reads nothing: tcp reads a socket's bytes into the
+             * CQ during the read, so what arrived may show only in the next one */
+            for (int i = 0; i < 16 && (kx_progress_once(r) > 0 || i < 4); i++)
+                ;
+            kx_poll_done(r);
+            break;
+        }
+        if (kx_now_ns() >= end || r->stop)
+            break;
+        kx_pause(step, 100000);
+    }
+    kx_leave(r);
 }
 
 /* A waiter drives progress until *flag is set (or `ready` says so), its window passes or the

@@ -2,6 +2,7 @@
 #include "internal.h"
 
 #include <stdio.h>
+#include <unistd.h>
 
 static void kx_rail_init_rx(kx_rail *r, char *slab)
 {
@@ -393,6 +394,7 @@ void kx_rail_free(kx_rail *r)
     if (r->pdir)      /* a rail that failed to open before its endpoint existed */
         kx_peers_free(r);
     kx_bell_free(r);
+    kx_ctl_rail_free(r);
     kx_hub_unref(r->hub);
     free(r);
 }
@@ -437,7 +439,33 @@ int kx_getname(kx_rail *r, void *buf, size_t *len)
     return ret;
 }
 
-/* insert a peer's endpoint name, checked first (names.c: kx_addr_check), and track it */
+/* a shm name of this process: its engine's open cell, entered (busy: its owner does not close
+ * its endpoint before kx_local_exit), or NULL for an engine that closed. shm 1.17 crashes
+ * (SIGSEGV inside fi_av_insert) inserting the name of a closed endpoint of its own process */
+static kx_local *kx_local_enter(const void *addr, size_t len)
+{
+    kx_local *c = kx_local_find(addr, len);
+    if (!c)
+        return NULL;
+    __atomic_add_fetch(&c->busy, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&c->closed, __ATOMIC_SEQ_CST)) {
+        __atomic_sub_fetch(&c->busy, 1, __ATOMIC_SEQ_CST);
+        kx_local_unref(c);
+        return NULL;
+    }
+    return c;
+}
+
+static void kx_local_exit(kx_local *c)
+{
+    if (!c)
+        return;
+    __atomic_sub_fetch(&c->busy, 1, __ATOMIC_SEQ_CST);
+    kx_local_unref(c);
+}
+
+/* insert a peer's endpoint name, checked first (names.c: kx_addr_check), and track it; a shm
+ * name of an engine of this process that closed is refused (-FI_ECONNREFUSED) */
 int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out, uint32_t *gen)
 {
     int ret = kx_addr_check(r, addr, len);
@@ -445,10 +473,19 @@ int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out, uint3
         return ret;
     if (!kx_enter(r))
         return -FI_ECANCELED;
+    kx_local *self = NULL;
+    if (kx_shm_pid(r->info->fabric_attr->prov_name, addr, len) == getpid()) {
+        self = kx_local_enter(addr, len);
+        if (!self) {
+            kx_leave(r);
+            return -FI_ECONNREFUSED;
+        }
+    }
     int n = fi_av_insert(r->av, addr, 1, out, 0, NULL);
     ret = n == 1 ? 0 : (n < 0 ? n : -FI_EINVAL);
     if (!ret)
         ret = kx_peer_add(r, *out, addr, len);
+    kx_local_exit(self);
     *gen = ret ? 0 : kx_peer_gen(r, *out);
     kx_leave(r);
     return ret;

@@ -68,6 +68,13 @@ static int kx_pump_read(kx_rail *r, kx_transfer *x, int64_t budget)
         }
         if (budget <= 0)
             return 0;
+        /* the target closed the region (its REVOKE, revoke.c): read nothing more of it (shm
+         * would copy the closed region's still-mapped memory, checking no key) */
+        int refused = kx_revoked_check(r, x);
+        if (refused) {
+            kx_transfer_fail(r, x, refused);
+            return 1;
+        }
         int np = x->npieces;
         int64_t bytes = 0;
         for (int k = 0; k < np; k++) {

@@ -276,6 +276,24 @@ size_t kx_msg_len(const kx_msg *m);
 const char *kx_msg_data(const kx_msg *m);
 void kx_msg_free(kx_msg *m);
 
+/* ---- the revoke exchange (src/revoke.c): a target closing a region tells its peers ----- */
+
+enum { KX_CTL_HELLO = 1, KX_CTL_REVOKE = 2, KX_CTL_ACK = 3, KX_CTL_BYE = 4 };
+/* Post a HELLO or BYE (data: our address) or a REVOKE (token u64, nkeys u32, namelen u32, keys,
+ * our endpoint name) with `token` (nonzero, below 2^62): its completion is reported by
+ * kx_ctl_take as token | 2^63 (| 2^62 on error); -FI_EAGAIN as kx_send. */
+int kx_ctl_send(kx_rail *r, fi_addr_t peer, uint32_t gen, int type, uint64_t token, const char *data, size_t len);
+/* Waits up to slice_ns for answered tokens (ACKs received, our sends completed); takes up
+ * to max of them into tokens, *n of them. */
+int kx_ctl_take(kx_rail *r, int64_t slice_ns, uint64_t *tokens, size_t max, size_t *n);
+/* The next HELLO or BYE received (its kind's byte, then the peer's address; kx_msg_free
+ * it): 1, else 0 at once. A BYE: that engine is closing, announce nothing more to it. */
+int kx_ctl_hello(kx_rail *r, kx_msg **out);
+/* Keys of peers' regions revoked so far (writes to them fail with EACCES, posting nothing). */
+uint64_t kx_revoked_count(kx_rail *r);
+/* Handle whatever the CQ holds now (waits out the thread reading it, up to wait_ns). */
+void kx_rail_flush(kx_rail *r, int64_t wait_ns);
+
 /* ---- the layer watcher (src/watcher.c) ------------------------------------------- */
 
 /* A native thread (kvxfer-watch) that polls a 64-bit counter word and, when it reaches an

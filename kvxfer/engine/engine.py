@@ -36,6 +36,7 @@ from kvxfer.engine._args import _check_cpus, _check_nics, _check_options, _check
 from kvxfer.engine.rails import (Peer, _fabric, _message_limits, _need_native, _open_rails, _progress_rt,
                                  _warn_progress_rt)
 from kvxfer.engine.regions import PERMIT_SLOTS, MemoryRegion, RemoteRegion, _PermitSlot, _resolve_buffer
+from kvxfer.engine.revoke import Revocations
 from kvxfer.engine.transfer import Counter
 from kvxfer.engine.counters import _Counters
 from kvxfer.engine.reads import _Reads
@@ -164,6 +165,7 @@ class Engine(_Writes, _Reads, _Counters):
         self._dispatcher: Optional[threading.Thread] = None
         self._raw_keys: list[tuple[Any, int]] = []
         self._peers: dict[bytes, Peer] = {}
+        self._revokes = Revocations(self)   # a region's close, announced to its writers
         self._watchers: "weakref.WeakSet[Watcher]" = weakref.WeakSet()
         self._rails: list = []
         _check_options(progress, iov, max_write, pack_min, rails)
@@ -255,6 +257,8 @@ class Engine(_Writes, _Reads, _Counters):
 
     def _close_steps(self) -> None:
         """``close()``'s steps; each may run again after an interrupt (``close()``)."""
+        if not self._rails[0].closed:
+            self._revokes.bye()           # peers stop announcing their closes here (revoke.py)
         for w in list(self._watchers):  # armed writes never post into a closing rail
             w.close()
         self._rails[0].dispatch_stop()
@@ -369,6 +373,8 @@ class Engine(_Writes, _Reads, _Counters):
         # progress_rt_priority's outcome: the SCHED_FIFO priority the progress threads run at
         # (0: normal scheduling) and, where it was refused, the errno (EPERM: no CAP_SYS_NICE)
         out["progress_rt"], out["progress_rt_errno"] = _progress_rt(self._rails)
+        # keys of peers' regions their owners closed: writes to them fail, posting nothing (revoke.py)
+        out["revoked_keys"] = self._rails[0].revoked_keys
         return out
 
     @property
@@ -382,7 +388,9 @@ class Engine(_Writes, _Reads, _Counters):
 
     # -- peers and regions ---------------------------------------------------------------
     def connect(self, address: bytes) -> Peer:
-        """Insert a peer's address (from its ``Engine.address``) into the address vector."""
+        """Insert a peer's address (from its ``Engine.address``) into the address vector, and
+        tell the peer ours (a HELLO, waited for up to 1 s), so that it announces the close of
+        its regions here before deregistering them (kvxfer/engine/revoke.py)."""
         self._check_open()
         a = wire.Address.decode(address)
         if a.provider != self.provider:
@@ -400,11 +408,13 @@ class Engine(_Writes, _Reads, _Counters):
         with self._lock:
             peer = self._peers.get(address)
             if peer is not None and not peer.closed:
+                self._revokes.claimed(address)   # the caller's now (revoke.py)
                 return peer
             slots = [r.av_insert(np.frombuffer(a.names[i % len(a.names)], dtype=np.uint8))
                      for i, r in enumerate(self._rails)]
             peer = Peer(self, address, tuple(s[0] for s in slots), tuple(s[1] for s in slots), len(a.names))
             self._peers[address] = peer
+        self._revokes.hello(peer)        # so that a region it closes is announced here
         return peer
 
     def disconnect(self, peer: Peer, timeout: float = 1.0) -> None:
@@ -418,6 +428,8 @@ class Engine(_Writes, _Reads, _Counters):
         if not isinstance(peer, Peer) or peer.engine is not self:
             raise InvalidArgumentError("peer must come from this engine's connect()")
         timeout = _check_timeout(timeout)
+        if not peer.closed and not self._closed:
+            self._revokes.bye([peer])     # its closes announce nothing more here (revoke.py)
         with self._lock:
             if peer.closed:
                 return

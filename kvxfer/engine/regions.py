@@ -162,9 +162,14 @@ class MemoryRegion:
         posting or in flight, or a watch entry armed from it may still post: wait for it
         (or cancel or disarm it) first."""
         if self._handles and not self.engine.closed:
+            busy = ("memory region has transfers in flight or watch entries armed from it; "
+                    "wait for them (or disarm them) before closing it")
+            if any(h.rail.busy_with(h) for h in self._handles):
+                raise InvalidArgumentError(busy)
+            # its writers stop first: a write the target refuses is never posted (revoke.py)
+            self.engine._revokes.revoke(self)
             if not self.engine._rails[0].close_if_idle(self._handles):
-                raise InvalidArgumentError("memory region has transfers in flight or watch entries armed from it; "
-                                           "wait for them (or disarm them) before closing it")
+                raise InvalidArgumentError(busy)
         self._close()
 
     def _revoke(self, wait: bool = True) -> None:

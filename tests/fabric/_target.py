@@ -82,6 +82,9 @@ def _serve(conn, provider: str, nbytes: int, memory: str = "numpy", options: dic
                 conn.send(("ok", eng.stats()))
             elif cmd == "recv":
                 conn.send(("ok", eng.recv(args[0])))
+            elif cmd == "connect":             # a peer of ours (it then hears of our regions' closes)
+                eng.connect(args[0])
+                conn.send(("ok", None))
             elif cmd == "close":               # deregister; the memory stays, mapped and live
                 mr.close()
                 conn.send(("ok", None))

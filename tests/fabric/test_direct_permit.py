@@ -92,7 +92,10 @@ def test_a_closed_regions_old_remote_writes_nothing(shm, how):
         after = eng.stats()
         assert after["direct_writes"] == before["direct_writes"]
         if how == "close":
-            assert after["direct_revoked"] - before["direct_revoked"] == 1   # the first refusal ends it
+            # the target's REVOKE stopped it before any copy (kvxfer/engine/revoke.py): the
+            # permit, its second line, had nothing to refuse (test_direct_hostile.py tests it)
+            assert after["revoked_keys"] >= 1
+            assert after["direct_revoked"] == before["direct_revoked"]
             assert tgt.call("banked", 2) == 0    # no imm was posted
 
 
@@ -122,7 +125,8 @@ def test_close_under_a_stream_of_direct_writes_stops_them(shm):
             assert _until(lambda: eng.stats()["direct_writes"] > 8)
             left = tgt.call("close_fill_watch", 0.3)
             assert left == 0                     # bytes landed after close() returned: none
-            assert _until(lambda: eng.stats()["direct_revoked"] > 0)
+            # stopped by the target's REVOKE (revoke.py), or by the permit mid-copy
+            assert _until(lambda: eng.stats()["direct_revoked"] > 0 or eng.stats()["revoked_keys"] > 0)
         finally:
             stop.set()
             th.join(30)
@@ -151,7 +155,7 @@ def test_a_re_registered_buffer_takes_only_the_new_regions_writes(shm):
         _refused(t, 20)
         time.sleep(0.1)
         assert not tgt.memory().any()
-        assert eng.stats()["direct_revoked"] == 1
+        assert eng.stats()["revoked_keys"] >= 1        # refused before any copy (revoke.py)
         assert tgt.call("banked", 3) == 0
         t = eng.write(ms_new, 0, peer, new, 0, n, imm=4)
         tgt.call("expect", 4, t.num_writes)

@@ -6,6 +6,8 @@ and a read the target refuses failing its transfer."""
 
 from __future__ import annotations
 
+import errno
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -189,10 +191,11 @@ def test_only_regions_offered_for_reading_are_read(ends):
 
 
 def test_a_read_the_target_refuses_fails_its_transfer(provider):
-    """Once the target deregistered the region, a read with its key is refused at the target
-    (tcp: the key is gone; the read's transfer fails, never done without data). shm's CMA copy
-    checks no key (finding 23): there the read of a closed region's still-mapped memory lands,
-    and only the reader's own rule stands; a read to a peer that is gone fails instead."""
+    """Once the target closed the region, a read with its key fails its transfer with
+    ``EACCES`` before anything is posted, and reads nothing: the close's REVOKE carries the
+    read keys too (the revoke exchange, kvxfer/engine/revoke.py). Before, shm's CMA copy,
+    which checks no key (finding 23), read the closed region's still-mapped memory, and tcp
+    failed the read at the target. The peer stays usable; a read to a peer that is gone fails."""
     a = kvxfer.Engine(provider, "127.0.0.1", peer_timeout=5.0)
     b = kvxfer.Engine(provider, "127.0.0.1", peer_timeout=5.0)
     try:
@@ -207,18 +210,18 @@ def test_a_read_the_target_refuses_fails_its_transfer(provider):
         mine[:] = 0
         tr.close()
         t = a.read_pages(local, [1], peer, remote, [1], PAGE)
-        if provider == "shm":
+        with pytest.raises(KvxferError) as ei:
             t.wait(30)
-            assert (mine[PAGE:2 * PAGE] == 5).all()     # no key checked: the mapped memory is read
-            b.close()
-            t2 = a.read_pages(local, [2], peer, remote, [2], PAGE)
-            with pytest.raises(KvxferError):
-                t2.wait(30)
-            assert t2.error is not None
-            return
-        with pytest.raises((PeerError, KvxferError)):
-            t.wait(30)
-        assert t.done and t.error is not None and not mine.any()
+        assert ei.value.errno == errno.EACCES and t.posted == 0
+        assert not mine.any()
+        again = b.register(theirs, readable=True)           # the peer stays usable
+        a.read_pages(local, [2], peer, a.remote(again.descriptor()), [2], PAGE).wait(30)
+        assert (mine[2 * PAGE:3 * PAGE] == 5).all() and not mine[:2 * PAGE].any()
+        b.close()
+        t2 = a.read_pages(local, [3], peer, remote, [3], PAGE)
+        with pytest.raises(KvxferError):
+            t2.wait(30)
+        assert t2.error is not None
     finally:
         a.close()
         b.close()
