@@ -37,8 +37,9 @@ and in paged.py's region table). A reason is an item of UTF-8 text, at most ``MA
 bytes (``reason_bytes`` cuts a longer one before the first character that does not fit
 whole); a decoder refuses one that is longer, cut short or not UTF-8.
 
-Control message, version 2 (version 1 carried a REJECT's reason unprefixed and an ABORTED
-without one; a peer of the other version is refused by the version check)::
+Control message, version 3 (version 2 had no flags byte in REQUEST and no EXPOSE or DONE;
+version 1 carried a REJECT's reason unprefixed and an ABORTED without one; a peer of another
+version is refused by the version check)::
 
     b"KC" | u8 version | u8 type | u64 src uid | u64 dst uid | u64 seq | payload | [32-byte tag]
 
@@ -53,8 +54,8 @@ type   name         payload
 2      HELLO_ACK    empty
 3      REQUEST      ``<I Q i I>`` imm, num_tokens, context slot (-1: none), page count;
                     request id (u8 kind: 0 str, 1 bytes, 2 int; u16 length; bytes);
-                    pages as u32; ``<Q H>`` first_token, meta length; meta (at most
-                    ``MAX_META`` bytes)
+                    pages as u32; ``<Q H B>`` first_token, meta length, flags (1:
+                    pull, ``_pullcodec.REQUEST_PULL``); meta (at most ``MAX_META`` bytes)
 4      ANNOUNCE     ``<I Q>`` imm, messages the prefiller posts for it (context included)
 5      ABORT        ``<I>`` imm
 6      ABORTED      ``<I Q B>`` imm, messages posted, flags (1: request unknown,
@@ -64,7 +65,15 @@ type   name         payload
 7      REJECT       ``<I>`` imm, the reason (an item)
 8      HEARTBEAT    empty
 9      BYE          empty
+10     EXPOSE       the pull road (``_pullcodec``): imm, num_tokens, the prefiller's other
+                    writes (its context), request id, the source pages
+11     DONE         the pull road: imm, flags (1: aborted, reads drained; 2: unknown)
 ====== ============ =====================================================================
+
+Handshake of a messenger offering pull (``Messenger(offer_pull=True)``): the header has a
+ninth field ``"reads": 1`` and the table, after every rank's region descriptors, holds every
+rank's **reads-only** descriptors (read keys, no write key) in the same order, then the
+context descriptor.
 """
 
 from __future__ import annotations
@@ -83,11 +92,12 @@ import numpy as np
 
 from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, LayoutError, UnsupportedError
 from kvxfer.layout import KVLayout, Sharding
+from kvxfer.messenger import _pullcodec as P
 
 __all__ = [
     "Handshake", "Control", "RequestId", "encode_request_id", "decode_request_id",
     "HANDSHAKE_VERSION", "HANDSHAKE_SEALED_VERSION", "CONTROL_VERSION", "TAG_BYTES", "MSG_TYPES",
-    "HELLO", "HELLO_ACK", "REQUEST", "ANNOUNCE", "ABORT", "ABORTED", "REJECT", "HEARTBEAT", "BYE",
+    "HELLO", "HELLO_ACK", "REQUEST", "ANNOUNCE", "ABORT", "ABORTED", "REJECT", "HEARTBEAT", "BYE", "EXPOSE", "DONE",
     "ABORTED_UNKNOWN", "ABORTED_BY_PREFILLER", "ABORTED_REJECTED", "MAX_PAGES", "MAX_META", "MAX_REASON",
     "pack_item", "read_item", "read_items", "reason_bytes",
 ]
@@ -99,19 +109,20 @@ _NONCE_BYTES = 12
 _GCM_TAG_BYTES = 16
 _TABLE_KEY_INFO = b"kvxfer handshake region table, AES-256-GCM, v2"
 CONTROL_MAGIC = b"KC"
-CONTROL_VERSION = 2
+CONTROL_VERSION = 3
 TAG_BYTES = 32
 
 HELLO, HELLO_ACK, REQUEST, ANNOUNCE, ABORT, ABORTED, REJECT, HEARTBEAT, BYE = range(1, 10)
+EXPOSE, DONE = P.EXPOSE, P.DONE
 MSG_TYPES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", REQUEST: "REQUEST", ANNOUNCE: "ANNOUNCE",
-             ABORT: "ABORT", ABORTED: "ABORTED", REJECT: "REJECT", HEARTBEAT: "HEARTBEAT", BYE: "BYE"}
+             ABORT: "ABORT", ABORTED: "ABORTED", REJECT: "REJECT", HEARTBEAT: "HEARTBEAT", BYE: "BYE", **P.NAMES}
 ABORTED_UNKNOWN = 1
 ABORTED_BY_PREFILLER = 2
 ABORTED_REJECTED = 4          # with BY_PREFILLER: Request.reject after writes were posted
 
 _HDR = struct.Struct("<2sBBQQQ")
 _REQ = struct.Struct("<IQiI")
-_REQ_TAIL = struct.Struct("<QH")         # first_token, meta length
+_REQ_TAIL = struct.Struct("<QHB")        # first_token, meta length, flags
 _ANN = struct.Struct("<IQ")
 _IMM = struct.Struct("<I")
 _ABD = struct.Struct("<IQB")
@@ -346,6 +357,8 @@ class Handshake:
     peer_timeout: float
     regions: tuple[tuple[bytes, ...], ...]   #: per rank held: the layout's region descriptors
     context: Optional[bytes] = None           #: the context region's descriptor (slots > 0)
+    #: per rank held: reads-only descriptors of the same regions (a messenger offering pull), else ()
+    read_regions: tuple[tuple[bytes, ...], ...] = ()
 
     def encode(self, secret: Optional[bytes] = None) -> bytes:
         header = json.dumps({
@@ -354,8 +367,11 @@ class Handshake:
             "engine": {"provider": self.provider, "iov": self.iov, "max_write": self.max_write,
                        "pack_min": self.pack_min, "rails": self.rails},
             "context": [self.context_slots, self.context_bytes], "peer_timeout": self.peer_timeout,
+            **({"reads": 1} if self.read_regions else {}),
         }, separators=(",", ":")).encode()
-        descs = [d for per_rank in self.regions for d in per_rank]
+        if self.read_regions and len(self.read_regions) != len(self.regions):
+            raise InvalidArgumentError("a handshake offering reads names reads-only descriptors for every rank")
+        descs = [d for per_rank in self.regions + self.read_regions for d in per_rank]
         if self.context_slots:
             if self.context is None:
                 raise InvalidArgumentError("a handshake with context slots needs the context descriptor")
@@ -478,18 +494,21 @@ class Handshake:
             pt = h["peer_timeout"]
             if isinstance(pt, bool) or not isinstance(pt, (int, float)) or not (0 < pt < 1e6) or math.isnan(pt):
                 raise DescriptorError("handshake peer_timeout must be a positive number of seconds")
-            if len(h) != 8:
+            reads = "reads" in h
+            if reads and (isinstance(h["reads"], bool) or h["reads"] != 1) or len(h) != 8 + reads:
                 raise DescriptorError("handshake header has unknown fields")
         except KeyError as exc:
             raise DescriptorError(f"handshake header lacks {exc}") from None
         nreg = layout.num_regions
-        want = len(ranks) * nreg + (1 if slots else 0)
+        sets = 2 if reads else 1              # the write descriptors, then (offering pull) the reads-only ones
+        want = sets * len(ranks) * nreg + (1 if slots else 0)
         if len(descs) != want:
-            raise DescriptorError(f"handshake carries {len(descs)} descriptors; {len(ranks)} rank(s) x "
+            raise DescriptorError(f"handshake carries {len(descs)} descriptors; {sets} x {len(ranks)} rank(s) x "
                                   f"{nreg} region(s){' + context' if slots else ''} = {want} expected")
-        regions = tuple(tuple(descs[i * nreg:(i + 1) * nreg]) for i in range(len(ranks)))
+        per = [tuple(descs[i * nreg:(i + 1) * nreg]) for i in range(sets * len(ranks))]
+        regions, read_regions = tuple(per[:len(ranks)]), tuple(per[len(ranks):])
         return cls(uid, address, layout, sharding, tuple(ranks), eng["provider"], iov, max_write, pack_min, rails,
-                   slots, cbytes, float(pt), regions, descs[-1] if slots else None)
+                   slots, cbytes, float(pt), regions, descs[-1] if slots else None, read_regions)
 
 
 # -- control messages ---------------------------------------------------------------------
@@ -539,9 +558,11 @@ class Control:
             meta = bytes(self.meta)
             if len(meta) > MAX_META:
                 raise InvalidArgumentError(f"a request's meta is at most {MAX_META} bytes, got {len(meta)}")
+            if self.flags & ~P.REQUEST_PULL:
+                raise InvalidArgumentError(f"REQUEST has flags {self.flags}")
             body = (_REQ.pack(self.imm, self.num_tokens, self.slot, len(pages))
                     + encode_request_id(self.request_id) + pages.tobytes()
-                    + _REQ_TAIL.pack(self.first_token, len(meta)) + meta)
+                    + _REQ_TAIL.pack(self.first_token, len(meta), self.flags) + meta)
         elif t == ANNOUNCE:
             body = _ANN.pack(self.imm, self.count)
         elif t == ABORT:
@@ -552,6 +573,8 @@ class Control:
                 body += pack_item(reason_bytes(self.reason))
         elif t == REJECT:
             body = _IMM.pack(self.imm) + pack_item(reason_bytes(self.reason))
+        elif t in P.NAMES:
+            body = P.encode(self, MAX_PAGES)
         else:
             raise InvalidArgumentError(f"unknown control message type {t}")
         return _seal(head + body, secret)
@@ -586,9 +609,11 @@ class Control:
                 if n > MAX_PAGES or len(body) < end + _REQ_TAIL.size:
                     raise DescriptorError("REQUEST page list does not match its count")
                 m.pages = np.frombuffer(body, dtype="<u4", count=n, offset=pos).astype(np.int64)
-                m.first_token, mlen = _REQ_TAIL.unpack_from(body, end)
+                m.first_token, mlen, m.flags = _REQ_TAIL.unpack_from(body, end)
                 if mlen > MAX_META or len(body) != end + _REQ_TAIL.size + mlen:
                     raise DescriptorError("REQUEST meta does not match its length")
+                if m.flags & ~P.REQUEST_PULL:
+                    raise DescriptorError("REQUEST has unknown flags")
                 m.meta = bytes(body[end + _REQ_TAIL.size:])
             elif t == ANNOUNCE:
                 _exact(body, _ANN.size, t)
@@ -608,6 +633,8 @@ class Control:
                 (m.imm,) = _IMM.unpack_from(body)
                 m.reason, pos = _read_reason(body, _IMM.size, t)
                 _exact(body, pos, t)
+            elif t in P.NAMES:
+                P.decode(m, body, MAX_PAGES)
             else:
                 raise DescriptorError(f"unknown control message type {t}")
         except struct.error:
