@@ -539,3 +539,4 @@ class Decoder(PullReader):
             left = [r for r in dict.fromkeys(self.receives.values()) if r._state not in FINAL]
         for r in left:
             self.fail(r, err, fence=lambda leg: leg.peer.torn_down)
+        self.drain_reads(2.0)         # the pull road: cancelled reads still in flight

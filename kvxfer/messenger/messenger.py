@@ -280,6 +280,8 @@ class Messenger:
                 return
             node.closed = True
         err = ClosedError("messenger closed")
+        # the pull road: our reads stop and drain before any BYE lets a prefiller free its pages
+        self._decode.stop_pulls(err, min(2.0, timeout))
         for pg in self._peers_room.all():
             if pg.alive:
                 self._peer_gone(pg, err, notify=True)

@@ -17,6 +17,7 @@ complete): the only message that releases the prefiller's pages, but its death.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kvxfer.errors import DescriptorError, KvxferError
@@ -154,6 +155,30 @@ class PullReader:
         self._finished(r, cbs)
         if err is not None:
             self.fail(r, err)
+
+    def stop_pulls(self, err: BaseException, timeout: float) -> None:
+        """The messenger closes: every pull in flight fails (its reads cancelled) and its reads
+        drain (bounded) before the peers are told BYE, which frees their pages."""
+        with self.node.lock:
+            rs = [r for r in dict.fromkeys(self.receives.values()) if r.pull and r._state not in FINAL]
+        for r in rs:
+            self.fail(r, err)
+        self.drain_reads(timeout)
+
+    def drain_reads(self, timeout: float) -> None:
+        """The messenger closes: wait (bounded) for the cancelled reads still in flight, so
+        their Receives fence and no read lands in pages after ``close`` returned."""
+        deadline = time.monotonic() + timeout
+        with self.node.lock:
+            legs = [(r, leg) for r in dict.fromkeys(self.receives.values()) for leg in r.legs if not leg.drained]
+        for r, leg in legs:
+            for t in leg.reads:
+                try:
+                    t.wait(max(0.0, deadline - time.monotonic()))
+                except KvxferError:
+                    pass
+            if all(t.done for t in leg.reads):
+                self.reads_drained(r, leg)
 
     def owe_done(self, leg: Any) -> None:
         """Under the lock, ``leg`` just fenced: tell an exposing peer its pages are free."""

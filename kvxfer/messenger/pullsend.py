@@ -82,8 +82,25 @@ class PullSend(Send):
                 for t in self._transfers:
                     t.cancel()
             self._finished = True            # no context is written after a DONE
-        self._room.queue_reap(self)
+            now = all(t.done for t in self._transfers)
+        if now:
+            self.finalize()                  # settled on this thread: a BYE right after finds it final
+        else:
+            self._room.queue_reap(self)
         return True
+
+    def kill(self, err: BaseException) -> None:
+        """Its peer is gone. After its DONE (a BYE may follow at once) the Send settles as the
+        DONE said; before it, as any Send: failed now, the pages free."""
+        if self._done_flags is None:
+            super().kill(err)
+            return
+        with self._lock:
+            self._abort_req = self._finished = True
+            for t in self._transfers:
+                t.cancel()
+            ok = not self._done_flags & P.DONE_ABORTED and self.error is None
+        self._room.settle(self, "done" if ok else "failed" if self.error is not None else "aborted", None)
 
     def finalize(self) -> bool:
         """Reaper: every transfer (the context write) is final: answer ABORTED if owed; settle

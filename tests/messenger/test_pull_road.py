@@ -351,3 +351,69 @@ def test_kill_9_of_the_decoder_during_a_pull(provider):
             kill(proc)
         p.close()
         ea.close()
+
+
+@pytest.mark.parametrize("case", ["tp2to1", "pages16to32-tp2to1", "pages32to16-gqa-tp4to2"])
+def test_pull_of_a_prefix_hit_reads_only_the_tokens_after_it(provider, case):
+    """``receive(..., first_token=a, pull=True)``: the decoder holds tokens [0, a); its pages
+    start with a's page, and exactly tokens [a, num_tokens) are read (the prefix's part of the
+    first page keeps its bytes)."""
+    sl, ss, dl, ds = CASES[case]
+    ns = open_set(provider, sl, ss, dl, ds, "node")
+    try:
+        d, pgs = ns.decode[0], ns.pgs[0]
+        pd, ps = dl.page_size, sl.page_size
+        for n, (a, tokens) in enumerate([(5, 40), (pd, 2 * pd + 1), (pd + 3, 3 * pd)]):
+            if -(-tokens // ps) > sl.num_pages:
+                continue
+            dp = np.arange(-(-tokens // pd) - a // pd) + 2 * n
+            rid = f"prefix-{case}-{n}"
+            r = d.receive(pgs, rid, dp, tokens, first_token=a, pull=True)
+            assert r.wait(DEADLINE) == "done" and r.fenced
+            sp = src_for(rid, tokens, sl)
+            t = np.arange(a, tokens)
+            for mem in d.mems.values():
+                for layer in range(ns.cache.shape[0]):
+                    for plane in range(ns.cache.shape[1]):
+                        view = mem.page_view(layer, plane)
+                        got = view[dp[t // pd - a // pd], :, t % pd]
+                        want = ns.cache[layer, plane][sp[t // ps], :, t % ps][:, mem.heads]
+                        assert np.array_equal(got, want), f"{rid}: layer {layer} plane {plane} differs"
+                        assert (view[dp[0], :, :a % pd] == SENTINEL).all(), "a token of the prefix was read"
+            r.release()
+            for mem in d.mems.values():
+                for reg in mem.regions:
+                    reg[:] = SENTINEL
+    finally:
+        ns.close()
+
+
+def test_closing_the_decoder_mid_pull_drains_its_reads(provider):
+    """``close()`` of the decoder with a pull in flight: the Receive fails (ClosedError) and is
+    fenced once its cancelled reads drained, before close returns; the prefiller's Send is
+    released (the decoder's BYE: failed) and nothing holds its pages."""
+    lay = KVLayout.vllm(2, 8, 64, 16, 256, "float16")
+    sh = Sharding(1)
+    ea, eb = kvxfer.Engine(provider, "127.0.0.1"), kvxfer.Engine(provider, "127.0.0.1")
+    src = [np.full(s, 0x31, np.uint8) for s in lay.region_sizes(sh)]
+    dst = [np.full(s, SENTINEL, np.uint8) for s in lay.region_sizes(sh)]
+    p = kvxfer.Messenger(ea, lay, sh, {0: src}, peer_timeout=10, offer_pull=True)
+    d = kvxfer.Messenger(eb, lay, sh, {0: dst}, peer_timeout=10)
+    try:
+        pg = d.connect(p.handshake(), timeout=30)
+        r = d.receive(pg, "closing", np.arange(lay.num_pages), lay.num_pages * lay.page_size, pull=True)
+        s = p.send(p.requests(timeout=DEADLINE)[0], np.arange(lay.num_pages), context=None)
+        t0 = time.monotonic()
+        while r.state == "pending" and time.monotonic() - t0 < DEADLINE:
+            time.sleep(0.0002)
+        d.close()
+        assert r.done and r.fenced and all(t.done for leg in r.legs for t in leg.reads), r
+        assert r.state == "done" or type(r.error).__name__ == "ClosedError"
+        _wait_fenced([s])
+        # released either way: done (its DONE came before the BYE) or failed by the BYE
+        assert s.state == ("done" if r.state == "done" else "failed"), (r.state, s.state, s.error)
+    finally:
+        d.close()
+        p.close()
+        eb.close()
+        ea.close()
