@@ -120,9 +120,9 @@ def big_layout():
     return KVLayout.vllm(2, 8, 128, 64, 160, "float16")
 
 
-def prefill_proc(conn, provider: str, peer_timeout: float, fill: int) -> None:
-    """A prefiller offering pull, every page ``fill``; serves each request at once (source
-    pages 0..n-1). Commands: "stats", "exit"."""
+def prefill_proc(conn, provider: str, peer_timeout: float, fill: int, tp: int = 1, rank: int = 0) -> None:
+    """A prefiller offering pull (rank ``rank`` of TP ``tp``), every page ``fill``; serves
+    each request at once (source pages 0..n-1). Commands: "stats", "exit"."""
     import kvxfer
     from kvxfer import Sharding
 
@@ -130,9 +130,9 @@ def prefill_proc(conn, provider: str, peer_timeout: float, fill: int) -> None:
     try:
         lay = big_layout()
         eng = kvxfer.Engine(provider, "127.0.0.1")
-        regions = [np.full(s, fill, np.uint8) for s in lay.region_sizes(Sharding(1))]
+        regions = [np.full(s, fill, np.uint8) for s in lay.region_sizes(Sharding(tp))]
         holder: list = []
-        m = kvxfer.Messenger(eng, lay, Sharding(1), {0: regions}, peer_timeout=peer_timeout, offer_pull=True,
+        m = kvxfer.Messenger(eng, lay, Sharding(tp), {rank: regions}, peer_timeout=peer_timeout, offer_pull=True,
                              on_request=lambda req: holder[0].send(req, np.arange(len(req.dst_pages)), context=None))
         holder.append(m)
         conn.send(("ready", m.handshake(), os.getpid()))

@@ -417,3 +417,65 @@ def test_closing_the_decoder_mid_pull_drains_its_reads(provider):
         p.close()
         eb.close()
         ea.close()
+
+
+def test_per_rank_kill_9_of_one_prefill_rank_during_a_pull(provider):
+    """Per-rank prefill (one process per rank of TP2) and a TP1 decoder pulling from both:
+    kill -9 of rank 0 mid-pull fails the pulls in flight (fenced within a deadline) and the
+    live rank's Sends are released (DONE aborted, or done) only by the decoder, none left held.
+    On shm 1.17 a dead peer stalls the engine's traffic with the live peer too
+    (docs/reliability.md, finding 24): there the live rank declares the silent decoder dead
+    and its Sends fail (released by the death rule); the decoder's side is the same."""
+    procs = [start(prefill_proc, provider, 4.0, 0x50 + r, 2, r) for r in range(2)]
+    try:
+        blobs = []
+        for p, conn in procs:
+            assert conn.poll(DEADLINE), "prefiller did not start"
+            st, blob, pid = conn.recv()
+            assert st == "ready", blob
+            blobs.append((blob, pid))
+        lay = big_layout()
+        with kvxfer.Engine(provider, "127.0.0.1") as eng:
+            regions = [np.zeros(s, np.uint8) for s in lay.region_sizes(Sharding(1))]
+            d = kvxfer.Messenger(eng, lay, Sharding(1), {0: regions}, peer_timeout=4.0)
+            try:
+                pgs = [d.connect(b, timeout=30) for b, _ in blobs]
+                n = 8
+                per = lay.num_pages // n
+                rs = [d.receive(pgs, f"k{i}", np.arange(i * per, (i + 1) * per), per * lay.page_size, pull=True)
+                      for i in range(n)]
+                t0 = time.monotonic()
+                while rs[0].state == "pending" and time.monotonic() - t0 < DEADLINE:
+                    time.sleep(0.0002)
+                kill(procs[0][0])
+                for r in rs:
+                    try:
+                        r.wait(DEADLINE)
+                    except KvxferError:
+                        pass
+                _wait_fenced(rs)
+                states = [r.state for r in rs]
+                assert all(r.done and r.fenced for r in rs), states
+                assert "failed" in states, f"every pull finished before the kill: {states}"
+                # the live rank: every Send settled, released by the decoder's DONE
+                conn = procs[1][1]
+                t1 = time.monotonic()
+                while True:
+                    conn.send("stats")
+                    assert conn.poll(DEADLINE)
+                    _, st = conn.recv()
+                    settled = sum(st.get(f"send_{k}", 0) for k in ("done", "aborted", "failed"))
+                    if settled == st.get("sends", 0) or time.monotonic() - t1 > DEADLINE:
+                        break
+                    time.sleep(0.05)
+                assert settled == st["sends"] == st["sends_pull"], st          # none left held
+                if provider != "shm":
+                    assert st.get("send_failed", 0) == 0 and st["recv_DONE"] == st["sends"], st
+                # on shm (seen 1 of 1) the live rank declared the decoder dead instead: finding 24
+                # stalls the decoder engine's messages to it too, so it went silent for peer_timeout
+            finally:
+                d.close()
+        procs[1][1].send("exit")
+    finally:
+        for p, _ in procs:
+            kill(p)
