@@ -216,7 +216,8 @@ class Receive:
     def abort(self, timeout: Optional[float] = None) -> bool:
         """Stop the request with a fence. True once no write of it can land any more (every
         prefill peer stopped, reported what it posted, and all of that was credited; or it
-        was already done); then the pages may be reused. False if a peer did not answer
+        was already done); then the pages may be reused. A pull (``pull``) also cancels its
+        reads and is fenced only once none is in flight; each peer is then told DONE. False if a peer did not answer
         within ``timeout`` (None: until it answers or is declared dead), or died: the pages
         stay quarantined until ``fenced`` turns True (the dead peer torn down, the others'
         writes fenced). ``abort(timeout=0)`` is the scheduler loop's non-blocking abort: it

@@ -479,3 +479,20 @@ def test_per_rank_kill_9_of_one_prefill_rank_during_a_pull(provider):
     finally:
         for p, _ in procs:
             kill(p)
+
+
+def test_metrics_count_the_pull_road(provider):
+    ns = _one_pull(provider)
+    try:
+        d, pgs = ns.decode[0], ns.pgs[0]
+        for i in range(3):
+            assert d.receive(pgs, f"m{i}", [2 * i, 2 * i + 1], 20, pull=True).wait(DEADLINE) == "done"
+        _wait_fenced(ns.sends)
+        dm, pm = d.metrics(), ns.prefill[0].metrics()
+        assert dm["requests"]["pulled"] == 3 and dm["receives"]["done"] == 3
+        assert dm["bytes"]["read"] == dm["bytes"]["received"] > 0          # one layer's pages, whole
+        assert pm["requests"]["exposed"] == 3 and pm["sends"]["done"] == 3
+        assert dm["messages"]["sent"]["DONE"] == 3 and "EXPOSE" not in pm["messages"]["received"]
+        assert pm["messages"]["sent"]["EXPOSE"] == 3 and dm["messages"]["received"]["EXPOSE"] == 3
+    finally:
+        ns.close()
