@@ -93,6 +93,9 @@ def test_pull_byte_exact(provider, mode, case):
         assert {id(x) for x in got_s} == {id(s) for s in ns.sends}
         assert len(got_r) == sum(d.stats()["receives_pull"] for d in ns.decode) and all(x.pull for x in got_r)
         for d in ns.decode:
+            t0 = time.monotonic()           # a DONE is counted once its send returned, maybe after it landed
+            while d.stats().get("sent_DONE", 0) < d.stats()["recv_EXPOSE"] and time.monotonic() - t0 < DEADLINE:
+                time.sleep(0.005)
             st = d.stats()
             assert st["receive_done"] == st["receives_pull"] and st.get("recv_ANNOUNCE", 0) == 0
             assert st["sent_DONE"] == st["recv_EXPOSE"] and st["pull_reads"] > 0
@@ -488,6 +491,10 @@ def test_metrics_count_the_pull_road(provider):
         for i in range(3):
             assert d.receive(pgs, f"m{i}", [2 * i, 2 * i + 1], 20, pull=True).wait(DEADLINE) == "done"
         _wait_fenced(ns.sends)
+        t0 = time.monotonic()         # a message is counted sent once its send returned, maybe after it landed
+        while (d.stats().get("sent_DONE", 0) < 3 or ns.prefill[0].stats().get("sent_EXPOSE", 0) < 3) and \
+                time.monotonic() - t0 < DEADLINE:
+            time.sleep(0.005)
         dm, pm = d.metrics(), ns.prefill[0].metrics()
         assert dm["requests"]["pulled"] == 3 and dm["receives"]["done"] == 3
         assert dm["bytes"]["read"] == dm["bytes"]["received"] > 0          # one layer's pages, whole
