@@ -6,7 +6,8 @@ rank of a node, or one rank process's own), exchanges handshakes with peers and 
 both ways. The rooms, each in its own module: ``peers.Peers`` (handshake, HELLO, heartbeats,
 resends, teardown), ``decode.Decoder`` (``Receive`` and its legs, the fence),
 ``prefill.Prefiller`` (``Request``, ``Send``, posting, the reaper), ``stream.Streamer`` (the
-layer counter, ``schedule``, ``Pass``). The messenger wires them together: it routes each
+layer counter, ``schedule``, ``Pass``); the pull road's halves are ``pullsend.PullSend`` and
+the decode room's mixin ``pullrecv.PullReader``. The messenger wires them together: it routes each
 control message, and a peer's death to both roles.
 
 Threads: the messenger thread (``kvxfer-msg``) is the only reader of the engine's control
