@@ -174,7 +174,7 @@ def _as_sent(m: C.Control) -> C.Control:
     """``m`` as its receiver decodes it: a REJECT's reason (an ABORTED's, flagged REJECTED) is
     at most 1,024 bytes of UTF-8."""
     if m.type == C.REJECT or (m.type == C.ABORTED and m.flags & C.ABORTED_REJECTED):
-        m.reason = m.reason.encode("utf-8", "replace")[:1024].decode("utf-8", "replace")
+        m.reason = C.reason_bytes(m.reason).decode("utf-8")       # the codec's own cut, at a character
     return m
 
 
