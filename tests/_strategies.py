@@ -24,7 +24,7 @@ def controls(draw, src=u64, dst=u64, hello_blob=st.binary(min_size=1, max_size=2
     elif t == C.REQUEST:
         kw.update(imm=draw(u32), num_tokens=draw(u64), slot=draw(st.integers(-2**31, 2**31 - 1)),
                   request_id=draw(request_ids), pages=np.array(draw(st.lists(u32, max_size=50)), np.int64),
-                  first_token=draw(u64), meta=draw(st.binary(max_size=C.MAX_META)))
+                  first_token=draw(u64), meta=draw(st.binary(max_size=C.MAX_META)), flags=draw(st.integers(0, 1)))
     elif t == C.ANNOUNCE:
         kw.update(imm=draw(u32), count=draw(u64))
     elif t == C.ABORT:
@@ -35,6 +35,11 @@ def controls(draw, src=u64, dst=u64, hello_blob=st.binary(min_size=1, max_size=2
             kw["reason"] = draw(reasons)
     elif t == C.REJECT:
         kw.update(imm=draw(u32), reason=draw(reasons))
+    elif t == C.EXPOSE:          # the pull road (kvxfer/messenger/_pullcodec.py)
+        kw.update(imm=draw(u32), num_tokens=draw(u64), count=draw(u64), request_id=draw(request_ids),
+                  pages=np.array(draw(st.lists(u32, max_size=50)), np.int64))
+    elif t == C.DONE:
+        kw.update(imm=draw(u32), flags=draw(st.integers(0, 3)))
     return C.Control(t, draw(src), draw(dst), draw(u64), **kw)
 
 

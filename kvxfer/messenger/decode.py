@@ -10,7 +10,8 @@ count; the Receive is done once every leg's count was credited (the context is o
 writes of exactly one leg: the peer holding the lowest writing source rank). Abort, timeout and
 failure span the legs: every leg not yet fenced is sent ABORT and fences on its own ABORTED
 count; a leg whose peer died is fenced once the peer is torn down. The pages are reused only
-when every leg is fenced.
+when every leg is fenced. The pull road (``receive(..., pull=True)``: each leg's peer exposes
+its pages, this decoder reads them) is the mixin ``pullrecv.PullReader``.
 """
 
 from __future__ import annotations
@@ -32,13 +33,16 @@ from kvxfer.errors import (
     PeerError,
     RejectedError,
     TimeoutError,
+    UnsupportedError,
 )
 from kvxfer.layout import KVLayout, Sharding
 from kvxfer.messenger import _args
 from kvxfer.messenger import _codec as C
+from kvxfer.messenger import _pullcodec as P
 from kvxfer.messenger import prefix
 from kvxfer.messenger._node import FINAL, Node
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
+from kvxfer.messenger.pullrecv import PullReader
 from kvxfer.messenger.receive import Leg, Receive
 from kvxfer.planner import request_seed, writing_ranks
 
@@ -48,7 +52,7 @@ __all__ = ["Receive", "Leg", "Decoder", "IMM_LIMIT"]     # Receive and Leg live 
 IMM_LIMIT = 2**31
 
 
-class Decoder:
+class Decoder(PullReader):
     """The decode room of one messenger: its receives, imms, context slots and busy pages."""
 
     def __init__(self, node: Node, peers: Peers, layout: KVLayout, sharding: Sharding, ranks: tuple,
@@ -73,8 +77,10 @@ class Decoder:
 
     # -- asking ---------------------------------------------------------------------------
     def receive(self, peers: Any, request_id: Any, dst_pages: Any, num_tokens: Any, timeout: Any,
-                hot: bool, first_token: Any = 0, meta: Any = b"") -> Receive:
+                hot: bool, first_token: Any = 0, meta: Any = b"", pull: bool = False) -> Receive:
         groups = self.peers.instance(peers)
+        if not isinstance(pull, bool):
+            raise InvalidArgumentError(f"pull must be a bool, got {pull!r}")
         timeout = _args.timeout(timeout)
         pages = _args.dst_pages(dst_pages, self.layout.num_pages, C.MAX_PAGES)
         for name, v in (("num_tokens", num_tokens), ("first_token", first_token)):
@@ -114,6 +120,10 @@ class Decoder:
         for s in sorted(writers):
             lowest.setdefault(by_rank[s].uid, (s, by_rank[s]))
         legs_of = [pg for _, pg in sorted(lowest.values(), key=lambda x: x[0])]
+        no_reads = [pg for pg in legs_of if pull and pg.readable is None]
+        if no_reads:
+            raise UnsupportedError(f"peer {no_reads[0].uid:016x} offers no pull (its messenger was made without "
+                                   "offer_pull=True): receive(..., pull=False) to have it write")
         pages.flags.writeable = False
         node = self.node
         with node.lock:
@@ -136,10 +146,10 @@ class Decoder:
             slot = self.free_slots.popleft() if self.context_slots else -1
             legs = []
             for i, pg in enumerate(legs_of):       # the first leg holds the lowest writing rank: the context
-                legs.append(Leg(pg, self._alloc_imm(legs), slot if i == 0 else -1))
+                legs.append(Leg(pg, self._alloc_imm(legs), slot if i == 0 else -1, pull))
             deadline = None if timeout is None else time.monotonic() + timeout
             r = Receive(self, legs, request_id, pages, int(num_tokens), slot, deadline)
-            r.first_token, r.meta = first_token, meta
+            r.first_token, r.meta, r.pull = first_token, meta, pull
             if hot:
                 node.engine.hold_awake(True)
                 r._hot = True
@@ -148,6 +158,8 @@ class Decoder:
                 self.receives[leg.imm] = r
             self.rids[request_id] = r
             node.count("receives")
+            if pull:
+                node.count("receives_pull")
             queued = any(pg.state == "connecting" for pg in legs_of)
             if queued:                   # sent by peer_up once every leg's peer is up
                 self.queued[r] = None
@@ -164,7 +176,8 @@ class Decoder:
         """Under the lock: every leg's REQUEST to the sender thread (no wait on the engine)."""
         for leg in r.legs:
             self.peers.post(leg.peer, C.REQUEST, imm=leg.imm, num_tokens=r.num_tokens, slot=leg.slot,
-                            request_id=r.request_id, pages=r.dst_pages, first_token=r.first_token, meta=r.meta)
+                            request_id=r.request_id, pages=r.dst_pages, first_token=r.first_token, meta=r.meta,
+                            flags=P.REQUEST_PULL if r.pull else 0)
 
     # -- queued for a connecting peer (connect(wait=False)) -----------------------------------
     def _dequeue(self, r: Receive) -> bool:
@@ -221,6 +234,7 @@ class Decoder:
         """``r`` is aborting: the legs an ABORT must go to now (marked sent), but ``skip``
         (a leg whose peer stopped by itself)."""
         r._aborting = True
+        self._stop_reads(r)
         if self._dequeue(r):
             self._finished(r, self._progress(r))     # nothing was sent: fenced now
             return []
@@ -237,8 +251,8 @@ class Decoder:
 
     def _fence_leg(self, leg: Leg) -> None:
         """No write of ``leg`` can land any more: retire its imm."""
-        if leg.fenced:
-            return
+        if leg.fenced or self.reads_pending(leg):
+            return                 # (a read of it in flight: reads_drained fences it)
         leg.fenced = True
         self.receives.pop(leg.imm, None)
         if not leg.complete:
@@ -248,6 +262,7 @@ class Decoder:
                 self.node.engine.discard(leg.imm)
             except KvxferError:
                 pass
+        self.owe_done(leg)
 
     def _progress(self, r: Receive) -> Optional[list]:
         """Settle what the legs now allow: the final state (once), then the pages once every
@@ -310,6 +325,7 @@ class Decoder:
                 r.error = err
             if r._state not in FINAL:
                 r._fail_now = True
+            self._stop_reads(r)
             self._dequeue(r)
             for leg in r.legs:
                 if fence(leg):
@@ -328,6 +344,10 @@ class Decoder:
         with self.node.lock:
             if leg.complete or leg.fenced:
                 return
+            if leg.pull:                     # its context: complete once its reads are too
+                leg.ctx_done = True
+                if not leg.reads_ok:
+                    return
             leg.complete = True
             self._fence_leg(leg)
             cbs = self._progress(r)
@@ -354,6 +374,9 @@ class Decoder:
             return
         node = self.node
         with node.lock:
+            if leg.pull:
+                node.count("drop_unexpected_announce")     # a pull leg's peer exposes, never writes
+                return
             if leg.announced is not None:
                 node.count("drop_duplicate_announce")
                 return
@@ -376,14 +399,19 @@ class Decoder:
             self.peers.broke_protocol(pg, f"it announced {m.count} writes for request {r.request_id!r}, not "
                                           f"{least} to {most}")
             return
+        self.arm_count(r, leg, int(m.count))
+
+    def arm_count(self, r: Receive, leg: Leg, count: int) -> None:
+        """Expect ``count`` writes of ``leg`` (its ANNOUNCE, or a pull leg's context)."""
+        node = self.node
         try:
             # everything already landed (small requests: the data overtakes the ANNOUNCE): no
             # callback, so the engine's dispatcher thread is not woken for nothing. Banked
             # arrivals only grow (nothing but this messenger discards the imm), so the
             # expectation completes at once.
             eng = node.engine
-            landed = eng.banked(leg.imm) >= m.count
-            c = eng.expect(leg.imm, int(m.count),
+            landed = eng.banked(leg.imm) >= count
+            c = eng.expect(leg.imm, count,
                            callback=None if landed else (lambda _c, r=r, leg=leg: self.on_counter(r, leg)))
         except KvxferError as exc:
             self.fail(r, exc)
@@ -511,3 +539,4 @@ class Decoder:
             left = [r for r in dict.fromkeys(self.receives.values()) if r._state not in FINAL]
         for r in left:
             self.fail(r, err, fence=lambda leg: leg.peer.torn_down)
+        self.drain_reads(2.0)         # the pull road: cancelled reads still in flight

@@ -6,7 +6,8 @@ rank of a node, or one rank process's own), exchanges handshakes with peers and 
 both ways. The rooms, each in its own module: ``peers.Peers`` (handshake, HELLO, heartbeats,
 resends, teardown), ``decode.Decoder`` (``Receive`` and its legs, the fence),
 ``prefill.Prefiller`` (``Request``, ``Send``, posting, the reaper), ``stream.Streamer`` (the
-layer counter, ``schedule``, ``Pass``). The messenger wires them together: it routes each
+layer counter, ``schedule``, ``Pass``); the pull road's halves are ``pullsend.PullSend`` and
+the decode room's mixin ``pullrecv.PullReader``. The messenger wires them together: it routes each
 control message, and a peer's death to both roles.
 
 Threads: the messenger thread (``kvxfer-msg``) is the only reader of the engine's control
@@ -48,7 +49,7 @@ from kvxfer.messenger import _codec as C
 from kvxfer.messenger._node import Node
 from kvxfer.messenger.decode import IMM_LIMIT, Decoder, Receive
 from kvxfer.messenger.metrics import snapshot as metrics_snapshot
-from kvxfer.messenger.paged import RegionTable, register_layout
+from kvxfer.messenger.paged import RegionTable, register_layout, register_regions
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
 from kvxfer.messenger.prefill import Prefiller
 from kvxfer.messenger.send import Request, Send, context_view
@@ -143,7 +144,10 @@ class Messenger:
     kvxfer/messenger/stream.py): ``counter_device`` puts the layer counter in pinned host
     memory mapped into that CUDA device; ``watch_poll_us``, ``watch_cpus`` and
     ``watch_rt_priority`` tune its native watcher thread (poll interval while writes are
-    armed, CPUs to pin to, SCHED_FIFO).
+    armed, CPUs to pin to, SCHED_FIFO). ``offer_pull``: register the regions readable too and
+    put their reads-only descriptors in the handshake, so decoders may ``receive(...,
+    pull=True)`` from this messenger (it then exposes a request's pages and holds them until
+    the decoder's reads are done: docs/messenger.md, "Push or pull").
     """
 
     def __init__(self, engine: Any, layout: KVLayout, sharding: Sharding, kv: Any, *,
@@ -152,7 +156,7 @@ class Messenger:
                  on_request: Optional[Callable[[Request], Any]] = None, inline_requests: bool = False,
                  placements: Optional[Mapping[int, Any]] = None, counter_device: Optional[int] = None,
                  watch_poll_us: float = 10.0, watch_cpus: Optional[Iterable[int]] = None,
-                 watch_rt_priority: int = 0) -> None:
+                 watch_rt_priority: int = 0, offer_pull: bool = False) -> None:
         from kvxfer.engine import Engine, check_watch      # here: the codecs import without libfabric
 
         if not isinstance(engine, Engine):
@@ -176,6 +180,8 @@ class Messenger:
         if counter_device is not None and (not is_int(counter_device) or counter_device < 0):
             raise InvalidArgumentError(f"counter_device must be a CUDA device ordinal, got {counter_device!r}")
         check_watch(watch_poll_us, watch_rt_priority, "watch_")      # Engine.watcher's own check, up front
+        if not isinstance(offer_pull, bool):
+            raise InvalidArgumentError(f"offer_pull must be a bool, got {offer_pull!r}")
         poll_us, rt = float(watch_poll_us), int(watch_rt_priority)
         cpus = _args.cpus(watch_cpus)
         self.secret = secret
@@ -198,7 +204,9 @@ class Messenger:
         self._peers_room.on_up, self._peers_room.on_failed = dec.peer_up, dec.connect_failed
         try:
             for r, objs in zip(self.ranks, regions):
-                self._local[r] = register_layout(engine, layout, sharding, objs)
+                self._local[r] = RegionTable(engine, layout, sharding, register_regions(
+                    engine, layout, sharding, objs, readable=True)) if offer_pull else \
+                    register_layout(engine, layout, sharding, objs)
             self._ctx_mr = engine.register(dec.ctx_array) if slots else None
             self._hs = C.Handshake(
                 uid=self.uid, address=engine.address, layout=layout, sharding=sharding, ranks=self.ranks,
@@ -207,6 +215,8 @@ class Messenger:
                 context_bytes=cbytes, peer_timeout=self.peer_timeout,
                 regions=tuple(tuple(self._local[r].descriptors()) for r in self.ranks),
                 context=self._ctx_mr.descriptor() if self._ctx_mr is not None else None,
+                read_regions=tuple(tuple(mr.descriptor(reads_only=True) for mr in self._local[r].regions)
+                                   for r in self.ranks) if offer_pull else (),
             )
             self._blob = self._hs.encode(secret)
             if len(self._blob) > C.MAX_MESSAGE - 64:
@@ -219,7 +229,8 @@ class Messenger:
                 self._ctx_mr.close()
             raise
         self._prefill = Prefiller(node, self._peers_room, layout, sharding, self.ranks, self._local, rails,
-                                  on_request, bool(inline_requests))
+                                  on_request, bool(inline_requests), offer_pull)
+        dec.local, dec.reap = self._local, self._prefill.queue_reap
         self._streamer = Streamer(node, self._prefill, layout.num_layers, layout.page_size, layout.num_pages,
                                   counter_device, poll_us, cpus, rt)
         # the rooms' tables under the names the stress tests read
@@ -270,6 +281,8 @@ class Messenger:
                 return
             node.closed = True
         err = ClosedError("messenger closed")
+        # the pull road: our reads stop and drain before any BYE lets a prefiller free its pages
+        self._decode.stop_pulls(err, min(2.0, timeout))
         for pg in self._peers_room.all():
             if pg.alive:
                 self._peer_gone(pg, err, notify=True)
@@ -391,7 +404,7 @@ class Messenger:
 
     def receive(self, peer: PeerGroup | Sequence[PeerGroup], request_id: Any, dst_pages: Any, num_tokens: int, *,
                 timeout: Optional[float] = None, hot: bool = False, first_token: int = 0,
-                meta: bytes = b"") -> Receive:
+                meta: bytes = b"", pull: bool = False) -> Receive:
         """Ask a prefill instance for ``request_id``'s KV into ``dst_pages`` (indices of this
         messenger's layout, on every rank it holds). ``peer``: the instance's one PeerGroup
         (a node) or a sequence of them (one per prefill rank process) that together hold
@@ -411,9 +424,16 @@ class Messenger:
         start with the page holding ``first_token`` (page-aligned or not); the prefiller
         writes only tokens ``[first_token, num_tokens)`` (kvxfer/messenger/prefix.py).
         ``meta``: up to ``MAX_META`` (256) bytes of the engine's own that reach the
-        prefiller as ``Request.meta``."""
+        prefiller as ``Request.meta``.
+
+        ``pull=True``: the pull road. Each prefill peer exposes the request's pages once its
+        engine ``send``s it, and this messenger reads them itself with the same plan a push
+        writes; the Receive is done once every read of every peer completed (and the context
+        landed), fenced once none is in flight, and each peer is then told DONE (its pages go
+        free). Every peer must offer pull (``Messenger(offer_pull=True)``), else
+        ``UnsupportedError`` and nothing is sent. Same states, ``abort``, ``poll()``."""
         self._check_open()
-        return self._decode.receive(peer, request_id, dst_pages, num_tokens, timeout, hot, first_token, meta)
+        return self._decode.receive(peer, request_id, dst_pages, num_tokens, timeout, hot, first_token, meta, pull)
 
     def requests(self, timeout: Optional[float] = None) -> list[Request]:
         """Requests received and not yet handed out; waits up to ``timeout`` s for the first
@@ -565,6 +585,10 @@ class Messenger:
             self._decode.on_aborted(pg, m)
         elif t == C.REJECT:
             self._decode.on_reject(pg, m)
+        elif t == C.EXPOSE:
+            self._decode.on_expose(pg, m)
+        elif t == C.DONE:
+            self._prefill.on_done(pg, m)
         elif t == C.BYE:
             pg.left = True
             peers.gone(pg, PeerError(f"peer {pg.uid:016x} closed"), notify=False)

@@ -60,9 +60,12 @@ class PeerGroup:
     Attributes: ``uid`` (the peer messenger's id), ``handshake`` (its decoded blob),
     ``layout``, ``sharding``, ``ranks`` (the TP ranks it holds), ``state``, ``alive``,
     ``error``, ``left`` (it said BYE), ``torn_down``; ``peer``, ``remote`` and
-    ``context_region`` are the engine objects the messenger writes through."""
+    ``context_region`` are the engine objects the messenger writes through; ``readable``
+    (rank -> RemoteRegion per region id, reads-only) what it reads from a peer offering pull
+    (None: the peer offers no pull)."""
 
-    def __init__(self, owner: "Peers", hs: C.Handshake, peer: Any, remote: dict, ctx: Any) -> None:
+    def __init__(self, owner: "Peers", hs: C.Handshake, peer: Any, remote: dict, ctx: Any,
+                 readable: Optional[dict] = None) -> None:
         self.owner = owner                #: the Peers room holding it
         self.handshake = hs               #: the peer's decoded handshake
         self.uid: int = hs.uid            #: the peer messenger's uid
@@ -72,6 +75,7 @@ class PeerGroup:
         self.peer = peer                 #: the engine ``Peer``
         self.remote = remote             #: rank -> list of RemoteRegion, by region id
         self.context_region = ctx        #: the peer's context slots (a RemoteRegion), or None
+        self.readable = readable         #: rank -> reads-only RemoteRegions (the peer offers pull), or None
         self.state = "connecting"        #: connecting, up, failed or dead
         self.error: Optional[KvxferError] = None     #: why it failed or died
         self.last_heard = time.monotonic()
@@ -247,17 +251,19 @@ class Peers:
             raise DescriptorError(f"the handshake names the address of peer {other.uid:016x}")
         try:
             remote = {r: [eng.remote(d) for d in descs] for r, descs in zip(hs.ranks, hs.regions)}
+            readable = {r: [eng.remote(d) for d in descs] for r, descs in zip(hs.ranks, hs.read_regions)} \
+                if hs.read_regions else None
             ctx = eng.remote(hs.context) if hs.context_slots else None
             if ctx is not None and ctx.nbytes < hs.context_slots * context_stride(hs.context_bytes):
                 raise DescriptorError("the peer's context region is smaller than its slots")
             sizes = hs.layout.region_sizes(hs.sharding)
-            for r, rr in remote.items():
+            for r, rr in list(remote.items()) + list((readable or {}).items()):
                 if any(x.nbytes < s for x, s in zip(rr, sizes)):
                     raise DescriptorError(f"the peer's rank {r} regions are smaller than its layout")
         except BaseException:
             self.disconnect(peer)
             raise
-        pg = PeerGroup(self, hs, peer, remote, ctx)
+        pg = PeerGroup(self, hs, peer, remote, ctx, readable)
         with node.lock:
             old = self.table.get(hs.uid)
             if old is not None:

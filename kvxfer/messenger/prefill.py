@@ -24,13 +24,14 @@ from kvxfer.errors import ClosedError, InvalidArgumentError, KvxferError, PlanEr
 from kvxfer.layout import KVLayout, Sharding
 from kvxfer.messenger import _args
 from kvxfer.messenger import _codec as C
+from kvxfer.messenger import _pullcodec as P
 from kvxfer.messenger import prefix
 from kvxfer.messenger._node import Node
 from kvxfer.messenger.paged import RegionTable, plan_batches
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
+from kvxfer.messenger.pullsend import PullSend
 from kvxfer.messenger.send import Request, Send, StreamState
 from kvxfer._templates import PageTemplate, plan_layers
-from kvxfer.planner import plan
 
 __all__ = ["Prefiller"]
 
@@ -43,7 +44,7 @@ class Prefiller:
 
     def __init__(self, node: Node, peers: Peers, layout: KVLayout, sharding: Sharding, ranks: tuple,
                  local: Mapping[int, RegionTable], rails: Mapping[int, int],
-                 on_request: Optional[Callable[[Request], Any]], inline: bool) -> None:
+                 on_request: Optional[Callable[[Request], Any]], inline: bool, offer_pull: bool = False) -> None:
         self.node = node
         self.peers = peers
         self.layout = layout
@@ -53,6 +54,7 @@ class Prefiller:
         self.rails = rails
         self._on_request = on_request
         self._inline = inline
+        self.offer_pull = offer_pull         # its regions are readable: pull requests are served
         self.requests: dict[tuple[int, int], Request] = {}     # (peer uid, imm) -> Request
         self.inbox: deque[Request] = deque()
         self.inbox_cv = threading.Condition(node.lock)
@@ -99,6 +101,8 @@ class Prefiller:
             reason = f"context slot {m.slot} does not exist"
         elif not 0 < m.imm < 2**32:
             reason = "imm 0 is reserved"
+        elif m.flags & P.REQUEST_PULL and not self.offer_pull:
+            reason = "this prefiller offers no pull (its messenger was made without offer_pull=True)"
         node = self.node
         with node.lock:
             if reason is None and (pg.uid, m.imm) in self.requests:
@@ -172,6 +176,14 @@ class Prefiller:
         else:
             s.reject()
 
+    def on_done(self, pg: PeerGroup, m: C.Control) -> None:
+        """The decoder's DONE of a pull request: its reads are over, the Send settles."""
+        with self.node.lock:
+            req = self.requests.get((pg.uid, m.imm))
+        s = None if req is None else req.send
+        if not isinstance(s, PullSend) or not s.on_done(m.flags):
+            self.node.count("drop_unexpected_done")
+
     def peer_gone(self, pg: PeerGroup, err: KvxferError) -> None:
         """Before ``pg``'s teardown: its requests are forgotten, its Sends fail now."""
         with self.node.lock:
@@ -190,7 +202,10 @@ class Prefiller:
         aborted it or its peer is dead."""
         if not isinstance(request, Request) or request.room is not self:
             raise InvalidArgumentError("request must come from this messenger's requests()")
-        s = Send(self, request, stream)
+        if request.pull and stream is not None:
+            raise InvalidArgumentError(f"request {request.request_id!r} is a pull: the decoder reads its pages once "
+                                       "they are all computed; send(request, src_pages), not stream()")
+        s = PullSend(self, request) if request.pull else Send(self, request, stream)
         pg = request.peer
         with self.node.lock:
             if request.send is not None:
@@ -208,6 +223,17 @@ class Prefiller:
     def send(self, request: Any, src_pages: Any) -> Send:
         if not isinstance(request, Request) or request.room is not self:
             raise InvalidArgumentError("request must come from this messenger's requests()")
+        if request.pull:                        # the pull road: exposed whole, the decoder reads
+            if src_pages is None:
+                raise InvalidArgumentError(f"request {request.request_id!r} is a pull: send(request, src_pages) "
+                                           "with every source page, not chunked=True")
+            sp = _args.src_pages(src_pages, prefix.src_page_count(request.num_tokens, self.layout.page_size),
+                                 self.layout.num_pages)
+            s = self.attach(request)
+            if not s.done:
+                s.expose(sp)
+                self.node.count("sends_pull")
+            return s
         if src_pages is None:                   # chunked: Send.add posts, the last announces
             s = self.attach(request)
             s.open_chunks()
@@ -293,18 +319,8 @@ class Prefiller:
         ``[first, end)`` where the page sizes differ, each side's pages in its own size; the
         pages ``src_pages`` / ``request.dst_pages`` whole otherwise), with the request's
         replica seed."""
-        seed = request.replica_seed
-        if self.layout.page_size == pg.layout.page_size and not request.first_token:
-            return plan(self.layout, self.sharding, pg.layout, pg.sharding, src_pages, request.dst_pages, seed=seed)
-        # kvxfer/messenger/prefix.py: both lists from a common token, the prefix left out
-        sps, dps, ft, total = self.layout.page_size, pg.layout.page_size, request.first_token, request.num_tokens
-        sp, dp, n, a = prefix.plan_lists(src_pages, request.dst_pages, ft, first, end, sps, dps, pg.layout.num_pages)
-        # the replicas are dealt over the whole request's source pages, whatever part this is
-        s = prefix.shift(ft, sps, dps)
-        hi = prefix.source_pages(total, ft, sps, dps)
-        lo = (ft - s) // sps if ft < total else hi
-        return plan(self.layout, self.sharding, pg.layout, pg.sharding, sp, dp, seed=seed, num_tokens=n,
-                    first_token=a, replica_span=(lo, hi))
+        return prefix.request_plan(self.layout, self.sharding, pg.layout, pg.sharding, src_pages, request.dst_pages,
+                                   request.first_token, request.num_tokens, request.replica_seed, first, end)
 
     def template(self, pg: PeerGroup) -> PageTemplate:
         """The per-page template from this messenger's ranks to ``pg``'s (made once per peer)."""

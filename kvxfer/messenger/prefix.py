@@ -27,7 +27,7 @@ import numpy as np
 
 from kvxfer.errors import PlanError
 
-__all__ = ["dst_page_count", "src_page_count", "shift", "source_pages", "plan_lists"]
+__all__ = ["dst_page_count", "src_page_count", "shift", "source_pages", "plan_lists", "request_plan"]
 
 
 def dst_page_count(num_tokens: int, first_token: int, page_size: int) -> int:
@@ -70,3 +70,23 @@ def plan_lists(src_pages: np.ndarray, dst_pages: np.ndarray, first_token: int, s
         dp = np.concatenate([free, dp])
     dp = dp[:-(-(end - s) // dst_page_size)]
     return sp, dp, end - s, first - s
+
+
+def request_plan(src_layout, src_sharding, dst_layout, dst_sharding, src_pages: np.ndarray, dst_pages: np.ndarray,
+                 first_token: int, num_tokens: int, seed: int, start: int = 0, end: int = -1):
+    """The planner's plan of a request (both roads: the prefiller's writes, the decoder's
+    reads): tokens ``[start, end)`` (``end`` -1: ``num_tokens``) where the page sizes differ
+    or the decoder holds a prefix, each side's pages in its own size; the pages whole
+    otherwise; the replica owners drawn with ``seed`` over the whole request's source pages."""
+    from kvxfer.planner import plan
+
+    end = num_tokens if end < 0 else end
+    sps, dps = src_layout.page_size, dst_layout.page_size
+    if sps == dps and not first_token:
+        return plan(src_layout, src_sharding, dst_layout, dst_sharding, src_pages, dst_pages, seed=seed)
+    sp, dp, n, a = plan_lists(src_pages, dst_pages, first_token, start, end, sps, dps, dst_layout.num_pages)
+    s = shift(first_token, sps, dps)
+    hi = source_pages(num_tokens, first_token, sps, dps)
+    lo = (first_token - s) // sps if first_token < num_tokens else hi
+    return plan(src_layout, src_sharding, dst_layout, dst_sharding, sp, dp, seed=seed, num_tokens=n, first_token=a,
+                replica_span=(lo, hi))

@@ -41,12 +41,14 @@ class _Holder:
 
 class Leg:
     """One prefill peer's part of a Receive (read-only outside this module): its imm, the
-    context slot it writes (-1: none), what it announced, and its fence."""
+    context slot it writes (-1: none), what it announced, and its fence; on the pull road
+    (``pull``) also its reads (kvxfer/messenger/pullrecv.py)."""
 
     __slots__ = ("peer", "imm", "slot", "announced", "counter", "fence_target", "fence_counter",
-                 "fence_since", "fence_ok", "abort_sent", "complete", "fenced")
+                 "fence_since", "fence_ok", "abort_sent", "complete", "fenced",
+                 "pull", "exposed", "reads", "drained", "reads_ok", "ctx_done", "fence_pending", "done_sent")
 
-    def __init__(self, peer: PeerGroup, imm: int, slot: int) -> None:
+    def __init__(self, peer: PeerGroup, imm: int, slot: int, pull: bool = False) -> None:
         self.peer = peer
         self.imm = imm
         self.slot = slot
@@ -59,6 +61,14 @@ class Leg:
         self.abort_sent = False
         self.complete = False            # every announced write credited
         self.fenced = False              # nothing of this leg can land any more
+        self.pull = pull                 # the decoder reads this leg's pages (the pull road)
+        self.exposed = False             # its EXPOSE came: a DONE is owed to its peer once fenced
+        self.reads: list = []            # the ReadTransfers posted for it
+        self.drained = True              # no read of it is in flight
+        self.reads_ok = False            # every read completed without error
+        self.ctx_done = False            # its context write (the EXPOSE's count) was credited
+        self.fence_pending = False       # fenced once its reads drain
+        self.done_sent = False
 
     def __repr__(self) -> str:
         return f"<Leg {self.peer.uid:016x} imm={self.imm} announced={self.announced} fenced={self.fenced}>"
@@ -73,6 +83,8 @@ class Receive:
     write of this request can land any more (always after done and after a successful abort;
     after a failure once every leg was fenced or its peer torn down): until then the
     messenger refuses its pages to new requests. ``legs``: one per prefill peer written to.
+    ``pull``: this decoder reads the pages itself (``receive(..., pull=True)``); the states,
+    ``fenced`` (no read or write of it in flight any more) and ``poll()`` mean the same.
 
     Attributes: ``request_id``, ``dst_pages`` (read-only), ``num_tokens``, ``first_token``,
     ``meta`` (as given to ``receive``), ``peer``/``peers`` (the first leg's / every leg's
@@ -99,6 +111,7 @@ class Receive:
         self.num_tokens = num_tokens                 #: tokens of the request
         self.first_token = 0                         #: tokens before it were held here already
         self.meta = b""                              #: the bytes given to ``receive(meta=)``
+        self.pull = False                            #: the pull road: this decoder reads the pages
         self._slot = slot
         self._slot_cell = [slot]
         self._deadline = deadline
@@ -203,7 +216,8 @@ class Receive:
     def abort(self, timeout: Optional[float] = None) -> bool:
         """Stop the request with a fence. True once no write of it can land any more (every
         prefill peer stopped, reported what it posted, and all of that was credited; or it
-        was already done); then the pages may be reused. False if a peer did not answer
+        was already done); then the pages may be reused. A pull (``pull``) also cancels its
+        reads and is fenced only once none is in flight; each peer is then told DONE. False if a peer did not answer
         within ``timeout`` (None: until it answers or is declared dead), or died: the pages
         stay quarantined until ``fenced`` turns True (the dead peer torn down, the others'
         writes fenced). ``abort(timeout=0)`` is the scheduler loop's non-blocking abort: it

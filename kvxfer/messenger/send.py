@@ -23,6 +23,7 @@ from kvxfer._templates import request_seed
 from kvxfer.errors import InvalidArgumentError, KvxferError, PeerError, TimeoutError
 from kvxfer.messenger import _args
 from kvxfer.messenger import _codec as C
+from kvxfer.messenger import _pullcodec as P
 from kvxfer.messenger._node import FINAL
 from kvxfer.messenger.peers import PeerGroup
 
@@ -44,7 +45,8 @@ class Request:
     num_tokens)``), ``peer`` (the decoder's ``PeerGroup``), ``slot`` (the decoder's context
     slot this messenger writes; -1 when it writes none: no slots, or another rank process of
     a per-rank instance writes it), ``imm`` (the request's imm on this leg), ``aborted``,
-    ``rejected``, ``send`` (its Send once made), ``t_arrived``, ``room``, ``replica_seed``."""
+    ``rejected``, ``send`` (its Send once made), ``t_arrived``, ``room``, ``replica_seed``,
+    ``pull`` (the decoder reads the pages itself: ``send`` exposes them, kvxfer/messenger/pullsend.py)."""
 
     def __init__(self, room: "Prefiller", pg: PeerGroup, msg: C.Control) -> None:
         self.room = room                          #: the Prefiller (room) that received it
@@ -57,6 +59,7 @@ class Request:
         self.dst_pages.flags.writeable = False
         self.imm = msg.imm                        #: this leg's imm (every write of it carries it)
         self.slot = msg.slot                      #: the decoder's context slot written here, -1: none
+        self.pull = bool(msg.flags & P.REQUEST_PULL)   #: the decoder pulls: ``send`` exposes the pages
         self.aborted = False          #: the decoder aborted it before ``send`` (or it was rejected)
         self.rejected: Optional[str] = None   #: the reason given to ``reject``
         self.send: Optional[Send] = None      #: its Send, once ``send``/``stream`` made one

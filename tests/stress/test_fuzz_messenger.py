@@ -171,16 +171,17 @@ def controls(**kw):
 
 
 def _as_sent(m: C.Control) -> C.Control:
-    """``m`` as its receiver decodes it: a REJECT's reason is at most 1,024 bytes of UTF-8."""
-    if m.type == C.REJECT:
-        m.reason = m.reason.encode("utf-8", "replace")[:1024].decode("utf-8", "replace")
+    """``m`` as its receiver decodes it: a REJECT's reason (an ABORTED's, flagged REJECTED) is
+    at most 1,024 bytes of UTF-8."""
+    if m.type == C.REJECT or (m.type == C.ABORTED and m.flags & C.ABORTED_REJECTED):
+        m.reason = C.reason_bytes(m.reason).decode("utf-8")       # the codec's own cut, at a character
     return m
 
 
 def _reencodes(m: C.Control, secret) -> None:
     """A decoded message encodes again, and that decodes to the same message."""
     again = C.Control.decode(m.encode(secret), secret)
-    if m.type == C.REJECT:
+    if m.type == C.REJECT or (m.type == C.ABORTED and m.flags & C.ABORTED_REJECTED):
         assert isinstance(again.reason, str)
         again.reason = m.reason        # replacement characters may grow past the 1,024 bytes
     assert again == m
