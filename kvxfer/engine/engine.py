@@ -1,4 +1,7 @@
-"""The Engine: its rails, peers (connect/disconnect), register/remote and control messages.
+"""The Engine: its rails, peers (connect/disconnect), register/remote.
+
+Its writes, reads, counters, control messages and permit table come from its bases
+(writes.py, reads.py, counters.py, messages.py, permits.py).
 
 This is the validating face over kvxfer._fabric. Everything a caller can get wrong is
 checked here, before anything is posted; the native layer then posts whole batches with
@@ -35,10 +38,12 @@ from kvxfer import _environ, _maps, _shm, wire
 from kvxfer.engine._args import _check_cpus, _check_nics, _check_options, _check_progress_rt, _check_timeout, _timeout
 from kvxfer.engine.rails import (Peer, _fabric, _message_limits, _need_native, _open_rails, _progress_rt,
                                  _warn_progress_rt)
-from kvxfer.engine.regions import PERMIT_SLOTS, MemoryRegion, RemoteRegion, _PermitSlot, _resolve_buffer
+from kvxfer.engine.regions import MemoryRegion, RemoteRegion, _resolve_buffer
 from kvxfer.engine.revoke import Revocations
 from kvxfer.engine.transfer import Counter
 from kvxfer.engine.counters import _Counters
+from kvxfer.engine.messages import _Messages
+from kvxfer.engine.permits import _Permits
 from kvxfer.engine.reads import _Reads
 from kvxfer.engine.writes import _Writes
 from kvxfer.engine.watcher import Watcher, _check_word, check_watch
@@ -49,8 +54,6 @@ from kvxfer.errors import (
     FabricError,
     InvalidArgumentError,
     KvxferError,
-    PeerError,
-    TimeoutError,
     UnsupportedError,
 )
 
@@ -83,7 +86,7 @@ class _Stats(dict):
 # <<< issue 22
 
 
-class Engine(_Writes, _Reads, _Counters):
+class Engine(_Writes, _Reads, _Counters, _Messages, _Permits):
     """A process's transfer endpoint over one or more rails: each rail one libfabric RDM
     endpoint with its native progress thread (one per NIC in ``nics``, or ``rails`` on one).
 
@@ -572,65 +575,4 @@ class Engine(_Writes, _Reads, _Counters):
         w = Watcher(self, word, poll_us, cpus or (), keep, rt_priority)
         self._watchers.add(w)
         return w
-
-    def _permit_take(self, share: wire.HostShare, nbytes: int) -> Optional[_PermitSlot]:
-        """A slot of this engine's permit table for a region that offers ``share`` (the table
-        is made at the first; the slot records the share's memfd and range, which peers check
-        before they map it), or None: no memfd, or every slot taken (the region's share then
-        goes without a permit, and peers write into it over RMA)."""
-        with self._lock:
-            if self._closed:
-                return None
-            if self._permit is None:
-                try:
-                    table = _fabric.PermitTable(PERMIT_SLOTS, wire.owner_digest(self.address))
-                    st = os.fstat(table.fd)
-                except (KvxferError, OSError):
-                    return None
-                self._permit, self._permit_file = table, (st.st_dev, st.st_ino)
-            try:
-                slot = self._permit_free.pop()
-            except IndexError:
-                if self._permit_next >= self._permit.slots:
-                    return None
-                slot, self._permit_next = self._permit_next, self._permit_next + 1
-            table = self._permit
-            gen = table.issue(slot, share.dev, share.inode, share.offset, nbytes)
-        return _PermitSlot(self, table, slot, gen, *self._permit_file)
-
-    def _permit_give(self, slot: int, reusable: bool) -> None:
-        # without self._lock: a region's release runs under it (register's undo after a
-        # racing close()) and from finalizers, which a collection may start in any thread
-        # while it holds the lock (connect, register and disconnect allocate under it); a
-        # deque's append and pop are atomic
-        if reusable:
-            self._permit_free.append(slot)
-        else:
-            self._permit_stuck.append(slot)
-
-    # -- control messages ----------------------------------------------------------------
-    def send(self, peer: Peer, data: bytes, timeout: Optional[float] = 30.0) -> None:
-        """A small control message (at most 64 KiB) over FI_MSG, for protocol coordination.
-        Raises TimeoutError if the provider's queue stays full for ``timeout`` seconds."""
-        self._check_open()
-        timeout = _timeout(timeout)
-        if not isinstance(peer, Peer) or peer.engine is not self:
-            raise InvalidArgumentError("peer must come from this engine's connect()")
-        if peer.closed:
-            raise PeerError(_errno.ENOTCONN, "peer was disconnected")
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise InvalidArgumentError(f"a control message is bytes, not {type(data).__name__}")
-        buf = np.frombuffer(bytes(data), dtype=np.uint8)
-        if len(buf) > _fabric.MSG_MAX:
-            raise InvalidArgumentError(f"control message of {len(buf)} bytes exceeds {_fabric.MSG_MAX}")
-        if not self._rails[0].send(peer.fi_addrs[0], peer.gens[0], buf, timeout):
-            raise TimeoutError(f"control message not accepted by the provider within {timeout} s")
-
-    def recv(self, timeout: Optional[float] = None) -> bytes:
-        """The next control message received; TimeoutError if none within ``timeout`` s."""
-        self._check_open()
-        m = self._rails[0].recv(_timeout(timeout))
-        if m is None:
-            raise TimeoutError(f"no control message within {timeout} s")
-        return m
 
