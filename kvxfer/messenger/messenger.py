@@ -61,6 +61,10 @@ __all__ = ["Messenger", "PeerGroup", "Receive", "Request", "Send", "context_stri
 #: ``send``'s default ``context``: leave the Send open for ``finish``
 _OPEN: Any = object()
 
+#: a round of the messenger thread this much past its wait is a stall of this process: the
+#: excess is forgiven to every peer's silence (``Peers.forgive``)
+_STALL_S = 0.1
+
 
 def _close_at_exit(ref: "weakref.ref[Messenger]") -> None:
     m = ref()
@@ -532,8 +536,10 @@ class Messenger:
                 except KvxferError:
                     data = None
             now = time.monotonic()
-            hist.observe("loop_gap", now - last)  # one round: its wait, its messages, any starvation
-            last = now
+            gap, last = now - last, now
+            hist.observe("loop_gap", gap)        # one round: its wait, its messages, any starvation
+            if gap - slice_s > _STALL_S:         # this thread did not listen: no peer was silent then
+                self._peers_room.forgive(gap - slice_s, now)
             if dec.busy or now >= next_tick:
                 try:
                     dec.tick(now)

@@ -386,6 +386,20 @@ class Peers:
             if was_refused:
                 node.count("resent_" + C.MSG_TYPES[t])
 
+    def forgive(self, seconds: float, now: float) -> None:
+        """Messenger thread: it could not listen for ``seconds`` (not scheduled, or one round
+        ran long), so that time counts neither as any peer's silence nor against a pending
+        connect's deadline: a process that was starved does not declare its live peers dead
+        on waking, before it has read what they sent meanwhile (``stats()['stalls_forgiven']``).
+        A peer that did die is still declared dead, later by at most ``seconds``."""
+        with self.node.lock:
+            for pg in self.table.values():
+                if pg.state == "up":
+                    pg.last_heard = min(now, pg.last_heard + seconds)
+                elif pg.state == "connecting" and pg.connect_deadline is not None:
+                    pg.connect_deadline += seconds
+        self.node.count("stalls_forgiven")
+
     def tick(self, now: float) -> None:
         """Messenger thread: connects past their deadline, silence (declared dead)."""
         pt = self.node.peer_timeout

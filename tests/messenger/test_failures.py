@@ -82,3 +82,39 @@ def test_decoder_killed_fails_sends_and_releases_pages(provider, nodes):
     dec.kill()
     # every Send fails with PeerError and its done callback (pages may be freed) runs
     assert pre.call("wait_sends", PEER_TIMEOUT + MARGIN) == [("failed", "PeerError", True)] * 3
+
+
+def test_a_stalled_decoder_does_not_declare_its_live_prefiller_dead(provider, nodes):
+    """A decoder process stopped (SIGSTOP) for more than twice its ``peer_timeout`` while its
+    requests wait: on waking, the time it could not listen is nobody's silence (its messenger
+    thread's round ran far past its wait, ``stalls_forgiven``), so it reads the heartbeats its
+    live prefiller sent meanwhile and does not declare it dead; the held requests then
+    complete byte-exact. (Seen in vLLM: a decoder starved of CPU for 5-10 s declared both
+    live prefill ranks dead on waking, at peer_timeout 3 s.) The prefiller's own timeout is
+    long, so only the decoder's verdict is tested."""
+    import os
+    import signal
+
+    pre = Node("prefill", _spec(provider, 81, hold=True, peer_timeout=60.0))
+    nodes.append(pre)
+    dec = Node("decode", dict(provider=provider, layout=LAYOUT, sharding=Sharding(1), seed=82,
+                              peer_timeout=PEER_TIMEOUT * 1.5))
+    nodes.append(dec)
+    dec.call("connect", "p", pre.blob)
+    dec.call("start", "p", 2)
+    deadline = time.monotonic() + 20
+    while pre.call("stats")["held"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(dec.pid, signal.SIGSTOP)
+    try:
+        time.sleep(PEER_TIMEOUT * 1.5 * 2.5)
+    finally:
+        os.kill(dec.pid, signal.SIGCONT)
+    time.sleep(PEER_TIMEOUT)                      # awake, reading what came meanwhile
+    assert dec.call("states") == ["pending"] * 2
+    assert pre.call("send_held") == ["transferring"] * 2
+    pre.call("finish_held_sends")
+    assert pre.call("wait_sends", 20) == [("done", None, True)] * 2
+    out = dec.call("wait_pending", 20)
+    assert out["results"] == [("done", None, True)] * 2, out
+    assert out["stats"].get("peers_dead", 0) == 0 and out["stats"]["stalls_forgiven"] >= 1, out["stats"]

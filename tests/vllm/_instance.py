@@ -34,6 +34,20 @@ def _totals(w) -> dict:
     return w.totals.reduce()
 
 
+def _worker_messenger_stats(worker) -> dict:
+    """In a worker process (``collective_rpc``): its rank's messenger counters."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return _messenger_state(get_kv_transfer_group().connector_worker.messenger)
+
+
+def _messenger_state(m) -> dict:
+    """A messenger's counters and its liveness histograms (the time between two messages of a
+    live peer, one round of its thread): what a false death would be read from."""
+    secs = m.metrics()["seconds"]
+    return {"stats": m.stats(), **{k: secs[k] for k in ("peer_silence", "loop_gap") if k in secs}}
+
+
 def _layout_check(eng, w) -> dict:
     """Write random K and V of a few tokens into a scratch cache with the real attention layer's
     ``impl.do_kv_cache_update`` (vLLM's CPU write path), then look for them through the
@@ -173,7 +187,8 @@ def main() -> None:
                 s = scheduler()
                 answer({"ok": True, "free_blocks": s.kv_cache_manager.block_pool.get_num_free_blocks(),
                         "external": s.connector.connector_scheduler.external,
-                        "pending_push": s.connector.has_pending_push_work()})
+                        "pending_push": s.connector.has_pending_push_work(),
+                        "messenger": eng.collective_rpc(_worker_messenger_stats)})
             elif op == "inspect":
                 s, w = scheduler(), worker_connector()
                 cs = s.connector.connector_scheduler
@@ -181,7 +196,7 @@ def main() -> None:
                         "external": cs.external, "held": sorted(w.sender.held()) if w.sender else [],
                         "asked": w.sender.asked() if w.sender else [],
                         "loads": dict(w.recent_loads), "sends": dict(w.recent_sends),
-                        "stats": _totals(w), "has_work": w.has_work(),
+                        "stats": _totals(w), "has_work": w.has_work(), "messenger": _messenger_state(w.messenger),
                         "pending_push": cs.has_pending_push_work()})
             elif op == "spoil":             # overwrite the blocks P holds for a request
                 import torch

@@ -54,6 +54,11 @@ def shm_segments_of_killed_instances():
 
 @pytest.fixture(scope="session")
 def workdir():
+    if os.environ.get("KVXFER_VLLM_KEEP"):      # keep the instances' logs (and the model) to read after
+        d = tempfile.mkdtemp(prefix="kvxfer-vllm-keep-")
+        print(f"tests/vllm: instance logs kept in {d}")
+        yield Path(d)
+        return
     with tempfile.TemporaryDirectory(prefix="kvxfer-vllm-") as d:
         yield Path(d)
 
