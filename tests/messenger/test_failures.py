@@ -27,6 +27,13 @@ def _until(node, want, deadline=20.0):
         time.sleep(0.02)
 
 
+def _wait_held(pre, n, deadline=20.0):
+    """Poll a prefill node (``hold=True``) until it holds ``n`` requests (a bounded wait)."""
+    end = time.monotonic() + deadline
+    while pre.call("stats")["held"] < n and time.monotonic() < end:
+        time.sleep(0.02)
+
+
 def test_abort_mid_transfer_fences(provider, nodes):
     """The KV writes of three requests are posted but the context is not: each request is
     'transferring'. abort() returns True; the pages, filled with a sentinel, never change
@@ -39,9 +46,7 @@ def test_abort_mid_transfer_fences(provider, nodes):
     nodes.append(dec)
     dec.call("connect", "p", pre.blob)
     dec.call("start", "p", 3)
-    deadline = time.monotonic() + 20
-    while pre.call("stats")["held"] < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _wait_held(pre, 3)
     assert pre.call("send_held") == ["transferring"] * 3
     assert _until(dec, "transferring") == ["transferring"] * 3
     assert dec.call("abort_pending") == [("transferring", True, "aborted")] * 3
@@ -75,9 +80,7 @@ def test_decoder_killed_fails_sends_and_releases_pages(provider, nodes):
     nodes.append(dec)
     dec.call("connect", "p", pre.blob)
     dec.call("start", "p", 3)
-    deadline = time.monotonic() + 20
-    while pre.call("stats")["held"] < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _wait_held(pre, 3)
     assert pre.call("send_held") == ["transferring"] * 3     # posted, not finished: in flight
     dec.kill()
     # every Send fails with PeerError and its done callback (pages may be freed) runs
@@ -102,9 +105,7 @@ def test_a_stalled_decoder_does_not_declare_its_live_prefiller_dead(provider, no
     nodes.append(dec)
     dec.call("connect", "p", pre.blob)
     dec.call("start", "p", 2)
-    deadline = time.monotonic() + 20
-    while pre.call("stats")["held"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _wait_held(pre, 2)
     os.kill(dec.pid, signal.SIGSTOP)
     try:
         time.sleep(PEER_TIMEOUT * 1.5 * 2.5)
