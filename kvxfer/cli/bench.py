@@ -15,22 +15,21 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import math
 import os
 import sys
-import time
-from typing import Any, Callable, Optional, Sequence, TextIO
+from typing import Any, Callable, Optional, Sequence
 
 from kvxfer.cli._args import positive_int, writable_file, write_json
-from kvxfer.cli._cases import DEFAULT_CASES, TARGET_MEMORY, Case, fmt_size, parse_case, parse_size
+from kvxfer.cli._cases import DEFAULT_CASES, TARGET_MEMORY, Case, parse_case, parse_size
 from kvxfer.cli._compare import compare, median_round
+from kvxfer.cli._run import LOOPBACK, _Run
+from kvxfer.cli._table import BW_COLUMNS, BW_WIDTHS, LAT_COLUMNS, LAT_WIDTHS, Bar, _header, bw_row, lat_row
 from kvxfer.errors import KvxferError
 
 __all__ = ["main", "build_parser", "DEFAULT_PROVIDERS"]
 
 #: What a plain ``kvxfer-bench bw`` measures, one after the other.
 DEFAULT_PROVIDERS = ("tcp;ofi_rxm", "shm")
-LOOPBACK = "127.0.0.1"
 
 
 # --------------------------------------------------------------------------------------
@@ -253,186 +252,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from kvxfer.cli._machine import unpin
 
             unpin(pinned)
-
-
-# --------------------------------------------------------------------------------------
-# progress bar and table
-# --------------------------------------------------------------------------------------
-class Bar:
-    """A one-line text progress bar on stderr, only when stderr is a terminal."""
-
-    def __init__(self, enabled: bool, stream: TextIO = sys.stderr) -> None:
-        self.stream = stream
-        self.enabled = enabled and stream.isatty()
-        self._last = 0.0
-        self._shown = False
-
-    def update(self, label: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        width = 28
-        fill = int(width * done / max(1, total))
-        line = f"\r{label[:44]:<44} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}"
-        self.stream.write(line)
-        self.stream.flush()
-        self._shown = True
-
-    def clear(self) -> None:
-        if self.enabled and self._shown:
-            self.stream.write("\r" + " " * 90 + "\r")
-            self.stream.flush()
-            self._shown = False
-
-
-def _t(s: Optional[float]) -> str:
-    if s is None or not math.isfinite(s):
-        return "-"
-    if s < 1e-3:
-        return f"{s * 1e6:.1f} us" if s < 1e-4 else f"{s * 1e6:.0f} us"
-    if s < 1:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s:.2f} s"
-
-
-def _rate(v: Optional[float]) -> str:
-    if v is None or not math.isfinite(v):
-        return "-"
-    for unit, f in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if v >= f:
-            return f"{v / f:.2f}{unit}"
-    return f"{v:.0f}"
-
-
-BW_COLUMNS = (("provider", "<"), ("case", "<"), ("bytes", ">"), ("writes", ">"), ("GB/s", ">"),
-              ("x memmove", ">"), ("writes/s", ">"), ("p50", ">"), ("p99", ">"), ("acked p50", ">"),
-              ("sender p50", ">"), ("post/page", ">"), ("iters", ">"), ("check", "<"))
-BW_WIDTHS = (11, 20, 5, 6, 6, 9, 8, 9, 9, 9, 10, 9, 5, 5)
-LAT_COLUMNS = (("provider", "<"), ("bytes", ">"), ("p50 rtt", ">"), ("p99 rtt", ">"), ("min", ">"),
-               ("mean", ">"), ("one-way p50", ">"), ("floor p50", ">"), ("x floor", ">"), ("iters", ">"),
-               ("check", "<"))
-LAT_WIDTHS = (12, 6, 9, 9, 9, 9, 11, 9, 7, 6, 5)
-
-
-def _row(cells: Sequence[str], cols, widths) -> str:
-    return "  ".join(f"{c:{a}{w}}" for c, (_, a), w in zip(cells, cols, widths)).rstrip()
-
-
-def _header(cols, widths) -> str:
-    h = _row([c for c, _ in cols], cols, widths)
-    return h + "\n" + "-" * len(h)
-
-
-def bw_row(provider: str, s: dict, memmove_gbps: Optional[float]) -> str:
-    ratio = "-"
-    if memmove_gbps and s.get("gbps") and s["kind"] != "memmove":
-        ratio = f"{s['gbps'] / memmove_gbps:.2f}"
-    post = s.get("post_per_page_s")
-    cells = [provider, s["label"], fmt_size(s["bytes"]),
-             str(s["writes"]) if s["kind"] != "memmove" else "-",
-             f"{s['gbps']:.2f}" if s.get("gbps") else "-", ratio,
-             _rate(s.get("writes_per_s")), _t(s["p50_s"]), _t(s["p99_s"]), _t(s.get("acked_p50_s")),
-             _t(s.get("local_p50_s")), _t(post), str(s["iterations"]), s["check"]]
-    return _row(cells, BW_COLUMNS, BW_WIDTHS)
-
-
-def lat_row(provider: str, s: dict, floor: Optional[dict] = None) -> str:
-    """One provider's round trip; ``floor``: bench/fi_pingpong.c's result in the same run."""
-    us = lambda v: "-" if v is None or not math.isfinite(v) else f"{v:.1f} us"  # noqa: E731
-    fp50 = floor.get("p50_us") if floor else None
-    ratio = f"{s['p50_us'] / fp50:.1f}" if fp50 else "-"
-    cells = [provider, str(s["size"]), us(s["p50_us"]), us(s["p99_us"]), us(s["min_us"]), us(s["mean_us"]),
-             us(s["p50_us"] / 2), us(fp50), ratio, str(s["iterations"]), s["check"]]
-    return _row(cells, LAT_COLUMNS, LAT_WIDTHS)
-
-
-# --------------------------------------------------------------------------------------
-# running
-# --------------------------------------------------------------------------------------
-class _Run:
-    """One provider's session: this engine, the target (spawned or remote), the results."""
-
-    def __init__(self, args: argparse.Namespace, provider: Optional[str]) -> None:
-        self.args = args
-        self.provider = provider
-        self.record: dict[str, Any] = {"provider": provider, "results": [], "error": None}
-        self.eng = None
-        self.target = None
-        self.target_death: Optional[str] = None
-        self.ini = None
-
-    def __enter__(self) -> "_Run":
-        import kvxfer
-        from kvxfer.cli._initiator import Initiator
-        from kvxfer.cli._target_process import TargetProcess
-
-        a = self.args
-        try:
-            if a.connect:
-                addr = bytes.fromhex(a.connect.strip())
-                node = a.node
-                alive = None
-                self.record["mode"] = "connect"
-            else:
-                node = a.node or default_node(self.provider)
-                self.record["mode"] = "local"
-            self.eng = kvxfer.Engine(self.provider, node=node, progress=a.progress, rails=getattr(a, "rails", 1),
-                                     iov=getattr(a, "iov", None), max_write=getattr(a, "max_write", None),
-                                     delivery_complete=False if getattr(a, "no_delivery_complete", False) else None)
-            self.provider = self.eng.provider
-            self.record["provider"] = self.provider
-            self.record["info"] = self.eng.info
-            if not a.connect:
-                budget = _target_budget(a)
-                # it watches this process (its parent) for the whole session, so the wait
-                # for the next request may last as long as any case here can (a memmove, a
-                # --vs peer's case) without it giving up
-                self.target = TargetProcess(self.provider, node, progress=a.progress,
-                                            idle_timeout=budget, deadline=budget,
-                                            rails=getattr(a, "rails", 1))
-                addr = self.target.address
-                alive = self.target.dead
-            self.ini = Initiator(self.eng, addr, timeout=a.timeout, alive=alive)
-            self.record["target"] = {"info": self.ini.target_info, "machine": self.ini.target_machine}
-        except BaseException:
-            self.__exit__(*sys.exc_info())
-            raise
-        return self
-
-    def __exit__(self, et, ev, tb) -> None:
-        if self.ini is not None and et is None:
-            self.ini.bye()
-        if self.target is not None:
-            if et is not None:      # did it go by itself? (asked below, it exits 143)
-                self.target_death = self.target.dead()
-            rc = self.target.stop(kill=et is not None, timeout=10)
-            if et is None and rc not in (0, None):
-                self.record["error"] = f"target exited with status {rc}"
-            self.target.close()
-        if self.eng is not None:
-            self.eng.close()
-
-
-def _target_budget(a: argparse.Namespace) -> float:
-    """Seconds a spawned target may live (its SIGALRM, the last resort when all else hung):
-    what the options ask for, generously (each case of each library and round, and lat's gaps)."""
-    n = len(getattr(a, "case", None) or DEFAULT_CASES) * getattr(a, "rounds", 1) * (1 + len(getattr(a, "vs", None) or []))
-    t = 900.0 + n * (120.0 + 2.0 * float(getattr(a, "seconds", 0) or 0))
-    gap_ms = float(getattr(a, "gap", 0) or 0)
-    if gap_ms:
-        t += 2.0 * ((getattr(a, "iters", 0) or 0) + (getattr(a, "warmup", 0) or 0)) * gap_ms / 1000.0
-    return t
-
-
-def default_node(provider: Optional[str]) -> Optional[str]:
-    """What to bind when both processes run here. tcp needs 127.0.0.1 named (without a node
-    it binds whichever interface libfabric lists first); for shm the node is the
-    shared-memory region's *name* ("<node>:<ep>:<n>"), so two processes both naming
-    127.0.0.1 collide (fi_enable: EBUSY) and shm is left to name itself after the pid."""
-    return None if provider == "shm" else LOOPBACK
 
 
 def _providers(args: argparse.Namespace) -> list[Optional[str]]:
