@@ -165,7 +165,14 @@ def test_a_bad_expose_fails_the_receive_and_reads_nothing(provider):
             r.wait(DEADLINE)
         _wait_fenced([r])
         assert all((reg == SENTINEL).all() for mem in d.mems.values() for reg in mem.regions), "a bad EXPOSE was read"
+        # each failed Receive tells the prefiller DONE (aborted) once fenced, from the outbox's
+        # thread: wait until the four have gone out, so the count below is the unknown
+        # EXPOSE's answer alone
+        t0 = time.monotonic()
+        while d.stats().get("sent_DONE", 0) < 4 and time.monotonic() - t0 < DEADLINE:
+            time.sleep(0.01)
         before = d.stats().get("sent_DONE", 0)
+        assert before == 4, d.stats()
         p._send(back, C.EXPOSE, imm=2**31 - 3, num_tokens=20, request_id="nobody", pages=np.array([0, 1]), count=0)
         t0 = time.monotonic()
         while d.stats().get("sent_DONE", 0) == before and time.monotonic() - t0 < DEADLINE:
