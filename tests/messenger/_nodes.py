@@ -50,6 +50,26 @@ def scatter(mem, cache: np.ndarray) -> None:
             mem.page_view(layer, plane)[:] = cache[layer, plane][:, mem.heads]
 
 
+def check_tokens(mems, cache, src_layout, sp, dst_layout, dp, tokens: int, tail: bool) -> None:
+    """Token t of every layer, plane and held head: at slot t % pd of dp[t // pd], equal to
+    the prefiller's logical cache at slot t % ps of sp[t // ps]; with ``tail`` the slots past
+    num_tokens in the last page still hold the sentinel (the token path)."""
+    ps, pd = src_layout.page_size, dst_layout.page_size
+    t = np.arange(tokens)
+    for mem in mems.values():
+        for layer in range(cache.shape[0]):
+            for plane in range(cache.shape[1]):
+                view = mem.page_view(layer, plane)
+                got = view[dp[t // pd], :, t % pd]
+                want = cache[layer, plane][sp[t // ps], :, t % ps][:, mem.heads]
+                if not np.array_equal(got, want):
+                    bad = np.flatnonzero((got != want).reshape(tokens, -1).any(axis=1))
+                    raise AssertionError(f"layer {layer} plane {plane}: tokens {bad[:8].tolist()} differ")
+                if tail:
+                    rest = view[dp[-1], :, tokens - (len(dp) - 1) * pd:]
+                    assert (rest == SENTINEL).all(), "a slot past num_tokens was written"
+
+
 def src_pages_for(rid, n: int, num_pages: int) -> np.ndarray:
     """The prefiller's source pages of a request, a function of its id (the decoder checks)."""
     rng = np.random.default_rng(zlib.crc32(repr(rid).encode()))

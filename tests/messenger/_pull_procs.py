@@ -3,7 +3,7 @@ per-rank mode, one engine per messenger) and node processes to kill -9.
 
 The prefillers' KV is the logical cache of ``_nodes.logical`` scattered into each rank's
 regions (``tests/unit/_planner_ref.py``'s views, independent of the planner); the decoders'
-regions start as ``SENTINEL``. ``check_tokens`` checks a request token by token, whatever
+regions start as ``SENTINEL``. ``check_tokens`` (from ``_nodes``) checks a request token by token, whatever
 the page sizes.
 """
 
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from _nodes import SENTINEL, _ref, logical, scatter, src_pages_for
+from _nodes import SENTINEL, _ref, check_tokens, logical, scatter, src_pages_for  # noqa: F401 (check_tokens: test_pull_road's)
 
 CTX_BYTES = 32
 
@@ -89,26 +89,6 @@ def _close(messengers, engines) -> None:
             traceback.print_exc()
     for e in engines:
         e.close()
-
-
-def check_tokens(mems, cache, src_layout, sp, dst_layout, dp, tokens: int, tail: bool) -> None:
-    """Token t of every layer, plane and held head: at slot t % pd of dp[t // pd], equal to
-    the prefiller's logical cache at slot t % ps of sp[t // ps]; with ``tail`` the slots past
-    num_tokens in the last page still hold the sentinel (the token path)."""
-    ps, pd = src_layout.page_size, dst_layout.page_size
-    t = np.arange(tokens)
-    for mem in mems.values():
-        for layer in range(cache.shape[0]):
-            for plane in range(cache.shape[1]):
-                view = mem.page_view(layer, plane)
-                got = view[dp[t // pd], :, t % pd]
-                want = cache[layer, plane][sp[t // ps], :, t % ps][:, mem.heads]
-                if not np.array_equal(got, want):
-                    bad = np.flatnonzero((got != want).reshape(tokens, -1).any(axis=1))
-                    raise AssertionError(f"layer {layer} plane {plane}: tokens {bad[:8].tolist()} differ")
-                if tail:
-                    rest = view[dp[-1], :, tokens - (len(dp) - 1) * pd:]
-                    assert (rest == SENTINEL).all(), "a slot past num_tokens was written"
 
 
 # -- processes to kill -------------------------------------------------------------------------

@@ -14,32 +14,11 @@ import pytest
 import kvxfer
 from kvxfer import KVLayout, Sharding
 
-from _nodes import Node, _ref, logical, src_pages_for
-
-SENTINEL = 0xEE
+from _nodes import SENTINEL, Node, _ref, check_tokens, logical, src_pages_for
 
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _check_tokens(mems, cache, src_layout, sp, dst_layout, dp, tokens, layers) -> None:
-    """Token t of every layer, plane and held head: at slot t % pd of dp[t // pd], equal to
-    the prefiller's logical cache at slot t % ps of sp[t // ps]; the slots past num_tokens in
-    the last page still hold the sentinel."""
-    ps, pd = src_layout.page_size, dst_layout.page_size
-    t = np.arange(tokens)
-    for mem in mems.values():
-        for layer in range(layers):
-            for plane in range(cache.shape[1]):
-                view = mem.page_view(layer, plane)
-                got = view[dp[t // pd], :, t % pd]
-                want = cache[layer, plane][sp[t // ps], :, t % ps][:, mem.heads]
-                if not np.array_equal(got, want):
-                    bad = np.flatnonzero((got != want).reshape(tokens, -1).any(axis=1))
-                    raise AssertionError(f"layer {layer} plane {plane}: tokens {bad[:8].tolist()} differ")
-                tail = view[dp[-1], :, tokens - (len(dp) - 1) * pd:]
-                assert (tail == SENTINEL).all(), "a slot past num_tokens was written"
 
 
 CASES = {
@@ -81,7 +60,7 @@ def test_differing_page_sizes_byte_exact(provider, case, nodes):
             r = d.receive(pg, rid, dp, tokens)
             assert r.wait(30) == "done", r.error
             sp = np.asarray(src_pages_for(rid, _ceil(tokens, sl.page_size), sl.num_pages))
-            _check_tokens(mems, cache, sl, sp, dl, dp, tokens, sl.num_layers)
+            check_tokens(mems, cache, sl, sp, dl, dp, tokens, tail=True)
         assert node.call("stats")["errors"] == []
     finally:
         if d is not None:
@@ -165,7 +144,7 @@ def test_streamed_chunks_with_differing_page_sizes(provider, case):
             r = d.receive(pg, f"s{n}", dp, tokens)
             assert r.wait(60) == "done", r.error
             sp = np.asarray(src_pages_for(f"s{n}", _ceil(tokens, sl.page_size), sl.num_pages))
-            _check_tokens(mems, cache, sl, sp, dl, dp, tokens, sl.num_layers)
+            check_tokens(mems, cache, sl, sp, dl, dp, tokens, tail=True)
         parent.send(("exit",))
         assert parent.poll(30)
         st, states = parent.recv()
