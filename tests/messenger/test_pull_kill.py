@@ -17,7 +17,7 @@ import pytest
 import kvxfer
 from kvxfer.errors import KvxferError
 
-from _procs import CTX
+from _pull_procs import kill, start
 
 PAGE = 16 << 10
 PAGES = 2048                   # 32 MiB exposed
@@ -68,22 +68,8 @@ def _reader(conn, provider: str, address: bytes, desc: bytes) -> None:
         t.wait(30)
 
 
-def _start(target, *args):
-    parent, child = CTX.Pipe()
-    p = CTX.Process(target=target, args=(child, *args), daemon=True)
-    p.start()
-    child.close()
-    return p, parent
-
-
-def _stop(p) -> None:
-    if p.is_alive():
-        os.kill(p.pid, signal.SIGKILL)
-    p.join(10)
-
-
 def test_kill_9_of_the_exposer_fails_the_reads(provider):
-    p, conn = _start(_exposer, provider, 7)
+    p, conn = start(_exposer, provider, 7)
     try:
         assert conn.poll(DEADLINE), "exposer did not start"
         address, desc, pid = conn.recv()
@@ -115,16 +101,16 @@ def test_kill_9_of_the_exposer_fails_the_reads(provider):
             assert time.monotonic() - t0 < DEADLINE
             mr.close()
     finally:
-        _stop(p)
+        kill(p)
 
 
 def test_kill_9_of_the_reader_leaves_the_exposer_serving(provider):
-    pe, ce = _start(_exposer, provider, 9)
+    pe, ce = start(_exposer, provider, 9)
     pr = None
     try:
         assert ce.poll(DEADLINE), "exposer did not start"
         address, desc, _ = ce.recv()
-        pr, cr = _start(_reader, provider, address, desc)
+        pr, cr = start(_reader, provider, address, desc)
         assert cr.poll(DEADLINE), "reader did not start reading"
         cr.recv()
         time.sleep(0.2)                       # reads in flight
@@ -143,15 +129,15 @@ def test_kill_9_of_the_reader_leaves_the_exposer_serving(provider):
         assert pe.exitcode == 0, f"exposer exited with {pe.exitcode}"
     finally:
         if pr is not None:
-            _stop(pr)
-        _stop(pe)
+            kill(pr)
+        kill(pe)
 
 
 def test_an_aborted_pull_is_done_only_when_no_read_is_in_flight(provider):
     """The release rule's engine half: cancel a pull, wait for it to be done, then the exposer
     releases (rewrites) its pages: nothing of the new contents may reach the reader, so no read
     was still in flight when the transfer said done."""
-    p, conn = _start(_exposer, provider, 3)
+    p, conn = start(_exposer, provider, 3)
     try:
         assert conn.poll(DEADLINE), "exposer did not start"
         address, desc, _ = conn.recv()
@@ -188,7 +174,7 @@ def test_an_aborted_pull_is_done_only_when_no_read_is_in_flight(provider):
             mr.close()
         p.join(DEADLINE)
     finally:
-        _stop(p)
+        kill(p)
 
 
 def test_per_rank_kill_9_of_one_exposer_fails_only_its_reads(provider, request):
@@ -201,7 +187,7 @@ def test_per_rank_kill_9_of_one_exposer_fails_only_its_reads(provider, request):
     if provider == "shm":
         request.applymarker(pytest.mark.xfail(strict=True, reason="finding 24: on shm 1.17 a kill -9 of one peer "
                                               "stalls reads to a live peer of the same engine"))
-    procs = [_start(_exposer, provider, 20 + r) for r in range(2)]
+    procs = [start(_exposer, provider, 20 + r) for r in range(2)]
     try:
         ends = []
         for p, conn in procs:
@@ -241,4 +227,4 @@ def test_per_rank_kill_9_of_one_exposer_fails_only_its_reads(provider, request):
         assert procs[1][0].exitcode == 0
     finally:
         for p, _ in procs:
-            _stop(p)
+            kill(p)
