@@ -49,7 +49,7 @@ from kvxfer.messenger import _codec as C
 from kvxfer.messenger._node import Node
 from kvxfer.messenger.decode import IMM_LIMIT, Decoder, Receive
 from kvxfer.messenger.metrics import snapshot as metrics_snapshot
-from kvxfer.messenger.paged import RegionTable, register_layout, register_regions
+from kvxfer.messenger.paged import RegionTable, register_layout
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
 from kvxfer.messenger.prefill import Prefiller
 from kvxfer.messenger.send import Request, Send, context_view
@@ -208,9 +208,7 @@ class Messenger:
         self._peers_room.on_up, self._peers_room.on_failed = dec.peer_up, dec.connect_failed
         try:
             for r, objs in zip(self.ranks, regions):
-                self._local[r] = RegionTable(engine, layout, sharding, register_regions(
-                    engine, layout, sharding, objs, readable=True)) if offer_pull else \
-                    register_layout(engine, layout, sharding, objs)
+                self._local[r] = register_layout(engine, layout, sharding, objs, readable=offer_pull)
             self._ctx_mr = engine.register(dec.ctx_array) if slots else None
             self._hs = C.Handshake(
                 uid=self.uid, address=engine.address, layout=layout, sharding=sharding, ranks=self.ranks,

@@ -78,11 +78,13 @@ class RemoteRegionTable:
 
 
 def register_layout(engine: Any, layout: KVLayout, sharding: Sharding, regions: Sequence[Any], *,
-                    remote: bool = True) -> RegionTable:
+                    remote: bool = True, readable: bool = False) -> RegionTable:
     """Register one rank's regions (numpy, torch, ``KVBuffer`` or ``(ptr, nbytes)``, in
     region-id order) in one call. Each must be at least ``layout.region_sizes(sharding)``;
-    on any refusal the regions registered so far are closed again."""
-    return RegionTable(engine, layout, sharding, register_regions(engine, layout, sharding, regions, remote=remote))
+    on any refusal the regions registered so far are closed again. ``readable``: peers may
+    also read them (``Engine.register(..., readable=True)``: the pull road)."""
+    return RegionTable(engine, layout, sharding,
+                       register_regions(engine, layout, sharding, regions, remote=remote, readable=readable))
 
 
 def register_regions(engine: Any, layout: KVLayout, sharding: Sharding, regions: Sequence[Any],
