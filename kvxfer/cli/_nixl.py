@@ -22,6 +22,11 @@ target stamps its clock (both processes share CLOCK_MONOTONIC) and sends the sta
 is write call → ``landed`` read by the initiator (the check is not in it); ``sender p50`` is
 write call → NIXL reports the request DONE at the initiator.
 
+``--op read`` (``NixlPeer.bw_read``): the target registers the case's source pattern and the
+initiator pulls it with NIXL's READ into a poisoned, guarded buffer, page j into page
+``Checker.mapping(i)[j]`` as kvxfer's ``--op read`` does (``_bw_read``), one prepared request
+per iteration; a READ completes at the reader, so its ``p50`` is the read call → DONE.
+
 The provider maps to UCX transports as NIXL's fastest users run them: ``shm`` →
 ``UCX_TLS=sm,self`` (shared memory and CMA only) with the UCX backend created with
 ``ucx_error_handling_mode=none`` (NIXL's UCX endpoints ask for peer failure handling by default,
@@ -40,7 +45,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from kvxfer.cli._cases import Case, Checker, dst_pages, parse_case
+from kvxfer.cli._cases import Case, Checker, dst_pages, parse_case, pattern
+from kvxfer.cli._memmove import iterations as _iterations
 from kvxfer.cli._results import CaseResult
 from kvxfer.cli._vs import PeerProcess, TargetChannel, VsPeer, record_iteration
 
@@ -93,6 +99,18 @@ def target_main() -> int:
         if req["t"] == "peer":
             agent.add_remote_agent(bytes.fromhex(req["meta"]))
             ch.say(t="ok")
+            continue
+        if req["t"] == "read_case":      # --op read: the source bytes, registered, until the reader is done
+            case = parse_case(req["case"])
+            src = pattern(int(req["seed"]), case.nbytes)
+            reg = agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+            ch.say(t="desc", addr=int(src.ctypes.data), meta=agent.get_agent_metadata().hex())
+            # progress while the initiator reads: UCX's tcp transport serves a get with active
+            # messages at the target (a target blocked on its stdin stalls every read); shared
+            # memory needs none, and the polls cost it no more than a write target's
+            ch.serve_until("read_done", agent.get_new_notifs)
+            agent.deregister_memory(reg)
+            ch.say(t="done", bad_iters=0)
             continue
         # one case: register, publish the buffer, then check each iteration's pages
         case, seed, total = parse_case(req["case"]), int(req["seed"]), int(req["total"])
@@ -210,6 +228,92 @@ class NixlPeer(VsPeer):
         if res is not None and done["bad_iters"] != res.bad_iterations:
             res.problems.append(f"NIXL target counted {done['bad_iters']} bad iterations")
         return wall
+
+
+    def bw_read(self, case: Case, seed: int, *, warmup: int, iters: Optional[int], budget: float, min_iters: int,
+                max_iters: int, progress: Callable[[int, int], None]) -> CaseResult:
+        """``--op read``: the case pulled with NIXL's READ, as ``_bw_read.bw_read`` pulls it with
+        kvxfer: the target registers the source pattern, this process reads page j of it into
+        page ``Checker.mapping(i)[j]`` of a poisoned buffer with a guard and checks it. A READ
+        completes at the reader (``check_xfer_state`` DONE): landed = acked = local = that."""
+        agent, pb, pages = self.agent, case.page_bytes, case.pages
+        res = CaseResult(case, warmup=warmup, clock="local completion")
+        self.p.send(t="read_case", case=case.spec, seed=seed)
+        desc = self.p.recv("desc")
+        src = int(desc["addr"])
+        agent.add_remote_agent(bytes.fromhex(desc["meta"]))
+        local = remote = h_read = reg = None
+        n = 0
+        try:
+            with Checker(case, seed) as chk:
+                buf = chk.buf
+                reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+                if case.kind == "pages":
+                    so = np.arange(pages, dtype=np.uint64) * np.uint64(pb)
+                    col = np.zeros(pages, dtype=np.uint64)
+                    lrows = np.stack([so + np.uint64(buf.ctypes.data), np.full(pages, pb, np.uint64), col], axis=1)
+                    rrows = np.stack([so + np.uint64(src), np.full(pages, pb, np.uint64), col], axis=1)
+                    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, "DRAM")
+                    remote = agent.prep_xfer_dlist(self.remote, rrows, "DRAM")
+                    ridx = np.arange(pages, dtype=np.int32)
+                else:
+                    ld = agent.get_xfer_descs([(int(buf.ctypes.data), case.nbytes, 0)], "DRAM")
+                    rd = agent.get_xfer_descs([(src, case.nbytes, 0)], "DRAM")
+
+                def one(i: int, keep: bool) -> float:
+                    nonlocal h_read
+                    t_start = time.perf_counter()
+                    perm = chk.mapping(i)
+                    if perm is not None:
+                        perm = perm.astype(np.int32)
+                        t0 = time.perf_counter()
+                        h = agent.make_prepped_xfer("READ", local, perm, remote, ridx)
+                    else:
+                        if h_read is None:
+                            h_read = agent.initialize_xfer("READ", ld, rd, self.remote)
+                        h = h_read
+                        t0 = time.perf_counter()
+                    st = agent.transfer(h)
+                    t1 = time.perf_counter()
+                    while st == "PROC":
+                        st = agent.check_xfer_state(h)
+                        if st == "PROC":
+                            os.sched_yield()
+                    t2 = time.perf_counter()
+                    if st != "DONE":
+                        raise RuntimeError(f"NIXL read {i} ended {st}")
+                    if h is not h_read:
+                        h.release()
+                    bad, guard = chk.check(i)
+                    if bad or not guard:
+                        res.bad_iterations += 1
+                        if len(res.problems) < 5:
+                            res.problems.append(f"iteration {i}: " + (f"{bad} pages differ" if bad else
+                                                                      "guard bytes overwritten"))
+                    if keep:
+                        for acc in (res.landed, res.acked, res.local):
+                            acc.append(t2 - t0)
+                        res.post.append(t1 - t0)
+                    return time.perf_counter() - t_start
+
+                wall = 0.0
+                for i in range(warmup):
+                    wall = one(i, False)
+                n = iters if iters is not None else _iterations(budget, wall, min_iters, max_iters)
+                for k in range(n):
+                    one(warmup + k, True)
+                    progress(k + 1, n)
+        finally:
+            for hd in (local, remote, h_read):
+                if hd is not None:
+                    hd.release()
+            if reg is not None:
+                agent.deregister_memory(reg)
+            self.p.send(t="read_done")
+            self.p.recv("done")
+        res.iterations = n
+        res.num_writes = case.pages
+        return res
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def _rate(v: Optional[float]) -> str:
 BW_COLUMNS = (("provider", "<"), ("case", "<"), ("bytes", ">"), ("writes", ">"), ("GB/s", ">"),
               ("x memmove", ">"), ("writes/s", ">"), ("p50", ">"), ("p99", ">"), ("acked p50", ">"),
               ("sender p50", ">"), ("post/page", ">"), ("iters", ">"), ("check", "<"))
-BW_WIDTHS = (11, 20, 5, 6, 6, 9, 8, 9, 9, 9, 10, 9, 5, 5)
+BW_WIDTHS = (11, 25, 5, 6, 6, 9, 8, 9, 9, 9, 10, 9, 5, 5)
 LAT_COLUMNS = (("provider", "<"), ("bytes", ">"), ("p50 rtt", ">"), ("p99 rtt", ">"), ("min", ">"),
                ("mean", ">"), ("one-way p50", ">"), ("floor p50", ">"), ("x floor", ">"), ("iters", ">"),
                ("check", "<"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from typing import Callable, Optional
@@ -36,6 +37,19 @@ class TargetChannel:
     def requests(self):
         for line in sys.stdin:
             yield json.loads(line)
+
+    def serve_until(self, kind: str, poll: Callable[[], object]) -> None:
+        """Call ``poll`` (the peer library's progress), yielding the CPU between calls, until
+        the request ``kind`` arrives. Only when the initiator sends nothing else meanwhile (it
+        waits for this target's answer): stdin is then empty but for that one line."""
+        while True:
+            poll()
+            if select.select([sys.stdin], [], [], 0)[0]:
+                req = json.loads(sys.stdin.readline() or "null")
+                if not req or req["t"] != kind:
+                    raise RuntimeError(f"expected {kind!r} from the initiator, got {req!r}")
+                return
+            os.sched_yield()
 
 
 class PeerProcess:

@@ -383,7 +383,7 @@ def run_bw(args: argparse.Namespace) -> int:
                 theirs: dict[str, list[dict]] = {peer: [] for peer, _, _ in opened}
                 ops = list(dict.fromkeys(args.op or ("write",))) if case.kind != "memmove" else ["write"]
                 if ops == ["read"]:
-                    _read_rows(run, case, args, args.seed + i, warmup, bar, one, memmove)
+                    _read_rows(run, case, args, args.seed + i, warmup, bar, one, memmove, opened)
                     continue
                 for r in range(args.rounds):
                     label = f"{run.provider} {case.label}" + (f" round {r + 1}" if args.rounds > 1 else "")
@@ -418,7 +418,7 @@ def run_bw(args: argparse.Namespace) -> int:
                         rec["results"].append(t)
                         print(bw_row(f"{peer}/{run.provider}"[:11], t, memmove), flush=True)
                 if "read" in ops:        # --op write --op read: the same case pulled, right after
-                    _read_rows(run, case, args, args.seed + i, warmup, bar, one, memmove)
+                    _read_rows(run, case, args, args.seed + i, warmup, bar, one, memmove, opened)
         finally:
             for _, p, _ in opened:
                 if p is not None:
@@ -446,23 +446,45 @@ def run_bw(args: argparse.Namespace) -> int:
 
 
 def _read_rows(run: "_Run", case: Case, args: argparse.Namespace, seed: int, warmup: int, bar: Bar,
-               one: Callable, memmove: Optional[float]) -> None:
-    """``--op read``: ``case`` pulled by this process (kvxfer/cli/_bw_read.py), its rounds, its row."""
+               one: Callable, memmove: Optional[float], opened: list) -> None:
+    """``--op read``: ``case`` pulled by this process (kvxfer/cli/_bw_read.py), its rounds, its
+    row; each round, every ``--vs`` peer that reads (NIXL's READ) pulls it right after."""
     from kvxfer.cli._bw_read import as_read_row, bw_read
 
+    common = dict(warmup=warmup, iters=args.iters, budget=args.seconds, min_iters=args.min_iters,
+                  max_iters=args.max_iters)
     rounds = []
+    theirs: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         label = f"{run.provider} read {case.label}" + (f" round {r + 1}" if args.rounds > 1 else "")
-        res = bw_read(run.ini, case, seed, warmup=warmup, iters=args.iters, budget=args.seconds,
-                      min_iters=args.min_iters, max_iters=args.max_iters,
-                      progress=lambda d, n, label=label: bar.update(label, d, n))
+        res = bw_read(run.ini, case, seed, progress=lambda d, n, label=label: bar.update(label, d, n), **common)
         rounds.append(as_read_row(res.summary()))
+        for j, (peer, p, rec) in enumerate(opened):
+            if p is None or not hasattr(p, "bw_read"):
+                continue
+            plabel = f"{peer} {label}"
+            try:
+                t = p.bw_read(case, seed, progress=lambda d, n, plabel=plabel: bar.update(plabel, d, n), **common)
+            except Exception as exc:        # it runs nothing more, as a failed write case
+                rec["error"] = f"read {case.spec}: {type(exc).__name__}: {exc}"
+                bar.clear()
+                print(f"{peer + ' ' + run.provider:<11}  FAILED: {rec['error']}", flush=True)
+                p.close()
+                opened[j] = (peer, None, rec)
+                continue
+            theirs.setdefault(peer, []).append(as_read_row(t.summary()))
     s = one(rounds)
     run.record["results"].append(s)
     bar.clear()
     print(bw_row(run.provider, s, memmove), flush=True)
     for prob in s["problems"]:
         print(f"    {prob}", flush=True)
+    for peer, p, rec in opened:
+        got = theirs.get(peer, [])
+        if got and len(got) == args.rounds:
+            t = one(got)
+            rec["results"].append(t)
+            print(bw_row(f"{peer}/{run.provider}"[:11], t, memmove), flush=True)
 
 
 def _floor_pin() -> list:

@@ -144,6 +144,34 @@ def test_vs_peer_tiny_run(peer, tmp_path, capsys):
     assert all(r["peer_gbps"] > 0 for r in rows)
 
 
+@pytest.mark.parametrize("provider", ["tcp;ofi_rxm", "shm"])
+def test_vs_nixl_reads_beside_kvxfer_reads(provider, tmp_path, capsys):
+    """``--op write --op read --vs nixl`` (issue 25): NIXL's READ pulls each case into a
+    checked buffer as kvxfer's read does, and each op is compared with its own kind."""
+    from _providers import available
+    from kvxfer.cli import _nixl
+
+    why = _nixl.available()
+    if why:
+        pytest.skip(f"nixl is not installed: {why}")
+    if not available(provider):
+        pytest.skip(f"provider {provider} is not available here")
+    out = tmp_path / "vs.json"
+    rc = bench.main(["bw", "--provider", provider, "--vs", "nixl", "--op", "write", "--op", "read",
+                     "--case", "pages:4Kx64", "--case", "write:64K", "--iters", "3", "--warmup", "1",
+                     "--timeout", "30", "-q", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    doc = json.loads(out.read_text())
+    rows = doc["comparison"]
+    assert sorted((r["case"], r["label"].startswith("read ")) for r in rows) == [
+        ("pages:4Kx64", False), ("pages:4Kx64", True), ("write:64K", False), ("write:64K", True)]
+    assert all(r["peer_check"] == "ok" and r["kvxfer_check"] == "ok" and r["peer_gbps"] > 0 for r in rows)
+    (run,) = doc["runs"]
+    reads = [x for x in run["vs"]["nixl"]["results"] if x.get("op") == "read"]
+    assert len(reads) == 2 and all(x["iterations"] == 3 and x["check"] == "ok" for x in reads)
+
+
 def test_the_floor_leaves_no_shm_region_behind():
     """bench/fi_pingpong.c closes its endpoints: shm removes /dev/shm/<pid>:... only then, and
     every floor run used to leave 16 MiB of tmpfs per endpoint (and a name a later process

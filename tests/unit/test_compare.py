@@ -34,6 +34,20 @@ def test_rows_match_cases_and_ratios_favour_kvxfer_above_one():
     json.dumps(rows)   # plain data
 
 
+def test_a_read_row_is_held_against_the_peers_read_of_the_same_case_never_its_write():
+    """``--op write --op read --vs nixl``: both ops of one case share its spec; each is matched
+    with the peer's row of the same op, and the write goals (issue 13) are not read goals."""
+    read = lambda r, gbps, local: dict(r, op="read", label="read " + r["label"], gbps=gbps, local_p50_s=local)  # noqa: E731
+    ours = [OURS[2], read(OURS[2], 3.0, 0.01)]
+    theirs = [read(THEIRS[1], 1.0, 0.04), dict(THEIRS[1], check="ok")]     # the peer's read first
+    w, r = compare("shm", ours, theirs, "nixl")
+    assert (w["label"], w["gbps_ratio"], w["goal"]) == ("pages 16K x 4096 (b)", pytest.approx(2.0), 2.0)
+    assert (r["label"], r["gbps_ratio"], r["sender_ratio"], r["goal"]) == \
+        ("read pages 16K x 4096 (b)", pytest.approx(3.0), pytest.approx(4.0), None)
+    assert r["peer_check"] == "FAIL" and w["peer_check"] == "ok"
+    assert "read pages 16K x 4096 (b)" in table([w, r])
+
+
 def test_missing_numbers_give_no_ratio():
     (row,) = compare("tcp", [_res("write:4K", "w", None, None, 0.0, kind="write")],
                      [_res("write:4K", "w", None, 1.0, float("nan"), kind="write")], "nixl")
