@@ -42,7 +42,8 @@
  * sar_status and name_sent). kvxfer maps the first page and the peer table of its own region
  * and uses them only when all of that checks out (the queue ends where the response queue
  * starts, the table where the name starts); otherwise nothing is forgotten and the close stays
- * deferred until the holder closes, as before. */
+ * deferred until the holder closes, as before (KVXFER_SHM_FORGET=0 does that on purpose: the
+ * tests of the deferral itself). */
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -85,6 +86,9 @@ void kx_forget_map_cmdq(kx_local *c, const char *prov)
     c->peer_data = NULL;
     c->peer_map = NULL;
     if (!prov || strcmp(prov, "shm") != 0 || kx_shm_pid(prov, c->name, c->len) != getpid())
+        return;
+    const char *knob = getenv("KVXFER_SHM_FORGET");  /* "0": never forget, defer as before (tests) */
+    if (knob && strcmp(knob, "0") == 0)
         return;
     char path[300];
     if (kx_shm_path(c->name, c->len, "", path, sizeof(path)))
