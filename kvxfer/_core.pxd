@@ -103,7 +103,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     void kx_set_peer_timeout(kx_rail *r, int64_t ns)
     void kx_set_delivery_complete(kx_rail *r, int on)
     int kx_peer_state(kx_rail *r, fi_addr_t peer)
-    int kx_av_remove(kx_rail *r, fi_addr_t addr, int64_t wait_ns)
+    int kx_av_remove(kx_rail *r, fi_addr_t addr, uint32_t gen, int64_t wait_ns)
 
     # regions
     int KX_REMOTE_WRITE, KX_REMOTE_READ

@@ -196,14 +196,16 @@ cdef class Rail:
             check(kx_av_insert(r, &addr[0], n, &a, &gen), "fi_av_insert")
         return a, gen
 
-    def av_remove(self, fi_addr_t addr, double wait=1.0):
+    def av_remove(self, fi_addr_t addr, double wait=1.0, uint32_t gen=0):
         """Remove `addr` once no post is inside a provider call to it (later ones fail with
-        ENOTCONN at once); False if one still was after `wait` s (the slot stays, unused)."""
+        ENOTCONN at once); False if one still was after `wait` s (the slot stays, unused).
+        `gen` (from ``av_insert``; 0: unchecked): a slot already removed (a same-process shm
+        peer that closed is dropped natively, src/forget.c) or reused since is left alone."""
         cdef kx_rail *r = self._rail()
         cdef int ret
         cdef int64_t ns = <int64_t>(wait * 1e9)
         with nogil:
-            ret = kx_av_remove(r, addr, ns)
+            ret = kx_av_remove(r, addr, gen, ns)
         if ret == -FI_EBUSY or ret == -FI_ECANCELED:     # still posted to, or the rail closing
             return False
         check(ret, "fi_av_remove")

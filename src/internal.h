@@ -215,10 +215,12 @@ struct kx_rail {
     int64_t last_scan_ns;
     int64_t eagain_ns;         /* the progress thread's last post refused with -FI_EAGAIN */
     struct kx_local *self_local;   /* this endpoint, as other rails of this process see it */
+    pthread_mutex_t av_lock;   /* one AV change at a time: kx_av_insert, kx_av_remove, forget.c */
     int parked;                /* the endpoint is left open, unprogressed, never closed (kx_rail_park) */
     int took_msgs;             /* a control message arrived (someone connected to us) */
     int shm;                   /* a shm rail: same-process peers share regions (rail.c, deferral) */
     int deferred;              /* shm: closing, its fids wait until no open engine maps it (1), being closed (2) */
+    int wrote_off;             /* an operation was given up on (kx_peers_scan): a peer may still hold it */
     int domain_requested;      /* deferred: kx_rail_close_domain was called */
     int free_requested;        /* deferred: kx_rail_free was called; the final step frees it */
 
@@ -342,11 +344,21 @@ void kx_ctl_rail_free(kx_rail *r);
 uint64_t kx_name_hash(const void *name, size_t len);
 
 /* ---- the peers: peers.c (the table), local.c (same-process cells), names.c, shmlock.c -- */
+#define KX_FORGET_WAIT_NS 1000000000LL   /* a closing shm rail waits this long for its holders to drop it */
 #define KX_PEER_SCAN_NS 10000000LL   /* the progress thread looks at its peers every 10 ms */
 #define KX_ALIVE_NS 500000LL         /* a poster trusts a shm peer's pidfd's "running" this long: one
                                       * poll(2) per message was a third of a small request's syscalls */
 #define KX_PEER_CHUNK   256          /* peer entries are allocated 256 at a time ... */
 #define KX_PEER_CHUNKS  4096         /* ... under a fixed directory: 1 Mi peers per rail */
+/* one hold of a same-process shm cell by a rail (local.c); a closed cell's holds are dropped
+ * by the holder's progress (forget.c) once `want` is 1 and its command queue was read past
+ * `mark` */
+typedef struct kx_hold {
+    struct kx_local *c;
+    uint64_t mark;        /* the holder's command-queue write count when c's rail quiesced */
+    int want;             /* 0: held; 1: c's rail closed, forget it; 2: being forgotten */
+} kx_hold;
+
 typedef struct kx_local {
     struct kx_local *next;
     int refs;             /* the owning rail + every peer entry naming it (under kx_locals_lock) */
@@ -355,8 +367,15 @@ typedef struct kx_local {
     /* shm (rail.c, deferral): engines of this process whose progress may read this
      * endpoint's region, and those this endpoint's progress may read (under kx_locals_lock) */
     int mapped_by;        /* unquiesced rails holding this cell in their `held` */
-    struct kx_local **held;
+    kx_hold *held;
     int nheld, capheld;
+    int forgets;          /* atomic: holds in `held` with want != 0 (the progress looks: forget.c) */
+    const volatile uint64_t *cmdq;   /* shm: {read, write} counts of this endpoint's own command
+                                      * queue, through our own mapping (forget.c); NULL: unknown */
+    void *cmdq_map;
+    unsigned char *peer_data;   /* shm: this endpoint's own table of its peers (forget.c), writable */
+    void *peer_map;
+    size_t peer_map_len;
     struct kx_rail *deferred;   /* its rail, closing, waits for mapped_by == 0 */
     size_t len;
     uint8_t name[256];
@@ -378,6 +397,7 @@ typedef struct kx_peer {
     volatile int *lockw;  /* shm, another process: its region's spin lock (NULL: unknown layout; written only by kx_peers_unstick) */
     void *map;            /* the page lockw lies in (our own mapping of it) */
     struct kx_bell *bell; /* shm: the peer's doorbell, rung after each post (bell.c); NULL: none */
+    int removed;          /* its address was removed (kx_peer_forget): a tombstone until reused */
 } kx_peer;
 
 /* local.c: same-process engines (kx_local cells, shm's deferral rule) */
@@ -392,7 +412,17 @@ int kx_local_defer(kx_rail *r);
 int kx_local_still_deferred(kx_rail *r, int freeing);
 int kx_local_deferred_done(kx_rail *r);
 int kx_local_deferred_end(kx_rail *r);
+int kx_local_deferred_wait(kx_rail *r, int64_t wait_ns);
+int kx_local_forget_due(kx_rail *r, kx_local **out, int max);
+void kx_local_forget_later(kx_rail *r, kx_local *c);
+void kx_local_unlink_all(kx_rail *x, kx_local *y);
 void kx_rail_finish_deferred(kx_rail *r);      /* rail.c */
+
+/* forget.c: a closed same-process shm engine leaves the maps of those that hold it */
+void kx_forget_map_cmdq(kx_local *c, const char *prov);
+int kx_forget_step(kx_rail *r);
+int kx_forget_slot_of(kx_rail *r, fi_addr_t fa);
+void kx_forget_slot_clear(kx_rail *r, int slot);
 
 /* names.c: endpoint names, shm's files */
 pid_t kx_shm_pid(const char *prov, const void *name, size_t len);     /* 0: not a shm name */
@@ -412,6 +442,7 @@ kx_peer *kx_peer_get(kx_rail *r, fi_addr_t fa);    /* NULL: untracked; lock-free
 int kx_pidfd_exited(int fd);
 int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len);
 void kx_peer_forget(kx_rail *r, fi_addr_t fa);
+kx_local *kx_peer_forget_entry(kx_rail *r, fi_addr_t fa);
 void kx_peer_kill_locked(kx_rail *r, fi_addr_t fa, int err);
 int kx_peer_gone(kx_rail *r, fi_addr_t fa);
 int kx_peer_enter(kx_rail *r, fi_addr_t fa, uint32_t gen);

@@ -5,6 +5,8 @@
  * reaches a closed endpoint. The cells also carry shm's deferral rule (below): an endpoint's
  * region outlives the progress of every engine of this process that may read it. */
 
+#include <sys/mman.h>
+
 #include "internal.h"
 
 static pthread_mutex_t kx_locals_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -20,6 +22,10 @@ static void kx_local_unref_locked(kx_local *c)
             }
         }
         free(c->held);
+        if (c->cmdq_map)
+            munmap(c->cmdq_map, 4096);
+        if (c->peer_map)
+            munmap(c->peer_map, c->peer_map_len);
         free(c);
     }
 }
@@ -39,21 +45,34 @@ void kx_local_unref(kx_local *c)
  * Links are made on connect, dropped when the holder removes the peer from its AV (only its
  * own side) and when the holder's progress thread has been joined (all of them). A closing
  * shm rail whose cell is still mapped by someone is deferred (kx_local_defer); the thread
- * that drops `mapped_by` to 0 closes its fids (kx_rail_finish_deferred). Under the lock. */
+ * that drops `mapped_by` to 0 closes its fids (kx_rail_finish_deferred). Under the lock.
+ * A closing rail that drained cleanly asks each holder to drop it (kx_local_defer, want = 1):
+ * the holder's progress removes it from its own address vector once it has read its command
+ * queue past every command the closed one wrote (forget.c), then drops its holds. */
 static int kx_hold_locked(kx_local *holder, kx_local *c)
 {
     if (holder->nheld == holder->capheld) {
         int cap = holder->capheld ? 2 * holder->capheld : 4;
-        kx_local **h = realloc(holder->held, (size_t)cap * sizeof(*h));
+        kx_hold *h = realloc(holder->held, (size_t)cap * sizeof(*h));
         if (!h)
             return -FI_ENOMEM;
         holder->held = h;
         holder->capheld = cap;
     }
-    holder->held[holder->nheld++] = c;
+    holder->held[holder->nheld++] = (kx_hold){.c = c};
     c->refs++;
     c->mapped_by++;
     return 0;
+}
+
+/* remove holder->held[i] (the caller drops the hold itself: kx_unhold_locked) */
+static kx_local *kx_hold_take_locked(kx_local *holder, int i)
+{
+    kx_local *c = holder->held[i].c;
+    if (holder->held[i].want)
+        __atomic_sub_fetch(&holder->forgets, 1, __ATOMIC_SEQ_CST);
+    holder->held[i] = holder->held[--holder->nheld];
+    return c;
 }
 
 /* drop one hold of c; returns c's rail when that ends its deferral (the caller finishes it) */
@@ -91,15 +110,73 @@ void kx_local_unlink(kx_rail *x, kx_local *y)
         return;
     pthread_mutex_lock(&kx_locals_lock);
     for (int i = 0; i < xc->nheld; i++) {
-        if (xc->held[i] == y) {
-            xc->held[i] = xc->held[--xc->nheld];
-            finish = kx_unhold_locked(y);
+        if (xc->held[i].c == y) {
+            finish = kx_unhold_locked(kx_hold_take_locked(xc, i));
             break;
         }
     }
     pthread_mutex_unlock(&kx_locals_lock);
     if (finish)
         kx_rail_finish_deferred(finish);
+}
+
+/* every hold x has of y (forget.c, once x's provider no longer maps y) */
+void kx_local_unlink_all(kx_rail *x, kx_local *y)
+{
+    kx_local *xc = x->self_local;
+    kx_rail *finish = NULL;
+    if (!xc)
+        return;
+    pthread_mutex_lock(&kx_locals_lock);
+    for (int i = xc->nheld - 1; i >= 0; i--) {
+        if (xc->held[i].c == y) {
+            kx_rail *f = kx_unhold_locked(kx_hold_take_locked(xc, i));
+            if (f)
+                finish = f;
+        }
+    }
+    pthread_mutex_unlock(&kx_locals_lock);
+    if (finish)
+        kx_rail_finish_deferred(finish);
+}
+
+/* The holds of r due to be forgotten: closed cells whose rail asked (want 1) and whose last
+ * command r's progress has read (its queue's read count past the mark). Each is marked 2 and
+ * returned with a reference (the caller drops it: kx_local_unref); at most `max`. */
+int kx_local_forget_due(kx_rail *r, kx_local **out, int max)
+{
+    kx_local *self = r->self_local;
+    int n = 0;
+    if (!self || !self->cmdq)
+        return 0;
+    uint64_t read = __atomic_load_n(&self->cmdq[0], __ATOMIC_ACQUIRE);
+    pthread_mutex_lock(&kx_locals_lock);
+    for (int i = 0; i < self->nheld && n < max; i++) {
+        kx_hold *h = &self->held[i];
+        int dup = 0;
+        for (int k = 0; k < n; k++)
+            dup |= out[k] == h->c;
+        if (h->want != 1 || dup || (int64_t)(read - h->mark) < 0)
+            continue;
+        h->want = 2;
+        h->c->refs++;
+        out[n++] = h->c;
+    }
+    pthread_mutex_unlock(&kx_locals_lock);
+    return n;
+}
+
+/* forget.c could not drop c now (a post under way, the AV busy): try again on a later pass */
+void kx_local_forget_later(kx_rail *r, kx_local *c)
+{
+    kx_local *self = r->self_local;
+    if (!self)
+        return;
+    pthread_mutex_lock(&kx_locals_lock);
+    for (int i = 0; i < self->nheld; i++)
+        if (self->held[i].c == c && self->held[i].want == 2)
+            self->held[i].want = 1;
+    pthread_mutex_unlock(&kx_locals_lock);
 }
 
 /* r's progress thread has been joined: it reads no other region any more */
@@ -112,7 +189,7 @@ void kx_local_release(kx_rail *r)
         kx_rail *finish = NULL;
         pthread_mutex_lock(&kx_locals_lock);
         while (c->nheld > 0 && !finish)
-            finish = kx_unhold_locked(c->held[--c->nheld]);
+            finish = kx_unhold_locked(kx_hold_take_locked(c, c->nheld - 1));
         pthread_mutex_unlock(&kx_locals_lock);
         if (!finish)
             return;
@@ -120,21 +197,63 @@ void kx_local_release(kx_rail *r)
     }
 }
 
-/* a closing shm rail: 1 if another engine's progress may still read its region (it is now
- * deferred), else 0 (close it now) */
+/* a closing shm rail (quiesced: it posts nothing more): 0 if no other engine's progress may
+ * read its region (close it now); else it is deferred, and 2 if every holder was asked to
+ * forget it (each one that can read its own command queue, forget.c: the rail had nothing
+ * outstanding, so nothing of it is pending there but what that queue still holds), 1 if not */
 int kx_local_defer(kx_rail *r)
 {
     kx_local *c = r->self_local;
     if (!r->shm || !c)
         return 0;
+    int clean = __atomic_load_n(&r->outstanding, __ATOMIC_SEQ_CST) == 0 &&
+                !__atomic_load_n(&r->wrote_off, __ATOMIC_ACQUIRE);
     pthread_mutex_lock(&kx_locals_lock);
     int d = c->mapped_by > 0;
     if (d) {
         r->deferred = 1;
         c->deferred = r;
+        int asked = 0, all = 1;
+        for (kx_local *h = kx_locals; h; h = h->next) {
+            for (int i = 0; i < h->nheld; i++) {
+                if (h->held[i].c != c)
+                    continue;
+                if (!clean || !h->cmdq) {
+                    all = 0;
+                    continue;
+                }
+                if (h->held[i].want == 0) {
+                    h->held[i].mark = __atomic_load_n(&h->cmdq[1], __ATOMIC_ACQUIRE);
+                    h->held[i].want = 1;
+                    __atomic_add_fetch(&h->forgets, 1, __ATOMIC_SEQ_CST);
+                }
+                asked++;
+            }
+        }
+        /* holds without an entry (kx_local_link out of memory) are kept for good */
+        if (all && asked == c->mapped_by)
+            d = 2;
     }
     pthread_mutex_unlock(&kx_locals_lock);
     return d;
+}
+
+/* the owner of a rail deferred with d == 2: wait (bounded) until its holders have dropped it
+ * and its fids are closed; 1 if so, 0 if it is still deferred at the deadline (the last holder
+ * then finishes it later, as before) */
+int kx_local_deferred_wait(kx_rail *r, int64_t wait_ns)
+{
+    int64_t until = kx_now_ns() + wait_ns;
+    for (int step = 0;; step++) {
+        pthread_mutex_lock(&kx_locals_lock);
+        int d = r->deferred;
+        pthread_mutex_unlock(&kx_locals_lock);
+        if (!d)
+            return 1;
+        if (kx_now_ns() >= until)
+            return 0;
+        kx_pause(step, 200000);
+    }
 }
 
 /* 1 while r is deferred or being closed by another thread (and notes what its owner asked
@@ -190,6 +309,7 @@ int kx_local_publish(kx_rail *r)
     }
     c->len = n;
     c->refs = 1;
+    kx_forget_map_cmdq(c, r->info->fabric_attr->prov_name);
     pthread_mutex_lock(&kx_locals_lock);
     c->next = kx_locals;
     kx_locals = c;

@@ -99,6 +99,7 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     p->out = 0;
     p->refused_ns = 0;
     p->alive_ns = 0;
+    p->removed = 0;
     p->last_ns = kx_now_ns();
     p->name_hash = kx_name_hash(name, len);
     __atomic_store_n(&p->dead, dead, __ATOMIC_SEQ_CST);
@@ -119,8 +120,9 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
 
 /* forget a removed peer (fi_av_remove; kx_av_remove saw no post inside a provider call to
  * it): the slot stays a tombstone, dead with ENOTCONN, until libfabric reuses it for the next
- * peer inserted (kx_peer_add bumps its generation) */
-void kx_peer_forget(kx_rail *r, fi_addr_t fa)
+ * peer inserted (kx_peer_add bumps its generation). Returns its local cell, if any, with the
+ * entry's reference (the caller unlinks and unrefs it: kx_peer_forget, forget.c). */
+kx_local *kx_peer_forget_entry(kx_rail *r, fi_addr_t fa)
 {
     pthread_mutex_lock(&r->hub->lock);
     kx_peer *p = kx_peer_get(r, fa);
@@ -137,20 +139,27 @@ void kx_peer_forget(kx_rail *r, fi_addr_t fa)
         p->local = NULL;
         p->pidfd = -1;
         __atomic_store_n(&p->dead, ENOTCONN, __ATOMIC_SEQ_CST);
+        p->removed = 1;
         p->out = 0;
         p->refused_ns = 0;
         p->lockw = NULL;
         p->map = NULL;
     }
     pthread_mutex_unlock(&r->hub->lock);
-    if (c) {
-        kx_local_unlink(r, c);
-        kx_local_unref(c);
-    }
     if (fd >= 0)
         close(fd);
     kx_shm_lock_unmap(map);
     kx_bell_close(bell);
+    return c;
+}
+
+void kx_peer_forget(kx_rail *r, fi_addr_t fa)
+{
+    kx_local *c = kx_peer_forget_entry(r, fa);
+    if (c) {
+        kx_local_unlink(r, c);
+        kx_local_unref(c);
+    }
 }
 
 int kx_pidfd_exited(int fd)
@@ -357,6 +366,7 @@ int kx_peers_scan(kx_rail *r)
         if (!x->done && open > 0 && now - __atomic_load_n(&x->last_ns, __ATOMIC_ACQUIRE) > r->peer_timeout_ns) {
             kx_transfer_fail_locked(r, x, ETIMEDOUT);
             x->written_off += open;
+            __atomic_store_n(&r->wrote_off, 1, __ATOMIC_RELEASE);
             /* off the rail's count too: shm never completes a refused CMA write, and one
              * left there would keep the progress thread from sleeping on the CQ fd and
              * every later close() draining to its deadline */

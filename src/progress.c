@@ -316,6 +316,7 @@ static int kx_progress_once(kx_rail *r)
         __atomic_load_n(&r->cancel_pending, __ATOMIC_ACQUIRE))
         n += kx_pump_queue(r);
     n += kx_ctl_post_acks(r);     /* after the pump: the writes it posted go out ahead of the ACK */
+    n += kx_forget_step(r);       /* closed same-process shm engines we still map (forget.c) */
     return n;
 }
 

@@ -152,6 +152,7 @@ int kx_rail_open(const char *prov, const char *node, const char *domain, int hme
     pthread_mutex_unlock(&r->hub->lock);
     r->spin = spin;
     r->last_activity_ns = kx_now_ns();
+    pthread_mutex_init(&r->av_lock, NULL);
 
     const char *call = "fi_allocinfo";
     int ret = -FI_ENOMEM;
@@ -367,8 +368,13 @@ void kx_rail_close_endpoint(kx_rail *r)
         kx_rail_abandon(r);
         return;
     }
-    if (kx_local_defer(r)) {
+    int deferred = kx_local_defer(r);
+    if (deferred) {
         kx_rail_settle(r);
+        /* its holders were asked to drop it (forget.c): their progress does so within a
+         * pass or two, and the last one closes its fids; wait for that, bounded */
+        if (deferred == 2)
+            kx_local_deferred_wait(r, KX_FORGET_WAIT_NS);
         return;
     }
     kx_rail_close_fids(r);
@@ -481,10 +487,12 @@ int kx_av_insert(kx_rail *r, const void *addr, size_t len, fi_addr_t *out, uint3
             return -FI_ECONNREFUSED;
         }
     }
+    pthread_mutex_lock(&r->av_lock);
     int n = fi_av_insert(r->av, addr, 1, out, 0, NULL);
     ret = n == 1 ? 0 : (n < 0 ? n : -FI_EINVAL);
     if (!ret)
         ret = kx_peer_add(r, *out, addr, len);
+    pthread_mutex_unlock(&r->av_lock);
     kx_local_exit(self);
     *gen = ret ? 0 : kx_peer_gen(r, *out);
     kx_leave(r);
@@ -503,18 +511,30 @@ void kx_rail_park(kx_rail *r) { r->parked = 1; }
 int kx_rail_parked(const kx_rail *r) { return r->parked; }
 int kx_rail_took_traffic(const kx_rail *r) { return r->hub->stat_imm > 0 || r->took_msgs; }
 
-int kx_av_remove(kx_rail *r, fi_addr_t addr, int64_t wait_ns)
+/* `gen` (0: unchecked): the slot's generation the caller inserted; a slot removed since (by
+ * forget.c, when its same-process peer closed) or reused by another peer is left alone: 0 */
+int kx_av_remove(kx_rail *r, fi_addr_t addr, uint32_t gen, int64_t wait_ns)
 {
     if (!kx_enter(r))
         return -FI_ECANCELED;
-    int ret = kx_peer_retire(r, addr, wait_ns);
-    if (ret) {
-        kx_leave(r);
-        return ret;
-    }
+    pthread_mutex_lock(&r->av_lock);
+    kx_peer *p = kx_peer_get(r, addr);
+    int ret = 0;
+    if (p && (p->removed || (gen && __atomic_load_n(&p->gen, __ATOMIC_SEQ_CST) != gen)))
+        goto out;
+    ret = kx_peer_retire(r, addr, wait_ns);
+    if (ret)
+        goto out;
+    /* shm 1.17 leaves the slot's peer id and name_sent in our region: the next peer put in
+     * the slot would get commands naming the old one's id (forget.c, (5)) */
+    int slot = r->shm ? kx_forget_slot_of(r, addr) : -1;
     ret = fi_av_remove(r->av, &addr, 1, 0);
-    if (!ret)
+    if (!ret) {
+        kx_forget_slot_clear(r, slot);
         kx_peer_forget(r, addr);
+    }
+out:
+    pthread_mutex_unlock(&r->av_lock);
     kx_leave(r);
     return ret;
 }

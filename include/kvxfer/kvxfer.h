@@ -135,8 +135,10 @@ void kx_set_delivery_complete(kx_rail *r, int on);
 int kx_peer_state(kx_rail *r, fi_addr_t peer);
 /* Remove `addr`: later posts to it fail with ENOTCONN, and it waits (up to wait_ns) for
  * posts already inside a provider call to return before fi_av_remove (AV_TABLE reuses the
- * slot); -FI_EBUSY when one is still inside at the deadline (the slot is kept, unused). */
-int kx_av_remove(kx_rail *r, fi_addr_t addr, int64_t wait_ns);
+ * slot); -FI_EBUSY when one is still inside at the deadline (the slot is kept, unused).
+ * `gen` (from kx_av_insert; 0: unchecked): a slot removed already, or holding another peer
+ * since, is left alone (0). */
+int kx_av_remove(kx_rail *r, fi_addr_t addr, uint32_t gen, int64_t wait_ns);
 
 /* ---- regions (src/mr.c) ------------------------------------------------------------ */
 

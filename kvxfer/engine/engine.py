@@ -449,7 +449,7 @@ class Engine(_Writes, _Reads, _Counters, _Messages, _Permits):
             if posting == 0 and not r.closed:
                 # refuses later posts at once; removes the address once no post is inside
                 # a provider call to it (else the slot stays, unused, until close)
-                r.av_remove(addr, max(0.0, deadline - time.monotonic()) + 0.1)
+                r.av_remove(addr, max(0.0, deadline - time.monotonic()) + 0.1, gen)
 
     def register(self, obj: Any, *, remote: bool = True, readable: bool = False) -> MemoryRegion:
         """Register memory for RMA: a writable buffer, a DLPack/CPU-torch tensor, a KVBuffer,

@@ -152,8 +152,10 @@ def test_a_deferred_shm_close_finished_while_its_owner_frees_it():
         t.join()
         print("survived")
     """
+    # KVXFER_SHM_FORGET=0: b keeps a deferred (src/forget.c would have b drop it at a's close)
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "LD_PRELOAD": " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(so)]))})
+                       env={**os.environ, "KVXFER_SHM_FORGET": "0",
+                            "LD_PRELOAD": " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(so)]))})
     assert r.returncode == 0 and r.stdout.strip() == "survived", f"rc {r.returncode}: {r.stderr[-2000:]}"
     race = r.stderr.split("RACE\n", 1)[-1]
     freed = [ln.split()[-1] for ln in race.splitlines() if ln.startswith("[shim]")]
