@@ -89,23 +89,29 @@ def add_parser(sub: Any) -> None:
 
 def _cpu() -> dict:
     """This process's CPU seconds: the engines' native progress threads apart from the rest
-    (the messenger's and the caller's Python threads), from /proc (Linux)."""
+    (the messenger's and the caller's Python threads), from /proc (Linux); and their
+    voluntary context switches (``*_sleeps``: each a wait that a wake-up ended, so a thread
+    hand-off's count)."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = {"progress": 0.0, "python": 0.0}
+    out = {"progress": 0.0, "python": 0.0, "progress_sleeps": 0, "python_sleeps": 0}
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        return {"progress": 0.0, "python": time.process_time()}
+        return {**out, "python": time.process_time()}
     for t in tasks:
         try:
             with open(f"/proc/self/task/{t}/comm") as f:
                 comm = f.read().strip()
             with open(f"/proc/self/task/{t}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{t}/status") as f:
+                sleeps = next((int(x.split()[1]) for x in f if x.startswith("voluntary_ctxt_switches")), 0)
         except OSError:
             continue                      # the thread ended meanwhile
         secs = (int(fields[11]) + int(fields[12])) / tick     # utime + stime
-        out["progress" if comm == "kvxfer-progress" else "python"] += secs
+        kind = "progress" if comm == "kvxfer-progress" else "python"
+        out[kind] += secs
+        out[kind + "_sleeps"] += sleeps
     return out
 
 
@@ -227,11 +233,11 @@ class _Prefill:
 
 
 def _prefill_cpu(pres: list) -> dict:
-    out = {"progress": 0.0, "python": 0.0}
+    out = {"progress": 0.0, "python": 0.0, "progress_sleeps": 0, "python_sleeps": 0}
     for pre in pres:
         c = pre.ask(cmd="cpu")["cpu"]
-        out["progress"] += c["progress"]
-        out["python"] += c["python"]
+        for k in out:
+            out[k] += c.get(k, 0)
     return out
 
 
@@ -289,6 +295,11 @@ def _latency(m: Any, pg: Any, iters: int, pres: Optional[list] = None, cpu: Opti
         for key, a, b, k in (("decoder_cpu_us", c0, c1, "python"), ("decoder_progress_cpu_us", c0, c1, "progress"),
                              ("prefill_cpu_us", p0, p1, "python"), ("prefill_progress_cpu_us", p0, p1, "progress")):
             cpu[key] = (b[k] - a[k]) / iters * 1e6
+        for key, a, b, k in (("decoder_sleeps", c0, c1, "python_sleeps"),
+                             ("decoder_progress_sleeps", c0, c1, "progress_sleeps"),
+                             ("prefill_sleeps", p0, p1, "python_sleeps"),
+                             ("prefill_progress_sleeps", p0, p1, "progress_sleeps")):
+            cpu[key] = (b[k] - a[k]) / iters        # wake-ups per request
     return out
 
 
@@ -323,7 +334,9 @@ def _cpu_line(c: dict) -> str:
         return f"{py / prog:.1f}x" if prog > 0 else "-"
     return (f"decode {c['decoder_cpu_us']:.0f} (progress {c['decoder_progress_cpu_us']:.0f}, "
             f"{ratio(c['decoder_cpu_us'], c['decoder_progress_cpu_us'])}), prefill {c['prefill_cpu_us']:.0f} "
-            f"(progress {c['prefill_progress_cpu_us']:.0f}, {ratio(c['prefill_cpu_us'], c['prefill_progress_cpu_us'])})")
+            f"(progress {c['prefill_progress_cpu_us']:.0f}, {ratio(c['prefill_cpu_us'], c['prefill_progress_cpu_us'])}); "
+            f"wake-ups/request: decode {c['decoder_sleeps']:.1f} (progress {c['decoder_progress_sleeps']:.1f}), "
+            f"prefill {c['prefill_sleeps']:.1f} (progress {c['prefill_progress_sleeps']:.1f})")
 
 
 def run_msg(args: argparse.Namespace) -> int:
