@@ -324,8 +324,15 @@ class Peers:
     def flush(self, pg: PeerGroup) -> None:
         """Send ``pg``'s outbox now from this thread, one engine try per message (no wait);
         what is left (refused, or the sender thread holds the outbox) the sender thread
-        sends. Only from a thread holding no messenger lock."""
-        if not self._drain(pg, timeout=0.0):
+        sends. Only from a thread holding no messenger lock. Never raises: the call that
+        posted has already made its request."""
+        try:
+            done = self._drain(pg, timeout=0.0)
+        except Exception:              # as the sender thread would: counted, printed, left to it
+            self.node.count("send_internal_error")
+            traceback.print_exc()
+            done = False
+        if not done:
             self._wake.set()
 
     def try_send(self, pg: PeerGroup, t: int, *, timeout: float = 1.0, **fields: Any) -> bool:
