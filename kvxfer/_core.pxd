@@ -164,6 +164,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
 
     # control messages
     int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t len)
+    int kx_send_try(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t len)
     int kx_recv_wait(kx_rail *r, int64_t slice_ns, kx_msg **out)
     size_t kx_msg_len(const kx_msg *m)
     const char *kx_msg_data(const kx_msg *m)

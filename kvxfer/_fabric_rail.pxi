@@ -485,13 +485,21 @@ cdef class Rail:
     # -- control messages ------------------------------------------------------------------
     def send(self, fi_addr_t peer, uint32_t gen, const uint8_t[::1] data, timeout=None):
         """Post one message; while the provider's queue stays full, retry in 50 ms native
-        slices until `timeout` (seconds, None: forever), answering signals in between."""
+        slices until `timeout` (seconds, None: forever), answering signals in between.
+        `timeout` 0: one try, False at once if the queue is full."""
         cdef kx_rail *r = self._rail()
         cdef size_t n = data.shape[0]
         cdef const char *p = <const char *>"\0"
         if n:
             p = <const char *>&data[0]
         cdef int ret
+        if timeout is not None and timeout == 0:
+            with nogil:
+                ret = kx_send_try(r, peer, gen, p, n)
+            if ret == -FI_EAGAIN:
+                return False
+            check(ret, "fi_send")
+            return True
         deadline = None if timeout is None else _time.monotonic() + timeout
         while True:
             with nogil:

@@ -6,6 +6,11 @@ int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t l
     return kx_send_op(r, peer, gen, data, len, 0, 0, 50000000LL);
 }
 
+int kx_send_try(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t len)
+{
+    return kx_send_op(r, peer, gen, data, len, 0, 0, 0);
+}
+
 /* Post one message: a user's (ctl 0, fi_send) or one of the revoke exchange's (ctl: its
  * data word, tagged KX_CTL_TAG; token: how its completion is reported, revoke.c). While the
  * provider's queue is full, retry for `wait_ns` (0: one try; the progress thread, which

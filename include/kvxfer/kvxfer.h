@@ -272,6 +272,9 @@ void kx_dispatch_stop(kx_rail *r);
 /* Post one message of at most KX_MSG_MAX bytes; -FI_EAGAIN when the queue stayed full for
  * 50 ms (the caller retries). */
 int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t len);
+/* kx_send's one try: -FI_EAGAIN at once when the queue is full (a caller that must not wait
+ * hands the message to a thread that may). */
+int kx_send_try(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t len);
 /* Blocks up to slice_ns; 1 with the next received message (kx_msg_free it), else 0. */
 int kx_recv_wait(kx_rail *r, int64_t slice_ns, kx_msg **out);
 size_t kx_msg_len(const kx_msg *m);

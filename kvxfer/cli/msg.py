@@ -10,7 +10,9 @@ _prefill``) that answers every request with ``send(...).finish()``. Per provider
   caller's Python threads: "messenger CPU");
 * **minimal request latency**: 1 page, 1 layer, one request at a time, ``receive()`` to
   done, p50/p99; beside it the engine's own write round trip (an 8-byte write with imm
-  echoed back, as ``kvxfer-bench lat``) between the same two processes in the same run.
+  echoed back, as ``kvxfer-bench lat``) between the same two processes in the same run;
+  and each side's CPU per minimal request (messenger and progress threads apart), where
+  no window amortises anything.
 
 ``--per-rank``: TP 2 -> 1 instead, the prefill side once as one node process holding both
 ranks and once as two rank processes (``Messenger(..., ranks=[r])``, the shape of vLLM and
@@ -29,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -87,23 +89,29 @@ def add_parser(sub: Any) -> None:
 
 def _cpu() -> dict:
     """This process's CPU seconds: the engines' native progress threads apart from the rest
-    (the messenger's and the caller's Python threads), from /proc (Linux)."""
+    (the messenger's and the caller's Python threads), from /proc (Linux); and their
+    voluntary context switches (``*_sleeps``: each a wait that a wake-up ended, so a thread
+    hand-off's count)."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = {"progress": 0.0, "python": 0.0}
+    out = {"progress": 0.0, "python": 0.0, "progress_sleeps": 0, "python_sleeps": 0}
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        return {"progress": 0.0, "python": time.process_time()}
+        return {**out, "python": time.process_time()}
     for t in tasks:
         try:
             with open(f"/proc/self/task/{t}/comm") as f:
                 comm = f.read().strip()
             with open(f"/proc/self/task/{t}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{t}/status") as f:
+                sleeps = next((int(x.split()[1]) for x in f if x.startswith("voluntary_ctxt_switches")), 0)
         except OSError:
             continue                      # the thread ended meanwhile
         secs = (int(fields[11]) + int(fields[12])) / tick     # utime + stime
-        out["progress" if comm == "kvxfer-progress" else "python"] += secs
+        kind = "progress" if comm == "kvxfer-progress" else "python"
+        out[kind] += secs
+        out[kind + "_sleeps"] += sleeps
     return out
 
 
@@ -225,11 +233,11 @@ class _Prefill:
 
 
 def _prefill_cpu(pres: list) -> dict:
-    out = {"progress": 0.0, "python": 0.0}
+    out = {"progress": 0.0, "python": 0.0, "progress_sleeps": 0, "python_sleeps": 0}
     for pre in pres:
         c = pre.ask(cmd="cpu")["cpu"]
-        out["progress"] += c["progress"]
-        out["python"] += c["python"]
+        for k in out:
+            out[k] += c.get(k, 0)
     return out
 
 
@@ -266,9 +274,15 @@ def _throughput(m: Any, pg: Any, args: Any, pre: Any) -> dict:
             "prefill_cpu_us": per(p0, p1, "python"), "prefill_progress_cpu_us": per(p0, p1, "progress")}
 
 
-def _latency(m: Any, pg: Any, iters: int) -> list[float]:
+def _latency(m: Any, pg: Any, iters: int, pres: Optional[list] = None, cpu: Optional[dict] = None) -> list[float]:
+    """Seconds per minimal request, one at a time (200 warm-up ones first). With ``pres``
+    (the prefill processes) and ``cpu``: each side's CPU per request over the measured ones
+    goes into ``cpu`` (us, ``decoder_cpu_us`` and so on, as ``_throughput``'s)."""
     out = []
+    c0 = p0 = None
     for i in range(200 + iters):
+        if i == 200 and cpu is not None:
+            c0, p0 = _cpu(), _prefill_cpu(pres)
         t0 = time.perf_counter()
         r = m.receive(pg, f"l{i}", [i % min(64, m.layout.num_pages)], 1)
         r.wait(30)
@@ -276,6 +290,16 @@ def _latency(m: Any, pg: Any, iters: int) -> list[float]:
         r.release()
         if i >= 200:
             out.append(t1 - t0)
+    if cpu is not None:
+        c1, p1 = _cpu(), _prefill_cpu(pres)
+        for key, a, b, k in (("decoder_cpu_us", c0, c1, "python"), ("decoder_progress_cpu_us", c0, c1, "progress"),
+                             ("prefill_cpu_us", p0, p1, "python"), ("prefill_progress_cpu_us", p0, p1, "progress")):
+            cpu[key] = (b[k] - a[k]) / iters * 1e6
+        for key, a, b, k in (("decoder_sleeps", c0, c1, "python_sleeps"),
+                             ("decoder_progress_sleeps", c0, c1, "progress_sleeps"),
+                             ("prefill_sleeps", p0, p1, "python_sleeps"),
+                             ("prefill_progress_sleeps", p0, p1, "progress_sleeps")):
+            cpu[key] = (b[k] - a[k]) / iters        # wake-ups per request
     return out
 
 
@@ -301,6 +325,18 @@ def _write_rtt(eng: Any, pre: _Prefill, iters: int) -> list[float]:
     pre.read()
     mr.close()
     return out
+
+
+def _cpu_line(c: dict) -> str:
+    """One side's CPU per request and the ratio the issue asks about: the messenger's (every
+    Python thread) over the native progress threads'."""
+    def ratio(py: float, prog: float) -> str:
+        return f"{py / prog:.1f}x" if prog > 0 else "-"
+    return (f"decode {c['decoder_cpu_us']:.0f} (progress {c['decoder_progress_cpu_us']:.0f}, "
+            f"{ratio(c['decoder_cpu_us'], c['decoder_progress_cpu_us'])}), prefill {c['prefill_cpu_us']:.0f} "
+            f"(progress {c['prefill_progress_cpu_us']:.0f}, {ratio(c['prefill_cpu_us'], c['prefill_progress_cpu_us'])}); "
+            f"wake-ups/request: decode {c['decoder_sleeps']:.1f} (progress {c['decoder_progress_sleeps']:.1f}), "
+            f"prefill {c['prefill_sleeps']:.1f} (progress {c['prefill_progress_sleeps']:.1f})")
 
 
 def run_msg(args: argparse.Namespace) -> int:
@@ -345,7 +381,8 @@ def run_msg(args: argparse.Namespace) -> int:
                 ms[name] = m
                 pg = m.connect(bytes.fromhex(pre.info["blobs"][name]))
                 if name == "minimal":
-                    lat = _latency(m, pg, args.latency_iters)
+                    res["minimal_cpu"] = {}
+                    lat = _latency(m, pg, args.latency_iters, [pre], res["minimal_cpu"])
                     rtt = _write_rtt(e, pre, args.latency_iters)
                     res["minimal_p50_us"] = _pct(lat, 50) * 1e6
                     res["minimal_p99_us"] = _pct(lat, 99) * 1e6
@@ -361,6 +398,7 @@ def run_msg(args: argparse.Namespace) -> int:
             print(f"{prov:<12} minimal request p50 {res['minimal_p50_us']:.0f} us, p99 {res['minimal_p99_us']:.0f} us; "
                   f"write round trip p50 {res['write_rtt_p50_us']:.0f} us, p99 {res['write_rtt_p99_us']:.0f} us "
                   f"(ratio {res['minimal_p50_us'] / res['write_rtt_p50_us']:.2f})")
+            print(f"{prov:<12} minimal request CPU us/request: {_cpu_line(res['minimal_cpu'])}")
             results.append(res)
         except (KvxferError, RuntimeError, OSError, ValueError) as exc:  # this provider's run failed
             why = f"{type(exc).__name__}: {exc}"
@@ -413,7 +451,8 @@ def _run_per_rank(args: argparse.Namespace, providers: list) -> int:
                     pgs = [m.connect(bytes.fromhex(p.info["blobs"][name])) for p in pres]
                     peer = pgs[0] if mode == "node" else pgs
                     if name == "minimal":
-                        lat = _latency(m, peer, args.latency_iters)
+                        out["minimal_cpu"] = {}
+                        lat = _latency(m, peer, args.latency_iters, pres, out["minimal_cpu"])
                         out["minimal_p50_us"] = _pct(lat, 50) * 1e6
                         out["minimal_p99_us"] = _pct(lat, 99) * 1e6
                     else:
@@ -423,6 +462,7 @@ def _run_per_rank(args: argparse.Namespace, providers: list) -> int:
                 print(f"{prov:<12} {label:<22} {out['req_per_s']:>9.0f} {out['minimal_p50_us']:>15.0f} "
                       f"{out['minimal_p99_us']:>8.0f}  {'':>15} {out['decoder_cpu_us']:>7.0f} "
                       f"{out['prefill_cpu_us']:>8.0f}")
+                print(f"{prov:<12} {label:<22} minimal request CPU us/request: {_cpu_line(out['minimal_cpu'])}")
             except (KvxferError, RuntimeError, OSError, ValueError) as exc:
                 why = f"{type(exc).__name__}: {exc}"
                 print(f"kvxfer-bench msg: provider {prov!r} ({mode}) failed: {why}", file=sys.stderr)

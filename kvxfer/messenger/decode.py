@@ -167,15 +167,19 @@ class Decoder(PullReader):
             else:
                 # posted under the lock: a teardown (which takes it) finds the Receive and
                 # fails it, and an abort can only post its ABORTs after these
-                self._post_requests(r)
+                self._post_requests(r, wake=False)
         if slot >= 0:
             weakref.finalize(r, self.free_cell, r._slot_cell)
+        if not queued:
+            for leg in legs:              # sent from here, no hand-off (or by the sender thread)
+                self.peers.flush(leg.peer)
         return r
 
-    def _post_requests(self, r: Receive) -> None:
-        """Under the lock: every leg's REQUEST to the sender thread (no wait on the engine)."""
+    def _post_requests(self, r: Receive, wake: bool = True) -> None:
+        """Under the lock: every leg's REQUEST to its outbox (no wait on the engine); the sender
+        thread sends them, or with ``wake=False`` ``receive`` flushes them once out of the lock."""
         for leg in r.legs:
-            self.peers.post(leg.peer, C.REQUEST, imm=leg.imm, num_tokens=r.num_tokens, slot=leg.slot,
+            self.peers.post(leg.peer, C.REQUEST, wake=wake, imm=leg.imm, num_tokens=r.num_tokens, slot=leg.slot,
                             request_id=r.request_id, pages=r.dst_pages, first_token=r.first_token, meta=r.meta,
                             flags=P.REQUEST_PULL if r.pull else 0)
 

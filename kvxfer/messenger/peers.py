@@ -14,6 +14,12 @@ sender thread (``kvxfer-msg-send``, ``run_sender``), which sends every outbox ol
 keeps a message the engine refuses at the head and tries again, and declares a peer dead whose
 message stayed refused for ``peer_timeout``. It also sends the heartbeats. Only ``teardown``'s
 BYE and the tests' crafted messages (``send``) go from the calling thread.
+
+``flush``: a room that posted on the path of a request (a decoder's REQUEST, a prefiller's
+ANNOUNCE) and holds no messenger lock sends the outbox itself, one engine try per message
+(``Engine.send(timeout=0)``: nothing waits); what the engine refuses, or what the sender
+thread is sending meanwhile, stays for the sender thread, in order. A small request then
+costs no hand-off to the sender thread on either side (docs/messenger.md, "Threads").
 """
 
 from __future__ import annotations
@@ -299,18 +305,35 @@ class Peers:
         node.engine.send(pg.peer, data, timeout=timeout)
         pg.last_sent = time.monotonic()
 
-    def post(self, pg: PeerGroup, t: int, **fields: Any) -> bool:
+    def post(self, pg: PeerGroup, t: int, *, wake: bool = True, **fields: Any) -> bool:
         """Hand one control message for ``pg`` to the sender thread and return at once (no
         wait on the engine, any thread). It goes after every message posted to ``pg`` before
         it; refused by the engine, it is tried again, still first, while the peer lives.
-        False (nothing queued) if ``pg`` is failed or dead, or the messenger closed."""
+        False (nothing queued) if ``pg`` is failed or dead, or the messenger closed.
+        ``wake=False``: the caller ``flush``es ``pg`` itself once out of its locks (the
+        sender thread is woken only if something is left then)."""
         node = self.node
         with node.lock:
             if not pg.alive or node.closed:
                 return False
             pg.outbox.append([t, fields, time.monotonic(), False])
-        self._wake.set()
+        if wake:
+            self._wake.set()
         return True
+
+    def flush(self, pg: PeerGroup) -> None:
+        """Send ``pg``'s outbox now from this thread, one engine try per message (no wait);
+        what is left (refused, or the sender thread holds the outbox) the sender thread
+        sends. Only from a thread holding no messenger lock. Never raises: the call that
+        posted has already made its request."""
+        try:
+            done = self._drain(pg, timeout=0.0)
+        except Exception:              # as the sender thread would: counted, printed, left to it
+            self.node.count("send_internal_error")
+            traceback.print_exc()
+            done = False
+        if not done:
+            self._wake.set()
 
     def try_send(self, pg: PeerGroup, t: int, *, timeout: float = 1.0, **fields: Any) -> bool:
         """Send one control message now, from this thread; False (counted ``send_failed``) if
@@ -352,22 +375,27 @@ class Peers:
                     self.node.count("send_internal_error")
                     traceback.print_exc()
 
-    def _drain(self, pg: PeerGroup, *, dead_too: bool = False) -> bool:
+    def _drain(self, pg: PeerGroup, *, dead_too: bool = False, timeout: float = SEND_TRY_S) -> bool:
         """Send ``pg``'s outbox, oldest first (``dead_too``: also of a dead peer, our close's
         flush); False if the engine refused one (it stays first). A message refused for
         ``peer_timeout`` declares the peer dead (as silence would): its requests fail rather
-        than wait for a reply that was never asked for."""
+        than wait for a reply that was never asked for. ``timeout`` 0 (``flush``): one try
+        each and no wait for the outbox either; False at the first refusal (counted as any)
+        or if another thread is sending it."""
         node = self.node
+        trying = timeout == 0
         while True:
             exc: Optional[KvxferError] = None
-            with pg.send_lock:                    # one sender of this outbox at a time: none twice
+            if not pg.send_lock.acquire(not trying):      # one sender of this outbox at a time: none twice
+                return False
+            try:
                 with node.lock:
                     if not pg.outbox or not (dead_too or pg.alive):
                         return True
                     item = pg.outbox[0]
                 t, fields, since, was_refused = item
                 try:
-                    self._send_locked(pg, t, SEND_TRY_S, fields)
+                    self._send_locked(pg, t, timeout, fields)
                 except KvxferError as e:
                     exc = e
                     with node.lock:
@@ -376,8 +404,12 @@ class Peers:
                     with node.lock:
                         if pg.outbox and pg.outbox[0] is item:
                             pg.outbox.popleft()
+            finally:
+                pg.send_lock.release()
             if exc is not None:
                 node.count("send_failed")
+                if trying:
+                    return False                          # the sender thread tries it again
                 if time.monotonic() - since > node.peer_timeout and pg.alive:
                     self.gone(pg, PeerError(f"peer {pg.uid:016x}: could not send {C.MSG_TYPES[t]} for "
                                             f"{node.peer_timeout} s ({exc}): declared dead"), notify=False)

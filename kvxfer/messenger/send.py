@@ -323,18 +323,20 @@ class Send:
             self._room.queue_reap(self)
         return self
 
-    def _announce_locked(self, count: int) -> None:
-        """Under ``_lock``: post the ANNOUNCE of ``count`` messages (the sender thread sends it;
-        this never waits on the engine). Posted under the lock that an abort takes, and the
-        ABORTED is posted only once the Send settled after that, to the same peer's outbox:
-        the decoder never reads the ABORTED before the ANNOUNCE. A dead peer: failed (the
-        teardown fences the decoder's side)."""
+    def _announce_locked(self, count: int, wake: bool = True) -> bool:
+        """Under ``_lock``: post the ANNOUNCE of ``count`` messages (the sender thread sends it,
+        or with ``wake=False`` the caller ``flush``es it once out of the lock; this never waits
+        on the engine). Posted under the lock that an abort takes, and the ABORTED is posted
+        only once the Send settled after that, to the same peer's outbox: the decoder never
+        reads the ABORTED before the ANNOUNCE. A dead peer: failed (the teardown fences the
+        decoder's side), False."""
         pg = self.request.peer
-        if self._room.peers.post(pg, C.ANNOUNCE, imm=self.request.imm, count=count):
+        if self._room.peers.post(pg, C.ANNOUNCE, wake=wake, imm=self.request.imm, count=count):
             if self._state == "pending":
                 self._state = "transferring"
-        else:
-            self._fail_locked(PeerError(f"could not announce to peer {pg.uid:016x}: it is {pg.state}"))
+            return True
+        self._fail_locked(PeerError(f"could not announce to peer {pg.uid:016x}: it is {pg.state}"))
+        return False
 
     def _first_post(self) -> None:
         if len(self._transfers) == 1:
@@ -421,6 +423,7 @@ class Send:
         except KvxferError as exc:
             err = exc
         count = sum(t.num_writes for t in self._transfers) + (1 if req.slot >= 0 else 0)
+        announced = False
         with self._lock:
             self._count = count
             self._posting_done = True
@@ -431,7 +434,9 @@ class Send:
                     t.cancel()
                 self._finished = True
             else:
-                self._announce_locked(count)
+                announced = self._announce_locked(count, wake=False)
+        if announced:
+            self._room.peers.flush(req.peer)      # the ANNOUNCE from this thread: no hand-off
         if self._abort_req:
             self._room.queue_reap(self)
 

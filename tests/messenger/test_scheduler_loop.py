@@ -4,8 +4,10 @@ drives 200 concurrent requests through ``poll()`` on both sides, with random abo
 done request byte-exact, every page fenced at the end. The longest single call, each call's
 p99, and the time the loop's own thread spent inside ``Engine.send`` (a control message the
 engine may make it wait for) are recorded as figures (printed; docs/benchmarks.md); the
-test asserts only a generous bound on the longest call and that the loop's thread never sent
-a control message itself (every one goes through the messenger's sender thread)."""
+test asserts only a generous bound on the longest call and that the loop's thread never waited
+for the engine to take a control message: what it sends itself (a REQUEST or ANNOUNCE flushed
+by its poster, kvxfer/messenger/peers.py) is one try (``timeout=0``), everything else goes
+through the messenger's sender thread."""
 
 from __future__ import annotations
 
@@ -45,14 +47,17 @@ def test_scheduler_loop_through_poll_only(provider, per_rank, monkeypatch):
     by_call: dict = {}
     loop_thread = threading.get_ident()
     in_send: list = []                            # seconds the loop's thread spent in Engine.send
+    waited: list = []                             # the timeouts of its sends that were not one try
     real_send = kvxfer.Engine.send
 
-    def timed_send(self, *a, **kw):              # the real send; timed when the loop's thread calls it
+    def timed_send(self, peer, data, timeout=30.0):    # the real send; timed when the loop's thread calls it
         if threading.get_ident() != loop_thread:
-            return real_send(self, *a, **kw)
+            return real_send(self, peer, data, timeout)
+        if timeout != 0:
+            waited.append(timeout)
         t0 = time.perf_counter()
         try:
-            return real_send(self, *a, **kw)
+            return real_send(self, peer, data, timeout)
         finally:
             in_send.append(time.perf_counter() - t0)
 
@@ -147,6 +152,6 @@ def test_scheduler_loop_through_poll_only(provider, per_rank, monkeypatch):
               + f"; Engine.send on the loop's thread: {len(in_send)} calls, {sum(in_send) * 1e3:.1f} ms in all, "
               f"longest {max(in_send, default=0) * 1e3:.2f} ms")
         assert longest["t"] < 1.0, longest            # generous: a figure, not a speed goal
-        assert not in_send, f"the loop's thread sent {len(in_send)} control message(s) itself"
+        assert not waited, f"the loop's thread waited for the engine in {len(waited)} send(s): {waited[:5]}"
     finally:
         cl.close()
