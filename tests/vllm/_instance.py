@@ -197,6 +197,9 @@ def main() -> None:
                         "asked": w.sender.asked() if w.sender else [],
                         "loads": dict(w.recent_loads), "sends": dict(w.recent_sends),
                         "stats": _totals(w), "has_work": w.has_work(), "messenger": _messenger_state(w.messenger),
+                        "progress_rt": {"asked": w.engine.progress_rt_priority,
+                                        "granted": w.engine.stats()["progress_rt"],
+                                        "errno": w.engine.stats()["progress_rt_errno"]},
                         "pending_push": cs.has_pending_push_work()})
             elif op == "spoil":             # overwrite the blocks P holds for a request
                 import torch

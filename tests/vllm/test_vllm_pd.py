@@ -6,6 +6,7 @@ is survived by recomputing."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import time
 import urllib.request
@@ -21,9 +22,13 @@ if not HAVE_VLLM:
 from _cluster import Instance  # noqa: E402
 from _model import HEAD_DIM, KV_HEADS, LAYERS  # noqa: E402
 
-pytestmark = pytest.mark.timeout(1200)
+#: a hang guard, setup included: starting the instances took 800-1045 s at load 20-38 (2026-12-02)
+pytestmark = pytest.mark.timeout(2400)
 BLOCK = 32
-PEER_TIMEOUT = 3.0
+#: short, for the kill tests' deadlines, but not 3 s: at load 25-38 on these 2 cores (other
+#: sessions' benchmarks beside this suite's five vLLM processes) D declared a live P dead at 3 s
+#: (its heartbeats starved: docs/reliability.md, finding 26), and the D-first test's load failed
+PEER_TIMEOUT = 6.0
 EXTRA = {"provider": "tcp;ofi_rxm", "node": "127.0.0.1", "peer_timeout": PEER_TIMEOUT,
          "unclaimed_timeout": 10, "load_timeout": 60}
 #: one block of the tiny model's cache, every layer, K and V (float32)
@@ -44,15 +49,24 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def cluster(model, workdir, reference):
     """P and D in-process engines (scheduler and worker in one process), and D2 in vLLM's
-    default layout (the engine core its own process; ``kv_load_failure_policy="fail"``), all
-    started at once with the reference."""
+    default layout (the engine core its own process; ``kv_load_failure_policy="fail"``;
+    ``road="pull"``: it reads its loads from P), all started at once with the reference. P
+    offers both roads (``road="pull"`` on a prefiller: D's push REQUESTs are written as ever)
+    and asks SCHED_FIFO 1 for its progress threads (``progress_rt_priority``)."""
     port = free_port()
-    p = Instance("prefill", model, "kv_producer", {"extra": dict(EXTRA, metrics_port=port)}, workdir)
+    p = Instance("prefill", model, "kv_producer",
+                 {"extra": dict(EXTRA, metrics_port=port, road="pull", progress_rt_priority=1)}, workdir)
     p.metrics_port = port
     d = Instance("decode", model, "kv_consumer", {"extra": EXTRA}, workdir)
-    d2 = Instance("decode-default-layout", model, "kv_consumer", {"extra": EXTRA, "policy": "fail"}, workdir,
+    d2 = Instance("decode-default-layout", model, "kv_consumer",
+                  {"extra": dict(EXTRA, road="pull"), "policy": "fail"}, workdir,
                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     try:
+        # while they import vLLM, so does this process: test_vllm_sched's real Scheduler then
+        # costs no import of its own (on two cores a vLLM import is a minute of CPU either way,
+        # but alone, before the instances start, it would be a minute of wall time too)
+        import _sched  # noqa: F401
+
         for x in (reference, p, d, d2):
             x.wait_ready()
         # warm D up: its next blocks are not the ones P allocates for the same prompts
@@ -82,6 +96,17 @@ def disaggregated(p, d, ps, max_tokens=8, spoil=False):
         p.call(op="spoil", ids=[x["remote_request_id"] for x in params])
     rd = d.call(op="generate", prompts=ps, max_tokens=max_tokens, params=params)
     return rp, rd, params
+
+
+def test_progress_rt_priority_reaches_the_engine(pd):
+    """``progress_rt_priority`` in ``kv_connector_extra_config`` is the rank's
+    ``Engine(progress_rt_priority=)``: granted, or refused by the kernel (EPERM) with the engine
+    at normal scheduling; D, without the option, asked for nothing."""
+    p, d = pd
+    rt = p.call(op="inspect")["progress_rt"]
+    assert rt["asked"] == 1
+    assert rt["granted"] == 1 or (rt["granted"] == 0 and rt["errno"] == errno.EPERM), rt
+    assert d.call(op="inspect")["progress_rt"] == {"asked": 0, "granted": 0, "errno": 0}
 
 
 def test_packed_layout_matches_vllms_own_cache_write(pd):
@@ -262,6 +287,41 @@ def test_default_process_layout_decoder(cluster, reference):
     ref = reference.call(op="generate", prompts=ps, max_tokens=8)["outputs"]
     _, rd, _ = disaggregated(p, d2, ps)
     assert [o["tokens"] for o in rd["outputs"]] == [r["tokens"] for r in ref]
+
+
+def test_pull_road_decoder_reads_and_prefiller_frees_on_done(cluster, reference):
+    """D2 loads by pull (``road="pull"``): P exposes each request's blocks (its Send a pull one:
+    no KV write of P's), D2 reads them, and P frees them once D2's DONE came (its
+    finished_sending); D2's tokens equal the reference's, P first for two prompts at once
+    (aligned and not), then D first: D2's pull REQUEST waits at P, P does not stream it (a
+    pull request is exposed whole) and exposes it once its prefill is done."""
+    p, _, d2 = cluster
+    p.call(op="drain", timeout=60)
+    before = p.call(op="inspect")
+    ps = prompts(17, [2 * BLOCK, 45])
+    ref = reference.call(op="generate", prompts=ps, max_tokens=8)["outputs"]
+    _, rd, params = disaggregated(p, d2, ps)
+    assert [o["tokens"] for o in rd["outputs"]] == [r["tokens"] for r in ref]
+    (prompt,) = prompts(18, [100])
+    (ref1,) = reference.call(op="generate", prompts=[prompt], max_tokens=8)["outputs"]
+    d2.send(op="generate", prompts=[prompt], max_tokens=8, params=[dict(
+        params[0], remote_request_id="d-first-pull", remote_num_tokens=len(prompt))])
+    deadline = time.monotonic() + 60
+    while "d-first-pull" not in p.call(op="inspect")["asked"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    p.call(op="generate", prompts=[prompt], max_tokens=1,
+           params=[{"do_remote_decode": True, "kvxfer_request_key": "d-first-pull"}])
+    assert d2.answer(timeout=120)["outputs"][0]["tokens"] == ref1["tokens"]
+    assert not p.call(op="drain", timeout=60)["busy"]
+    after = p.call(op="inspect")
+    assert after["held"] == [] and after["free_blocks"] == before["free_blocks"]
+    m0, m1 = before["messenger"]["stats"], after["messenger"]["stats"]
+    assert m1["sends_pull"] - m0["sends_pull"] == 3                      # every one a pull
+    assert m1["recv_DONE"] - m0["recv_DONE"] == 3                        # released on D2's DONE
+    assert m1["sent_EXPOSE"] - m0["sent_EXPOSE"] == 3
+    assert after["stats"]["sends_done"] - before["stats"]["sends_done"] == 3
+    assert after["stats"]["sends_streamed"] == before["stats"]["sends_streamed"]
+    assert after["stats"]["bytes_sent"] == before["stats"]["bytes_sent"]   # P wrote none of it
 
 
 def test_refused_load_fails_the_request_under_fail_policy(cluster):

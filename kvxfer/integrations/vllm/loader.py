@@ -1,6 +1,7 @@
 """The decoder's loads: one TP rank's ``receive()``s into the blocks vLLM allocated, over
-non-blocking connects to every prefill rank, finished through ``Messenger.poll()`` only once
-fenced (a block goes back to vLLM only when no write of it can land any more)."""
+non-blocking connects to every prefill rank, written by the prefiller (push) or read from it
+(``road="pull"``), finished through ``Messenger.poll()`` only once fenced (a block goes back to
+vLLM only when no write or read of it can land any more)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ class Loader:
                 bs = self.messenger.layout.page_size
                 end = -(-load.num_tokens // bs) * bs
                 r = self.messenger.receive(groups, load.remote_request_id, load.block_ids, end,
-                                           first_token=load.first_token, timeout=self.options.load_timeout)
+                                           first_token=load.first_token, timeout=self.options.load_timeout,
+                                           pull=self.options.road == "pull")
             except KvxferError as exc:
                 log.warning("kvxfer: load of %s failed at once: %s", rid, exc)
                 self._loading[rid] = _Loading(None, load, now, exc)

@@ -35,7 +35,15 @@ class Options:
     default 60), ``secret`` (hex, >= 16 bytes: HMAC on every control message),
     ``metrics_port`` (serve each rank's messenger metrics for Prometheus on this port plus the
     TP rank, on ``metrics_addr``, default 127.0.0.1; needs ``prometheus_client``; vLLM's own
-    ``/metrics`` gets the connector's counters without it).
+    ``/metrics`` gets the connector's counters without it), ``road`` (``"push"``, the default:
+    the prefiller writes into the decoder's blocks; ``"pull"``: on a prefiller, its cache is
+    registered readable too and it serves pull requests as well as push ones
+    (``Messenger(offer_pull=True)``); on a decoder, every load reads the prefiller's blocks
+    itself (``receive(..., pull=True)``), and a prefiller that offers no pull fails the load,
+    which the ``kv_load_failure_policy`` then handles), ``progress_rt_priority`` (0, the
+    default, or a SCHED_FIFO priority 1..99 for each rank's progress threads,
+    ``Engine(progress_rt_priority=)``; refused by the kernel, the engine runs at normal
+    scheduling with a ``kvxfer.errors.SchedulingWarning``).
     """
 
     provider: str = "tcp;ofi_rxm"
@@ -46,6 +54,8 @@ class Options:
     secret: Optional[bytes] = None
     metrics_port: Optional[int] = None
     metrics_addr: str = "127.0.0.1"
+    road: str = "push"
+    progress_rt_priority: int = 0
 
     @classmethod
     def from_config(cls, extra: Optional[dict]) -> "Options":
@@ -68,6 +78,14 @@ class Options:
                 raise InvalidArgumentError(f"kv_connector_extra_config['metrics_port'] must be a port, got {port!r}")
             o.metrics_port = port
         o.metrics_addr = str(extra.pop("metrics_addr", o.metrics_addr))
+        o.road = str(extra.pop("road", o.road))
+        if o.road not in ("push", "pull"):
+            raise InvalidArgumentError(f"kv_connector_extra_config['road'] must be 'push' or 'pull', got {o.road!r}")
+        prio = extra.pop("progress_rt_priority", 0)
+        if isinstance(prio, bool) or not isinstance(prio, int) or not 0 <= prio <= 99:
+            raise InvalidArgumentError(f"kv_connector_extra_config['progress_rt_priority'] must be an int in "
+                                       f"0..99, got {prio!r}")
+        o.progress_rt_priority = prio
         secret = extra.pop("secret", None)
         if secret is not None:
             try:

@@ -1,5 +1,7 @@
 """The prefiller's writes: one TP rank's held blocks of finished requests, written when a
-decoder's REQUEST for them comes (``on_request``, the messenger's callback thread), refused
+decoder's REQUEST for them comes (``on_request``, the messenger's callback thread), or exposed
+for the decoder to read when it asks by pull (``Messenger.send`` either way; a pull request is
+never streamed: it is exposed once its prompt is computed), refused
 with ``Request.reject`` (the decoder's ``RejectedError``: recompute) when they are gone or
 were never here, and handed back to vLLM once every decoder rank that has to ask was served
 (``Messenger.poll()`` reports the Sends final)."""
@@ -192,10 +194,18 @@ class Sender:
         todo = []
         with self._lock:
             for rid, (key, blocks, _n) in streams.items():
-                reqs = [q for q in self._asked.pop(key, ()) if not q.aborted and q.peer.alive]
-                self._asked_since.pop(key, None)
+                live = [q for q in self._asked.get(key, ()) if not q.aborted and q.peer.alive]
+                # a pull request is exposed whole once the prompt is computed (step()), never
+                # streamed: it waits on in _asked
+                reqs = [q for q in live if not q.pull]
                 if not reqs:
                     continue
+                pulls = [q for q in live if q.pull]
+                if pulls:
+                    self._asked[key] = pulls
+                else:
+                    self._asked.pop(key, None)
+                    self._asked_since.pop(key, None)
                 held = self._held[key] = _Held(rid, list(blocks), now, finished=False)
                 self._gone.pop(key, None)
                 held.sending += len(reqs)

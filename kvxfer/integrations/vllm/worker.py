@@ -52,11 +52,13 @@ class ConnectorWorker:
         total_heads = self.vllm_config.model_config.get_total_num_kv_heads()
         self.cache = cache_regions(kv_caches, self.kv_cache_config, total_heads, self.tp_size)
         o = self.options
-        self.engine = kvxfer.Engine(o.provider, node=o.node, peer_timeout=o.peer_timeout)
+        self.engine = kvxfer.Engine(o.provider, node=o.node, peer_timeout=o.peer_timeout,
+                                    progress_rt_priority=o.progress_rt_priority)
         self.messenger = Messenger(
             self.engine, self.cache.layout, self.cache.sharding, {self.tp_rank: self.cache.regions},
             ranks=[self.tp_rank], peer_timeout=o.peer_timeout, secret=o.secret,
-            on_request=self._on_request if self.producer else None)
+            on_request=self._on_request if self.producer else None,
+            offer_pull=self.producer and o.road == "pull")
         if self.producer:
             self.sender = Sender(self.messenger, self.tp_rank, o, self._stats)
         else:
@@ -66,8 +68,9 @@ class ConnectorWorker:
             from kvxfer.messenger.metrics import serve_prometheus
 
             self._prom = serve_prometheus([self.messenger], o.metrics_port + self.tp_rank, addr=o.metrics_addr)
-        log.info("kvxfer connector rank %d/%d: %s, %d region(s), engine %s", self.tp_rank, self.tp_size,
-                 self.cache.layout, len(self.cache.regions), self.engine.provider)
+        log.info("kvxfer connector rank %d/%d: %s, %d region(s), engine %s, road %s, progress_rt %d",
+                 self.tp_rank, self.tp_size, self.cache.layout, len(self.cache.regions), self.engine.provider,
+                 o.road, self.engine.stats().get("progress_rt", 0))
 
     def _on_request(self, req: Any) -> None:
         if self.sender is not None:
