@@ -20,7 +20,7 @@ from kvxfer.cli._cases import Case, Checker, parse_case, pattern
 from kvxfer.cli._memmove import iterations as _iterations
 from kvxfer.cli._results import CaseResult
 
-__all__ = ["bw_read", "serve_read", "as_read_row"]
+__all__ = ["bw_read", "record_read", "run_reads", "serve_read", "as_read_row"]
 
 
 def bw_read(ini: Any, case: Case, seed: int, *, warmup: int, iters: Optional[int], budget: float, min_iters: int,
@@ -45,33 +45,46 @@ def bw_read(ini: Any, case: Case, seed: int, *, warmup: int, iters: Optional[int
                     t = eng.read(mr, 0, ch.peer, rr, 0, case.nbytes)
                 t1 = time.perf_counter()
                 t.wait(timeout)
-                t2 = time.perf_counter()
-                bad, guard = chk.check(i)
-                if bad or not guard:
-                    res.bad_iterations += 1
-                    if len(res.problems) < 5:
-                        res.problems.append(f"iteration {i}: " + (f"{bad} pages differ" if bad else
-                                                                  "guard bytes overwritten"))
-                if keep:
-                    res.landed.append(t2 - t0)
-                    res.acked.append(t2 - t0)
-                    res.local.append(t2 - t0)
-                    res.post.append(t1 - t0)
+                record_read(res, chk, i, keep, t0, t1, time.perf_counter())
                 res.num_writes = t.num_reads
                 return time.perf_counter() - t_start
 
-            wall = 0.0
-            for i in range(warmup):
-                wall = one(i, False)
-            n = iters if iters is not None else _iterations(budget, wall, min_iters, max_iters)
-            for k in range(n):
-                one(warmup + k, True)
-                progress(k + 1, n)
+            n = run_reads(one, warmup=warmup, iters=iters, budget=budget, min_iters=min_iters, max_iters=max_iters,
+                          progress=progress)
     finally:
         ch.send("read_done")
         ch.recv("done", timeout)
     res.iterations = n
     return res
+
+
+def record_read(res: CaseResult, chk: Checker, i: int, keep: bool, t0: float, posted: float, done: float) -> None:
+    """Iteration ``i``'s read: its pages and guard checked (then poisoned again) into ``res``,
+    and, for a timed iteration (``keep``), its times from the read call ``t0``: a read lands,
+    is acknowledged and completes locally at once (``done``); ``posted`` ends its posting."""
+    bad, guard = chk.check(i)
+    if bad or not guard:
+        res.bad_iterations += 1
+        if len(res.problems) < 5:
+            res.problems.append(f"iteration {i}: " + (f"{bad} pages differ" if bad else "guard bytes overwritten"))
+    if keep:
+        for times in (res.landed, res.acked, res.local):
+            times.append(done - t0)
+        res.post.append(posted - t0)
+
+
+def run_reads(one: Callable[[int, bool], float], *, warmup: int, iters: Optional[int], budget: float,
+              min_iters: int, max_iters: int, progress: Callable[[int, int], None]) -> int:
+    """A read case's iterations: ``warmup`` untimed calls of ``one(i, keep)`` (it returns its
+    wall time), then ``iters`` timed ones, or as many as ``budget`` seconds allow; their count."""
+    wall = 0.0
+    for i in range(warmup):
+        wall = one(i, False)
+    n = iters if iters is not None else _iterations(budget, wall, min_iters, max_iters)
+    for k in range(n):
+        one(warmup + k, True)
+        progress(k + 1, n)
+    return n
 
 
 def serve_read(eng: Any, ch: Any, req: dict) -> None:

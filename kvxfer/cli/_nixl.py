@@ -45,8 +45,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from kvxfer.cli._bw_read import record_read, run_reads
 from kvxfer.cli._cases import Case, Checker, dst_pages, parse_case, pattern
-from kvxfer.cli._memmove import iterations as _iterations
 from kvxfer.cli._results import CaseResult
 from kvxfer.cli._vs import PeerProcess, TargetChannel, VsPeer, record_iteration
 
@@ -161,6 +161,29 @@ class NixlPeer(VsPeer):
             self.close()
             raise
 
+    def _descs(self, case: Case, local_addr: int, remote_addr: int) -> tuple:
+        """The case's NIXL descriptors between this process's buffer at ``local_addr`` and the
+        target's at ``remote_addr``: (local, remote) prepared lists of every page for a paged
+        case, else (ld, rd), one descriptor of the whole range each side; the others None."""
+        agent, pb, pages = self.agent, case.page_bytes, case.pages
+        if case.kind != "pages":
+            return (None, None, agent.get_xfer_descs([(local_addr, case.nbytes, 0)], "DRAM"),
+                    agent.get_xfer_descs([(remote_addr, case.nbytes, 0)], "DRAM"))
+        so = np.arange(pages, dtype=np.uint64) * np.uint64(pb)
+        col = np.zeros(pages, dtype=np.uint64)
+        rows = lambda base: np.stack([so + np.uint64(base), np.full(pages, pb, np.uint64), col], axis=1)  # noqa: E731
+        return (agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_addr), "DRAM"),
+                agent.prep_xfer_dlist(self.remote, rows(remote_addr), "DRAM"), None, None)
+
+    def _finish(self, h, st: str) -> str:
+        """Progress the request ``h`` (``transfer`` said ``st``) in this thread until it is no
+        longer in progress, yielding the CPU between polls; its final state."""
+        while st == "PROC":
+            st = self.agent.check_xfer_state(h)
+            if st == "PROC":
+                os.sched_yield()
+        return st
+
     def _register(self, src: np.ndarray):
         return self.agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
 
@@ -169,24 +192,14 @@ class NixlPeer(VsPeer):
 
     def _run(self, case: Case, seed: int, src: np.ndarray, n: int, first: int, res: Optional[CaseResult],
              progress: Callable[[int, int], None], memory: str) -> float:
-        agent, pb, pages = self.agent, case.page_bytes, case.pages
+        agent, pages = self.agent, case.pages
         self.p.send(t="case", case=case.spec, seed=seed, total=first + n, timeout=self.timeout, memory=memory)
         desc = self.p.recv("desc")
         dst = int(desc["addr"])
         agent.add_remote_agent(bytes.fromhex(desc["meta"]))
         # the target numbers iterations from 0: replay the ones before `first` untimed
-        local = remote = None
-        if case.kind == "pages":
-            so = np.arange(pages, dtype=np.uint64) * np.uint64(pb)
-            col = np.zeros(pages, dtype=np.uint64)
-            lrows = np.stack([so + np.uint64(src.ctypes.data), np.full(pages, pb, np.uint64), col], axis=1)
-            rrows = np.stack([so + np.uint64(dst), np.full(pages, pb, np.uint64), col], axis=1)
-            local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, "DRAM")
-            remote = agent.prep_xfer_dlist(self.remote, rrows, "DRAM")
-            lidx = np.arange(pages, dtype=np.int32)
-        else:
-            ld = agent.get_xfer_descs([(int(src.ctypes.data), case.nbytes, 0)], "DRAM")
-            rd = agent.get_xfer_descs([(dst, case.nbytes, 0)], "DRAM")
+        local, remote, ld, rd = self._descs(case, int(src.ctypes.data), dst)
+        lidx = np.arange(pages, dtype=np.int32)
         wall = 0.0
         h_write = None
         try:
@@ -204,10 +217,7 @@ class NixlPeer(VsPeer):
                     t0 = time.perf_counter()
                 st = agent.transfer(h, notif)
                 t1 = time.perf_counter()
-                while st == "PROC":
-                    st = agent.check_xfer_state(h)
-                    if st == "PROC":
-                        os.sched_yield()
+                st = self._finish(h, st)
                 t2 = time.perf_counter()
                 if st != "DONE":
                     raise RuntimeError(f"NIXL transfer {i} ended {st}")
@@ -236,7 +246,7 @@ class NixlPeer(VsPeer):
         kvxfer: the target registers the source pattern, this process reads page j of it into
         page ``Checker.mapping(i)[j]`` of a poisoned buffer with a guard and checks it. A READ
         completes at the reader (``check_xfer_state`` DONE): landed = acked = local = that."""
-        agent, pb, pages = self.agent, case.page_bytes, case.pages
+        agent, pages = self.agent, case.pages
         res = CaseResult(case, warmup=warmup, clock="local completion")
         self.p.send(t="read_case", case=case.spec, seed=seed)
         desc = self.p.recv("desc")
@@ -248,17 +258,8 @@ class NixlPeer(VsPeer):
             with Checker(case, seed) as chk:
                 buf = chk.buf
                 reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
-                if case.kind == "pages":
-                    so = np.arange(pages, dtype=np.uint64) * np.uint64(pb)
-                    col = np.zeros(pages, dtype=np.uint64)
-                    lrows = np.stack([so + np.uint64(buf.ctypes.data), np.full(pages, pb, np.uint64), col], axis=1)
-                    rrows = np.stack([so + np.uint64(src), np.full(pages, pb, np.uint64), col], axis=1)
-                    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, "DRAM")
-                    remote = agent.prep_xfer_dlist(self.remote, rrows, "DRAM")
-                    ridx = np.arange(pages, dtype=np.int32)
-                else:
-                    ld = agent.get_xfer_descs([(int(buf.ctypes.data), case.nbytes, 0)], "DRAM")
-                    rd = agent.get_xfer_descs([(src, case.nbytes, 0)], "DRAM")
+                local, remote, ld, rd = self._descs(case, int(buf.ctypes.data), src)
+                ridx = np.arange(pages, dtype=np.int32)
 
                 def one(i: int, keep: bool) -> float:
                     nonlocal h_read
@@ -275,34 +276,17 @@ class NixlPeer(VsPeer):
                         t0 = time.perf_counter()
                     st = agent.transfer(h)
                     t1 = time.perf_counter()
-                    while st == "PROC":
-                        st = agent.check_xfer_state(h)
-                        if st == "PROC":
-                            os.sched_yield()
+                    st = self._finish(h, st)
                     t2 = time.perf_counter()
                     if st != "DONE":
                         raise RuntimeError(f"NIXL read {i} ended {st}")
                     if h is not h_read:
                         h.release()
-                    bad, guard = chk.check(i)
-                    if bad or not guard:
-                        res.bad_iterations += 1
-                        if len(res.problems) < 5:
-                            res.problems.append(f"iteration {i}: " + (f"{bad} pages differ" if bad else
-                                                                      "guard bytes overwritten"))
-                    if keep:
-                        for acc in (res.landed, res.acked, res.local):
-                            acc.append(t2 - t0)
-                        res.post.append(t1 - t0)
+                    record_read(res, chk, i, keep, t0, t1, t2)
                     return time.perf_counter() - t_start
 
-                wall = 0.0
-                for i in range(warmup):
-                    wall = one(i, False)
-                n = iters if iters is not None else _iterations(budget, wall, min_iters, max_iters)
-                for k in range(n):
-                    one(warmup + k, True)
-                    progress(k + 1, n)
+                n = run_reads(one, warmup=warmup, iters=iters, budget=budget, min_iters=min_iters,
+                              max_iters=max_iters, progress=progress)
         finally:
             for hd in (local, remote, h_read):
                 if hd is not None:
