@@ -7,12 +7,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
 
 import kvxfer
+from _shmfiles import mine as _mine, rss_mib as _rss_mib, until as _until
 
 pytestmark = pytest.mark.skipif("shm" not in kvxfer.providers(), reason="no shm provider")
 
@@ -70,25 +70,6 @@ def test_a_killed_engines_files_are_reaped_by_the_next_engine():
         assert left, "a SIGKILLed shm process leaves its region"   # (unless another engine reaped it already)
         with kvxfer.Engine("shm"):
             assert _files(pid) == []
-
-
-def _rss_mib():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
-def _mine():
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"{os.getpid()}:"))
-
-
-def _until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.01)
-    return cond()
 
 
 CYCLES = 40

@@ -3,32 +3,20 @@ src/forget.c): the long-lived engine that dropped it keeps working with every ot
 same-process and cross-process, byte-exact, during and after; a stale handle of the closed
 peer disconnects nothing; short-lived engines in another process are unaffected."""
 
-import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
 
 import kvxfer
+from _shmfiles import mine as _mine, until as _until
 from _target import Target
 
 pytestmark = pytest.mark.skipif("shm" not in kvxfer.providers(), reason="no shm provider")
 
 N = 1 << 16
-
-
-def _mine():
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"{os.getpid()}:"))
-
-
-def _until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.01)
-    return cond()
 
 
 def _write_checked(src_engine, src_mr, src_buf, peer, dst_engine_or_target, dst_desc, imm, value, view):

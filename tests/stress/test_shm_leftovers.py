@@ -10,12 +10,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
 
 import kvxfer
+from _shmfiles import mine as _mine, rss_mib as _rss_mib, until as _until
 from conftest import STRESS
 
 N = 50 if STRESS else 5
@@ -64,15 +64,6 @@ def test_no_shm_files_outlive_their_processes(how):
     assert left == 0
 
 
-def _rss_mib():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
-
-
-def _mine():
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"{os.getpid()}:"))
-
-
 @pytest.mark.timeout(120 + CYCLES)
 def test_closed_engines_beside_a_long_lived_one_leave_nothing():
     """Issue 26.5 counted: each cycle a short-lived engine writes to the long-lived one and is
@@ -103,10 +94,7 @@ def test_closed_engines_beside_a_long_lived_one_leave_nothing():
                 assert (land == v).all() and (dst == v ^ 0xFF).all(), i
                 ms.close()
                 md_s.close()
-            end = time.monotonic() + 1.0
-            while _mine() != before and time.monotonic() < end:
-                time.sleep(0.005)
-            left_cycles += _mine() != before
+            left_cycles += not _until(lambda: _mine() == before, timeout=1.0, step=0.005)
             rss.append(_rss_mib())
     grown = rss[-1] - rss[min(9, len(rss) - 1)]
     print(f"\nshm engines closed beside a long-lived one: {CYCLES} cycles, {left_cycles} left files a second "
