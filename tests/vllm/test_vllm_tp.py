@@ -27,20 +27,26 @@ pytestmark = pytest.mark.timeout(2400)   # setup included (test_vllm_pd.py)
 EXTRA_TP = {**EXTRA, "peer_timeout": 10.0}
 
 
+def _ready_pair(p, d, reference, seed: int):
+    """A module fixture's body for the started pair (P, D): both and the reference ready, D
+    warmed up with prompts of ``seed`` so its block ids differ from P's, then closed."""
+    try:
+        for x in (reference, p, d):
+            x.wait_ready()
+        d.call(op="generate", prompts=prompts(seed, [70, 40]), max_tokens=2)     # other block ids than P's
+        yield p, d
+    finally:
+        for x in (p, d):
+            x.close()
+
+
 @pytest.fixture(scope="module")
 def tp2(model, workdir, reference):
     """P at TP2 (its two ranks bound to one core each) and a TP1 D, started together."""
     p = Instance("prefill-tp2", model, "kv_producer", {"extra": EXTRA_TP, "tp": 2}, workdir,
                  env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     d = Instance("decode-for-tp2", model, "kv_consumer", {"extra": EXTRA_TP}, workdir)
-    try:
-        for x in (reference, p, d):
-            x.wait_ready()
-        d.call(op="generate", prompts=prompts(98, [70, 40]), max_tokens=2)     # other block ids than P's
-        yield p, d
-    finally:
-        for x in (p, d):
-            x.close()
+    yield from _ready_pair(p, d, reference, 98)
 
 
 def test_tp2_prefiller_to_tp1_decoder(tp2, reference):
@@ -87,14 +93,7 @@ def tp1_to_tp2(model, workdir, reference):
     p = Instance("prefill-for-tp2", model, "kv_producer", {"extra": EXTRA_TP}, workdir)
     d = Instance("decode-tp2", model, "kv_consumer", {"extra": EXTRA_TP, "tp": 2}, workdir,
                  env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    try:
-        for x in (reference, p, d):
-            x.wait_ready()
-        d.call(op="generate", prompts=prompts(97, [70, 40]), max_tokens=2)     # other block ids than P's
-        yield p, d
-    finally:
-        for x in (p, d):
-            x.close()
+    yield from _ready_pair(p, d, reference, 97)
 
 
 def test_tp1_prefiller_to_tp2_decoder(tp1_to_tp2, reference):
