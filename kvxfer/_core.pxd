@@ -59,6 +59,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
         uint64_t direct_revoked
         uint64_t bell_rings
         uint64_t bell_wakes
+        uint64_t dead_answered
         uint64_t errors
         int64_t outstanding
 

@@ -172,7 +172,8 @@ cdef class Rail:
         kx_rail_get_stats(self._rail(), &s)
         return {"writes_posted": s.writes_posted, "direct_writes": s.direct_writes,
                 "direct_revoked": s.direct_revoked, "errors": s.errors,
-                "outstanding": s.outstanding, "bell_rings": s.bell_rings, "bell_wakes": s.bell_wakes}
+                "outstanding": s.outstanding, "bell_rings": s.bell_rings, "bell_wakes": s.bell_wakes,
+                "dead_answered": s.dead_answered}
 
     # -- addresses -------------------------------------------------------------------------
     def getname(self):

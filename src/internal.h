@@ -215,6 +215,7 @@ struct kx_rail {
     int64_t last_scan_ns;
     int64_t eagain_ns;         /* the progress thread's last post refused with -FI_EAGAIN */
     struct kx_local *self_local;   /* this endpoint, as other rails of this process see it */
+    struct kx_unblock *unblock;    /* shm: our own response queue, answered for dead peers (unblock.c); NULL: none */
     pthread_mutex_t av_lock;   /* one AV change at a time: kx_av_insert, kx_av_remove, forget.c */
     int parked;                /* the endpoint is left open, unprogressed, never closed (kx_rail_park) */
     int took_msgs;             /* a control message arrived (someone connected to us) */
@@ -398,6 +399,7 @@ typedef struct kx_peer {
     void *map;            /* the page lockw lies in (our own mapping of it) */
     struct kx_bell *bell; /* shm: the peer's doorbell, rung after each post (bell.c); NULL: none */
     int removed;          /* its address was removed (kx_peer_forget): a tombstone until reused */
+    int answered;         /* shm: its exited process's unanswered operations were answered for it (unblock.c) */
 } kx_peer;
 
 /* local.c: same-process engines (kx_local cells, shm's deferral rule) */
@@ -420,6 +422,14 @@ void kx_rail_finish_deferred(kx_rail *r);      /* rail.c */
 
 /* forget.c: a closed same-process shm engine leaves the maps of those that hold it */
 void kx_forget_map_cmdq(kx_local *c, const char *prov);
+
+/* unblock.c: a dead shm peer's unanswered operations, answered for it in our response queue */
+void kx_unblock_open(kx_rail *r);
+void kx_unblock_close(kx_rail *r);
+void kx_unblock_note(kx_rail *r);
+int kx_unblock_step(kx_rail *r);
+int kx_unblock_settle(kx_rail *r, fi_addr_t fa, int64_t wait_ns);
+uint64_t kx_unblock_answered(const kx_rail *r);
 int kx_forget_step(kx_rail *r);
 int kx_forget_slot_of(kx_rail *r, fi_addr_t fa);
 void kx_forget_slot_clear(kx_rail *r, int slot);

@@ -100,6 +100,7 @@ int kx_peer_add(kx_rail *r, fi_addr_t fa, const void *name, size_t len)
     p->refused_ns = 0;
     p->alive_ns = 0;
     p->removed = 0;
+    p->answered = 0;
     p->last_ns = kx_now_ns();
     p->name_hash = kx_name_hash(name, len);
     __atomic_store_n(&p->dead, dead, __ATOMIC_SEQ_CST);
@@ -195,6 +196,8 @@ void kx_peer_kill_locked(kx_rail *r, fi_addr_t fa, int err)
         if (x->peer == fa)
             kx_transfer_fail_locked(r, x, err);
     __atomic_store_n(&r->cancel_pending, 1, __ATOMIC_RELEASE);
+    if (p->pidfd >= 0)
+        kx_unblock_note(r);     /* shm: once its process exited, its unanswered operations are answered (unblock.c) */
     pthread_cond_broadcast(&r->hub->cond);
 }
 

@@ -308,7 +308,8 @@ static int kx_poll(kx_rail *r);
 /* one reader's turn: read a batch, post what is queued; the caller holds poll_owner */
 static int kx_progress_once(kx_rail *r)
 {
-    int n = kx_poll(r);
+    int n = kx_unblock_step(r);   /* first: this turn's read reports what it answered (unblock.c) */
+    n += kx_poll(r);
     /* after a refused post, retry only once something completed or 100 us passed: a peer
      * that stopped answering is then probed (kx_peer_enter) before, not during, the
      * provider's own locking */

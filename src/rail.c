@@ -180,6 +180,7 @@ int kx_rail_open(const char *prov, const char *node, const char *domain, int hme
         return ret;
     }
     r->shm = r->info && strcmp(r->info->fabric_attr->prov_name, "shm") == 0;
+    kx_unblock_open(r);     /* shm: answers for peers that exited (unblock.c); none is fine */
     kx_bell_create(r);      /* shm: writers wake our progress thread (bell.c); none is fine */
     *out = r;
     return 0;
@@ -353,6 +354,7 @@ void kx_rail_finish_deferred(kx_rail *r)
     kx_rail_close_domain_fids(r);
     if (kx_local_deferred_end(r)) {
         kx_bell_free(r);
+        kx_unblock_close(r);
         kx_hub_unref(r->hub);
         free(r);
     }
@@ -400,6 +402,7 @@ void kx_rail_free(kx_rail *r)
     if (r->pdir)      /* a rail that failed to open before its endpoint existed */
         kx_peers_free(r);
     kx_bell_free(r);
+    kx_unblock_close(r);
     kx_ctl_rail_free(r);
     kx_hub_unref(r->hub);
     free(r);
@@ -430,6 +433,7 @@ void kx_rail_get_stats(const kx_rail *r, kx_rail_stats *out)
     out->direct_revoked = __atomic_load_n(&r->stat_direct_revoked, __ATOMIC_RELAXED);
     out->bell_rings = __atomic_load_n(&r->stat_bell_rings, __ATOMIC_RELAXED);
     out->bell_wakes = __atomic_load_n(&r->stat_bell_wakes, __ATOMIC_RELAXED);
+    out->dead_answered = kx_unblock_answered(r);
     out->errors = __atomic_load_n(&r->stat_rx_err, __ATOMIC_RELAXED);
     out->outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_RELAXED);
 }
@@ -528,6 +532,9 @@ int kx_av_remove(kx_rail *r, fi_addr_t addr, uint32_t gen, int64_t wait_ns)
     /* shm 1.17 leaves the slot's peer id and name_sent in our region: the next peer put in
      * the slot would get commands naming the old one's id (forget.c, (5)) */
     int slot = r->shm ? kx_forget_slot_of(r, addr) : -1;
+    ret = kx_unblock_settle(r, addr, wait_ns);     /* shm's completion of an answered slot reads the peer's region */
+    if (ret)
+        goto out;
     ret = fi_av_remove(r->av, &addr, 1, 0);
     if (!ret) {
         kx_forget_slot_clear(r, slot);

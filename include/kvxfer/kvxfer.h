@@ -56,6 +56,7 @@ typedef struct kx_rail_stats {
     uint64_t direct_revoked; /* direct messages whose copy a permit refused (the target closed the region) */
     uint64_t bell_rings;   /* shm: posts that woke a sleeping peer through its doorbell */
     uint64_t bell_wakes;   /* shm: sleeps of this rail's progress thread that a peer's ring ended */
+    uint64_t dead_answered; /* shm: operations to peers whose process exited that kvxfer answered for them (unblock.c) */
     uint64_t errors;       /* error completions not tied to a transfer */
     int64_t outstanding;   /* operations posted and not completed */
 } kx_rail_stats;

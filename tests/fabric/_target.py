@@ -40,13 +40,14 @@ def _memory(kind: str, nbytes: int):
     raise ValueError(f"unknown memory kind {kind!r}")
 
 
-def _serve(conn, provider: str, nbytes: int, memory: str = "numpy", options: dict | None = None) -> None:
+def _serve(conn, provider: str, nbytes: int, memory: str = "numpy", options: dict | None = None,
+           readable: bool = False) -> None:
     import kvxfer
 
     try:
         eng = kvxfer.Engine(provider, "127.0.0.1", **(options or {}))
         obj, buf = _memory(memory, nbytes)
-        mr = eng.register(obj)
+        mr = eng.register(obj, readable=readable)
         conn.send(("ready", eng.address, mr.descriptor(), os.getpid()))
         counters = {}
         while True:
@@ -122,11 +123,12 @@ class RemoteError(AssertionError):
 
 class Target:
     """Start a target process; ``address``/``descriptor`` come from its engine. ``memory``:
-    what its destination is (see ``_memory``); ``options``: its ``Engine`` keywords."""
+    what its destination is (see ``_memory``); ``options``: its ``Engine`` keywords;
+    ``readable``: peers may read its region too."""
 
     def __init__(self, provider: str, nbytes: int, timeout: float = 30.0, *, memory: str = "numpy",
-                 options: dict | None = None) -> None:
-        self.child = spawn(_serve, provider, nbytes, memory, options, name="target", with_conn=True,
+                 options: dict | None = None, readable: bool = False) -> None:
+        self.child = spawn(_serve, provider, nbytes, memory, options, readable, name="target", with_conn=True,
                            deadline=timeout)
         self.parent, self.proc = self.child.conn, self.child.proc
         self.timeout = timeout

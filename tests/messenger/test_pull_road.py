@@ -436,9 +436,9 @@ def test_per_rank_kill_9_of_one_prefill_rank_during_a_pull(provider):
     """Per-rank prefill (one process per rank of TP2) and a TP1 decoder pulling from both:
     kill -9 of rank 0 mid-pull fails the pulls in flight (fenced within a deadline) and the
     live rank's Sends are released (DONE aborted, or done) only by the decoder, none left held.
-    On shm 1.17 a dead peer stalls the engine's traffic with the live peer too
-    (docs/reliability.md, finding 24): there the live rank declares the silent decoder dead
-    and its Sends fail (released by the death rule); the decoder's side is the same."""
+    On shm 1.17 this needs the dead rank's unanswered reads answered for it (src/unblock.c;
+    docs/reliability.md, finding 24): else they block the decoder engine's traffic with the
+    live rank too, which then declares the silent decoder dead and fails its Sends."""
     procs = [start(prefill_proc, provider, 4.0, 0x50 + r, 2, r) for r in range(2)]
     try:
         blobs = []
@@ -482,10 +482,7 @@ def test_per_rank_kill_9_of_one_prefill_rank_during_a_pull(provider):
                         break
                     time.sleep(0.05)
                 assert settled == st["sends"] == st["sends_pull"], st          # none left held
-                if provider != "shm":
-                    assert st.get("send_failed", 0) == 0 and st["recv_DONE"] == st["sends"], st
-                # on shm (seen 1 of 1) the live rank declared the decoder dead instead: finding 24
-                # stalls the decoder engine's messages to it too, so it went silent for peer_timeout
+                assert st.get("send_failed", 0) == 0 and st["recv_DONE"] == st["sends"], st
             finally:
                 d.close()
         procs[1][1].send("exit")
