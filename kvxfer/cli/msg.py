@@ -93,11 +93,12 @@ def _cpu() -> dict:
     voluntary context switches (``*_sleeps``: each a wait that a wake-up ended, so a thread
     hand-off's count)."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = {"progress": 0.0, "python": 0.0, "progress_sleeps": 0, "python_sleeps": 0}
+    out = {"progress": 0.0, "python": 0.0, "progress_sleeps": 0, "python_sleeps": 0, "by_thread": {}}
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return {**out, "python": time.process_time()}
+    names = {t.native_id: t.name for t in threading.enumerate()}
     for t in tasks:
         try:
             with open(f"/proc/self/task/{t}/comm") as f:
@@ -112,6 +113,8 @@ def _cpu() -> dict:
         kind = "progress" if comm == "kvxfer-progress" else "python"
         out[kind] += secs
         out[kind + "_sleeps"] += sleeps
+        name = names.get(int(t), comm)
+        out["by_thread"][name] = out["by_thread"].get(name, 0) + sleeps
     return out
 
 
@@ -300,6 +303,10 @@ def _latency(m: Any, pg: Any, iters: int, pres: Optional[list] = None, cpu: Opti
                              ("prefill_sleeps", p0, p1, "python_sleeps"),
                              ("prefill_progress_sleeps", p0, p1, "progress_sleeps")):
             cpu[key] = (b[k] - a[k]) / iters        # wake-ups per request
+        # the decoder's, thread by thread (by name): which hand-offs a minimal request costs
+        cpu["decoder_sleeps_by_thread"] = {t: (n - c0["by_thread"].get(t, 0)) / iters
+                                           for t, n in sorted(c1["by_thread"].items())
+                                           if n - c0["by_thread"].get(t, 0) > 0}
     return out
 
 
@@ -336,7 +343,9 @@ def _cpu_line(c: dict) -> str:
             f"{ratio(c['decoder_cpu_us'], c['decoder_progress_cpu_us'])}), prefill {c['prefill_cpu_us']:.0f} "
             f"(progress {c['prefill_progress_cpu_us']:.0f}, {ratio(c['prefill_cpu_us'], c['prefill_progress_cpu_us'])}); "
             f"wake-ups/request: decode {c['decoder_sleeps']:.1f} (progress {c['decoder_progress_sleeps']:.1f}), "
-            f"prefill {c['prefill_sleeps']:.1f} (progress {c['prefill_progress_sleeps']:.1f})")
+            f"prefill {c['prefill_sleeps']:.1f} (progress {c['prefill_progress_sleeps']:.1f})"
+            + ("; decode by thread: " + ", ".join(f"{t} {n:.1f}" for t, n in c["decoder_sleeps_by_thread"].items())
+               if c.get("decoder_sleeps_by_thread") else ""))
 
 
 def run_msg(args: argparse.Namespace) -> int:
