@@ -51,32 +51,9 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "smr117.h"
 
-#define KX_SMR_VERSION 4
-#define KX_SMR_PID_OFF 4
-#define KX_SMR_TOTAL_OFF 40
-#define KX_SMR_CMDQ_OFF 64
-#define KX_SMR_RESPQ_OFF 72
-#define KX_SMR_PEERS_OFF 96
-#define KX_SMR_NAME_OFF 104
-#define KX_SMR_CMD_SIZE 256
-#define KX_SMR_MAX_PEERS 256
-#define KX_SMR_PEER_SIZE 272        /* smr_peer_data: name[256], id (int64), sar_status, name_sent */
-#define KX_SMR_PEER_ID 256
-#define KX_SMR_PEER_NAME_SENT 268
 #define KX_FORGET_BATCH 8
-
-static uint64_t kx_u64_at(const unsigned char *b, size_t off)
-{
-    uint64_t v;
-    memcpy(&v, b + off, sizeof(v));
-    return v;
-}
-
-static int kx_pow2(uint64_t v)
-{
-    return v && !(v & (v - 1));
-}
 
 /* map our own region's first page and peer table: c->cmdq, c->peer_data (else NULL) */
 void kx_forget_map_cmdq(kx_local *c, const char *prov)
@@ -106,15 +83,15 @@ void kx_forget_map_cmdq(kx_local *c, const char *prov)
     const unsigned char *b = m;
     int pid;
     memcpy(&pid, b + KX_SMR_PID_OFF, sizeof(pid));
-    uint64_t total = kx_u64_at(b, KX_SMR_TOTAL_OFF), q = kx_u64_at(b, KX_SMR_CMDQ_OFF);
-    uint64_t resp = kx_u64_at(b, KX_SMR_RESPQ_OFF);
-    uint64_t peers = kx_u64_at(b, KX_SMR_PEERS_OFF), name = kx_u64_at(b, KX_SMR_NAME_OFF);
-    int ok = b[0] == KX_SMR_VERSION && pid == getpid() && total == (uint64_t)st.st_size && kx_pow2(total) &&
+    uint64_t total = kx_smr_u64(b, KX_SMR_TOTAL_OFF), q = kx_smr_u64(b, KX_SMR_CMDQ_OFF);
+    uint64_t resp = kx_smr_u64(b, KX_SMR_RESPQ_OFF);
+    uint64_t peers = kx_smr_u64(b, KX_SMR_PEERS_OFF), name = kx_smr_u64(b, KX_SMR_NAME_OFF);
+    int ok = b[0] == KX_SMR_VERSION && pid == getpid() && total == (uint64_t)st.st_size && kx_smr_pow2(total) &&
              q >= KX_SMR_RESPQ_OFF + 8 && q % 16 == 0 && q + 32 <= 4096;
     if (ok) {
-        uint64_t size = kx_u64_at(b, q), mask = kx_u64_at(b, q + 8);
-        uint64_t rd = kx_u64_at(b, q + 16), wr = kx_u64_at(b, q + 24);
-        ok = kx_pow2(size) && mask == size - 1 && wr - rd <= size &&
+        uint64_t size = kx_smr_u64(b, q), mask = kx_smr_u64(b, q + 8);
+        uint64_t rd = kx_smr_u64(b, q + 16), wr = kx_smr_u64(b, q + 24);
+        ok = kx_smr_pow2(size) && mask == size - 1 && wr - rd <= size &&
              resp == q + 32 + KX_SMR_CMD_SIZE * size &&
              peers > resp && name == peers + (uint64_t)KX_SMR_MAX_PEERS * KX_SMR_PEER_SIZE && name < total;
     }

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "smr117.h"
 
 /* shm's region lock. shm 1.17 takes a peer's region spin lock inside fi_writemsg and fi_send
  * to queue a command, and a process holds its own while it progresses: a peer SIGKILLed
@@ -24,9 +25,6 @@
  * The layout is libfabric's, not ours: it is used only when the page matches what 1.17 writes
  * (struct smr_region: version 4 at byte 0, the owner's pid at 4, the lock at 24, holding the
  * unlocked or locked value of this libc's pthread spin lock); anything else turns it off. */
-#define KX_SMR_VERSION 4
-#define KX_SMR_PID_OFF 4
-#define KX_SMR_LOCK_OFF 24
 #define KX_PF_EXITING 0x4
 
 static int kx_spin_value(int locked)

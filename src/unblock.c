@@ -46,21 +46,8 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "smr117.h"
 
-#define KX_SMR_VERSION 4
-#define KX_SMR_PID_OFF 4
-#define KX_SMR_LOCK_OFF 24
-#define KX_SMR_SIGNAL_OFF 28
-#define KX_SMR_TOTAL_OFF 40
-#define KX_SMR_CMDQ_OFF 64
-#define KX_SMR_RESPQ_OFF 72
-#define KX_SMR_INJECT_OFF 80
-#define KX_SMR_PEERS_OFF 96
-#define KX_SMR_MAX_PEERS 256
-#define KX_SMR_PEER_SIZE 272        /* smr_peer_data: name[256], id (int64), sar_status, name_sent */
-#define KX_SMR_PEER_SAR 264
-#define KX_SMR_CMD_SIZE 256
-#define KX_SMR_RESP_SIZE 16
 #define KX_PEND_OP_SRC 20          /* struct smr_tx_entry: cmd.msg.hdr.op_src */
 #define KX_PEND_PEER 256           /* ... peer_id, after the command */
 #define KX_PEND_CONTEXT 264        /* ... context */
@@ -85,18 +72,6 @@ typedef struct kx_unblock {
     uint64_t answered;             /* operations answered for exited peers (stats) */
 } kx_unblock;
 
-static uint64_t kx_u64(const unsigned char *b, size_t off)
-{
-    uint64_t v;
-    memcpy(&v, b + off, sizeof(v));
-    return v;
-}
-
-static int kx_pow2(uint64_t v)
-{
-    return v && !(v & (v - 1));
-}
-
 /* map our own region's head (after kx_local_publish named it); none on a layout we do not know */
 void kx_unblock_open(kx_rail *r)
 {
@@ -118,18 +93,18 @@ void kx_unblock_open(kx_rail *r)
     int pid = 0;
     if (ok) {
         memcpy(&pid, head + KX_SMR_PID_OFF, sizeof(pid));
-        cmdq = kx_u64(head, KX_SMR_CMDQ_OFF);
-        resp = kx_u64(head, KX_SMR_RESPQ_OFF);
-        inject = kx_u64(head, KX_SMR_INJECT_OFF);
-        total = kx_u64(head, KX_SMR_TOTAL_OFF);
-        peers = kx_u64(head, KX_SMR_PEERS_OFF);
+        cmdq = kx_smr_u64(head, KX_SMR_CMDQ_OFF);
+        resp = kx_smr_u64(head, KX_SMR_RESPQ_OFF);
+        inject = kx_smr_u64(head, KX_SMR_INJECT_OFF);
+        total = kx_smr_u64(head, KX_SMR_TOTAL_OFF);
+        peers = kx_smr_u64(head, KX_SMR_PEERS_OFF);
         ok = head[0] == KX_SMR_VERSION && pid == getpid() && total == (uint64_t)st.st_size &&
              peers > inject && peers % 8 == 0 && peers + (uint64_t)KX_SMR_MAX_PEERS * KX_SMR_PEER_SIZE <= total &&
              cmdq >= KX_SMR_INJECT_OFF + 8 && cmdq % 16 == 0 && cmdq + 32 <= sizeof(head);
     }
     if (ok) {
-        uint64_t n = kx_u64(head, cmdq);
-        ok = kx_pow2(n) && kx_u64(head, cmdq + 8) == n - 1 && resp == cmdq + 32 + KX_SMR_CMD_SIZE * n &&
+        uint64_t n = kx_smr_u64(head, cmdq);
+        ok = kx_smr_pow2(n) && kx_smr_u64(head, cmdq + 8) == n - 1 && resp == cmdq + 32 + KX_SMR_CMD_SIZE * n &&
              resp % 8 == 0 && inject > resp && inject <= total;
     }
     unsigned char *m = MAP_FAILED;
@@ -141,9 +116,9 @@ void kx_unblock_open(kx_rail *r)
     close(fd);
     if (m == MAP_FAILED)
         return;
-    uint64_t n = kx_u64(m, resp), mask = kx_u64(m, resp + 8);
-    uint64_t rd = kx_u64(m, resp + 16), wr = kx_u64(m, resp + 24);
-    kx_unblock *u = kx_pow2(n) && mask == n - 1 && wr - rd <= n && inject == resp + 32 + KX_SMR_RESP_SIZE * n
+    uint64_t n = kx_smr_u64(m, resp), mask = kx_smr_u64(m, resp + 8);
+    uint64_t rd = kx_smr_u64(m, resp + 16), wr = kx_smr_u64(m, resp + 24);
+    kx_unblock *u = kx_smr_pow2(n) && mask == n - 1 && wr - rd <= n && inject == resp + 32 + KX_SMR_RESP_SIZE * n
                         ? calloc(1, sizeof(*u)) : NULL;
     if (!u) {
         munmap(m, len);
