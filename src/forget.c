@@ -62,15 +62,8 @@ void kx_forget_map_cmdq(kx_local *c, const char *prov)
     c->cmdq_map = NULL;
     c->peer_data = NULL;
     c->peer_map = NULL;
-    if (!prov || strcmp(prov, "shm") != 0 || kx_shm_pid(prov, c->name, c->len) != getpid())
-        return;
-    const char *knob = getenv("KVXFER_SHM_FORGET");  /* "0": never forget, defer as before (tests) */
-    if (knob && strcmp(knob, "0") == 0)
-        return;
-    char path[300];
-    if (kx_shm_path(c->name, c->len, "", path, sizeof(path)))
-        return;
-    int fd = open(path, O_RDWR | O_CLOEXEC);
+    /* KVXFER_SHM_FORGET=0: never forget, defer as before (tests) */
+    int fd = kx_shm_open_own(prov, c->name, c->len, "KVXFER_SHM_FORGET");
     if (fd < 0)
         return;
     struct stat st;

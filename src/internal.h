@@ -438,6 +438,7 @@ void kx_forget_slot_clear(kx_rail *r, int slot);
 pid_t kx_shm_pid(const char *prov, const void *name, size_t len);     /* 0: not a shm name */
 void kx_shm_clear_stale(kx_rail *r);
 int kx_shm_path(const void *name, size_t len, const char *suffix, char *path, size_t size);
+int kx_shm_open_own(const char *prov, const void *name, size_t len, const char *knob);
 int kx_ep_name(kx_rail *r, char *name, size_t size, size_t *len);   /* NUL-terminated; -1: none */
 int kx_addr_check(kx_rail *r, const void *addr, size_t len);
 

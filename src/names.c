@@ -1,6 +1,7 @@
 /* names.c: endpoint names: the pid in a shm endpoint's name, its files in /dev/shm, and the
  * check of a peer's name before libfabric's address vector sees it. */
 
+#include <fcntl.h>
 #include <stdio.h>
 #include <sys/socket.h>
 #include <netinet/in.h>
@@ -36,6 +37,20 @@ int kx_shm_path(const void *name, size_t len, const char *suffix, char *path, si
         return -1;
     snprintf(path, size, "/dev/shm/%.*s%s", (int)nl, n, suffix);
     return 0;
+}
+
+/* This process's own shm region, the file of endpoint `name`, opened read-write for a unit
+ * that reads its layout (forget.c, unblock.c): the fd, or -1 when `prov` is not shm, the
+ * region is not this process's, the environment variable `knob` is "0", or it cannot open */
+int kx_shm_open_own(const char *prov, const void *name, size_t len, const char *knob)
+{
+    const char *k = knob ? getenv(knob) : NULL;
+    if (!prov || strcmp(prov, "shm") != 0 || kx_shm_pid(prov, name, len) != getpid() || (k && strcmp(k, "0") == 0))
+        return -1;
+    char path[300];
+    if (kx_shm_path(name, len, "", path, sizeof(path)))
+        return -1;
+    return open(path, O_RDWR | O_CLOEXEC);
 }
 
 /* The endpoint's name, NUL-terminated in `name` (of `size` bytes), its length in *len: 0, or

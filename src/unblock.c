@@ -76,14 +76,7 @@ typedef struct kx_unblock {
 void kx_unblock_open(kx_rail *r)
 {
     kx_local *self = r->self_local;
-    const char *knob = getenv("KVXFER_SHM_UNBLOCK");
-    if (!r->shm || !self || (knob && strcmp(knob, "0") == 0) ||
-        kx_shm_pid(r->info->fabric_attr->prov_name, self->name, self->len) != getpid())
-        return;
-    char path[300];
-    if (kx_shm_path(self->name, self->len, "", path, sizeof(path)))
-        return;
-    int fd = open(path, O_RDWR | O_CLOEXEC);
+    int fd = self ? kx_shm_open_own(r->info->fabric_attr->prov_name, self->name, self->len, "KVXFER_SHM_UNBLOCK") : -1;
     if (fd < 0)
         return;
     struct stat st;
