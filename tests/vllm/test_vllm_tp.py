@@ -26,6 +26,12 @@ pytestmark = pytest.mark.timeout(2400)   # setup included (test_vllm_pd.py)
 #: enough for the prefill ranks to declare it dead at 3 s (docs/reliability.md, finding 26)
 EXTRA_TP = {**EXTRA, "peer_timeout": 10.0}
 
+#: the TP2 prefiller's pair: unclaimed_timeout 60 s, not 10. Nothing goes unclaimed here, and a
+#: decoder starved the same way (the TP2 prefiller's workers busy-loop after each step) sent its
+#: REQUESTs more than 10 s after P finished in 2 of 4 runs of this file on this VM (2026-12-02),
+#: so P had freed the blocks ("expired unclaimed"), vLLM recomputed and the loads counted rejected
+EXTRA_TP2_P = {**EXTRA_TP, "unclaimed_timeout": 60}
+
 
 def _ready_pair(p, d, reference, seed: int):
     """A module fixture's body for the started pair (P, D): both and the reference ready, D
@@ -43,9 +49,9 @@ def _ready_pair(p, d, reference, seed: int):
 @pytest.fixture(scope="module")
 def tp2(model, workdir, reference):
     """P at TP2 (its two ranks bound to one core each) and a TP1 D, started together."""
-    p = Instance("prefill-tp2", model, "kv_producer", {"extra": EXTRA_TP, "tp": 2}, workdir,
+    p = Instance("prefill-tp2", model, "kv_producer", {"extra": EXTRA_TP2_P, "tp": 2}, workdir,
                  env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    d = Instance("decode-for-tp2", model, "kv_consumer", {"extra": EXTRA_TP}, workdir)
+    d = Instance("decode-for-tp2", model, "kv_consumer", {"extra": EXTRA_TP2_P}, workdir)
     yield from _ready_pair(p, d, reference, 98)
 
 
