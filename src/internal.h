@@ -399,7 +399,7 @@ typedef struct kx_peer {
     void *map;            /* the page lockw lies in (our own mapping of it) */
     struct kx_bell *bell; /* shm: the peer's doorbell, rung after each post (bell.c); NULL: none */
     int removed;          /* its address was removed (kx_peer_forget): a tombstone until reused */
-    int answered;         /* shm: its exited process's unanswered operations were answered for it (unblock.c) */
+    int answered;         /* shm: 0, or its exited process's unanswered operations were looked at (1) and answered (2) (unblock.c) */
 } kx_peer;
 
 /* local.c: same-process engines (kx_local cells, shm's deferral rule) */

@@ -14,12 +14,13 @@
  * What kvxfer does: once the peer's process has exited (its pidfd; never for a peer that only
  * went silent, which could still answer into a slot reused meanwhile), and no post to it is
  * inside a provider call (p->busy; it is dead, so none can start), the progress thread writes
- * -FI_ECONNRESET into each slot between the queue's read and write counts that (1) still says
- * FI_EBUSY, (2) is a CMA (iov) or inject operation, whose completion touches nothing of the
- * peer's but its lock and counters (SAR and mmap ones would copy from the peer's buffers: left
- * alone, the stall rule still ends them), and (3) whose pending entry names as its context one
- * of our own transfers to that peer (compared by address with the in-flight list, under the
- * hub lock: nothing is read through a context). It does so under our region's spin lock, as
+ * -FI_ECONNRESET into each slot between the queue's read and write counts that (1) is not
+ * final yet (FI_EBUSY, or a SAR under way: SAR_FREE, SAR_READY), (2) is a CMA (iov), inject or
+ * SAR operation, a SAR one turned into a CMA one first, so that its completion touches nothing
+ * of the peer's but its lock and counters (mmap and device-IPC ones are left alone: the stall
+ * rule still ends them), and (3) whose pending entry names as its context one of our own
+ * transfers to that peer (compared by address with the in-flight list, under the hub lock:
+ * nothing is read through a context). It does so under our region's spin lock, as
  * smr_progress_resp holds it, with the AV lock (tried: no remove runs meanwhile), releases
  * dead peers' spin locks first (kx_peers_unstick; shm's completion takes the peer's lock),
  * then sets the region's signal so the next progress reads the queue: the operations fail with
@@ -30,15 +31,12 @@
  * every slot answered here, and otherwise withdraws the answers of that peer (FI_EBUSY again:
  * the head blocks as before, never a read of unmapped memory).
  *
- * The layout is libfabric 1.17's, read in our own region (a mapping of its head here): struct
- * smr_region with version 4 at byte 0, our pid at 4, the lock at 24, the signal at 28,
- * total_size at 40, cmd_queue_offset at 64, resp_queue_offset at 72, inject_pool_offset at 80;
- * each queue an ofi_cirque (size, size_mask, read count, write count) of 256-byte commands and
- * of 16-byte responses (struct smr_resp: msg_id, status), the response queue right after the
- * command queue and the inject pool right after it; msg_id points at the pending entry in our
- * heap (struct smr_tx_entry: the 256-byte command, op_src a uint16 at 20, then the peer's id,
- * then our context at 264). Used only when all of that checks out; otherwise nothing is
- * answered and the finding stands as before. KVXFER_SHM_UNBLOCK=0 turns it off (tests). */
+ * The layout is libfabric 1.17's (smr117.h), read in our own region, mapped here whole: the
+ * response queue right after the command queue, the inject pool right after it, the peer table
+ * inside the region; a response's msg_id points at the pending entry in our heap (struct
+ * smr_tx_entry: the 256-byte command, op_src a uint16 at 20, then the peer's id, then our
+ * context at 264). Used only when all of that checks out; otherwise nothing is answered and
+ * the finding stands as before. KVXFER_SHM_UNBLOCK=0 turns it off (tests). */
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -59,6 +57,8 @@
 #define KX_SAR_READY 1026
 #define KX_ANSWER ((uint64_t)(-(int64_t)FI_ECONNRESET))
 #define KX_RECHECK_NS 10000000LL   /* a dead peer not exited yet, or a post still inside: again in 10 ms */
+#define KX_ANSWERED_NONE 1         /* kx_peer.answered: looked at, nothing of its was waiting */
+#define KX_ANSWERED_SOME 2         /* ... its slots answered (a remove settles them first) */
 #define KX_SETTLE_NS 200000000LL   /* the remove waits at most this long for the progress to read them */
 
 typedef struct kx_unblock {
@@ -72,7 +72,27 @@ typedef struct kx_unblock {
     uint64_t answered;             /* operations answered for exited peers (stats) */
 } kx_unblock;
 
-/* map our own region's head (after kx_local_publish named it); none on a layout we do not know */
+/* 1 if our region `m` of `len` bytes has 1.17's layout where unblock.c reads it (above) */
+static int kx_unblock_layout_ok(const unsigned char *m, size_t len)
+{
+    int pid;
+    memcpy(&pid, m + KX_SMR_PID_OFF, sizeof(pid));
+    uint64_t total = kx_smr_u64(m, KX_SMR_TOTAL_OFF), cmdq = kx_smr_u64(m, KX_SMR_CMDQ_OFF);
+    uint64_t resp = kx_smr_u64(m, KX_SMR_RESPQ_OFF), inject = kx_smr_u64(m, KX_SMR_INJECT_OFF);
+    uint64_t peers = kx_smr_u64(m, KX_SMR_PEERS_OFF);
+    if (m[0] != KX_SMR_VERSION || pid != getpid() || total != len || cmdq < KX_SMR_INJECT_OFF + 8 || cmdq % 16 ||
+        cmdq + 32 > 4096 || peers <= inject || peers % 8 || peers + (uint64_t)KX_SMR_MAX_PEERS * KX_SMR_PEER_SIZE > total)
+        return 0;
+    uint64_t n = kx_smr_u64(m, cmdq);
+    if (!kx_smr_pow2(n) || kx_smr_u64(m, cmdq + 8) != n - 1 || resp != cmdq + 32 + KX_SMR_CMD_SIZE * n ||
+        resp % 8 || inject < resp + 32 || inject > total)
+        return 0;
+    uint64_t rn = kx_smr_u64(m, resp), rd = kx_smr_u64(m, resp + 16), wr = kx_smr_u64(m, resp + 24);
+    return kx_smr_pow2(rn) && kx_smr_u64(m, resp + 8) == rn - 1 && wr - rd <= rn &&
+           inject == resp + 32 + KX_SMR_RESP_SIZE * rn;
+}
+
+/* map our own region (after kx_local_publish named it); none on a layout we do not know */
 void kx_unblock_open(kx_rail *r)
 {
     kx_local *self = r->self_local;
@@ -80,43 +100,17 @@ void kx_unblock_open(kx_rail *r)
     if (fd < 0)
         return;
     struct stat st;
-    unsigned char head[4096];
-    int ok = fstat(fd, &st) == 0 && st.st_size >= 4096 && pread(fd, head, sizeof(head), 0) == (ssize_t)sizeof(head);
-    uint64_t cmdq = 0, resp = 0, inject = 0, total = 0, peers = 0;
-    int pid = 0;
-    if (ok) {
-        memcpy(&pid, head + KX_SMR_PID_OFF, sizeof(pid));
-        cmdq = kx_smr_u64(head, KX_SMR_CMDQ_OFF);
-        resp = kx_smr_u64(head, KX_SMR_RESPQ_OFF);
-        inject = kx_smr_u64(head, KX_SMR_INJECT_OFF);
-        total = kx_smr_u64(head, KX_SMR_TOTAL_OFF);
-        peers = kx_smr_u64(head, KX_SMR_PEERS_OFF);
-        ok = head[0] == KX_SMR_VERSION && pid == getpid() && total == (uint64_t)st.st_size &&
-             peers > inject && peers % 8 == 0 && peers + (uint64_t)KX_SMR_MAX_PEERS * KX_SMR_PEER_SIZE <= total &&
-             cmdq >= KX_SMR_INJECT_OFF + 8 && cmdq % 16 == 0 && cmdq + 32 <= sizeof(head);
-    }
-    if (ok) {
-        uint64_t n = kx_smr_u64(head, cmdq);
-        ok = kx_smr_pow2(n) && kx_smr_u64(head, cmdq + 8) == n - 1 && resp == cmdq + 32 + KX_SMR_CMD_SIZE * n &&
-             resp % 8 == 0 && inject > resp && inject <= total;
-    }
-    unsigned char *m = MAP_FAILED;
-    size_t len = 0;
-    if (ok) {
-        len = (size_t)total;
-        m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    }
+    size_t len = fstat(fd, &st) == 0 && st.st_size >= 4096 ? (size_t)st.st_size : 0;
+    unsigned char *m = len ? mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
     close(fd);
     if (m == MAP_FAILED)
         return;
-    uint64_t n = kx_smr_u64(m, resp), mask = kx_smr_u64(m, resp + 8);
-    uint64_t rd = kx_smr_u64(m, resp + 16), wr = kx_smr_u64(m, resp + 24);
-    kx_unblock *u = kx_smr_pow2(n) && mask == n - 1 && wr - rd <= n && inject == resp + 32 + KX_SMR_RESP_SIZE * n
-                        ? calloc(1, sizeof(*u)) : NULL;
+    kx_unblock *u = kx_unblock_layout_ok(m, len) ? calloc(1, sizeof(*u)) : NULL;
     if (!u) {
         munmap(m, len);
         return;
     }
+    uint64_t resp = kx_smr_u64(m, KX_SMR_RESPQ_OFF), peers = kx_smr_u64(m, KX_SMR_PEERS_OFF);
     u->map = m;
     u->len = len;
     u->q = (volatile uint64_t *)(m + resp);
@@ -239,7 +233,7 @@ int kx_unblock_step(kx_rail *r)
     if (now < u->next_ns || pthread_mutex_trylock(&r->av_lock))
         return 0;          /* a caller inserts or removes: next turn */
     __atomic_store_n(&u->pending, 0, __ATOMIC_RELEASE);
-    int again = 0, answered = 0;
+    int again = 0, answered = 0, unstuck = 0;
     pthread_spinlock_t *lock = (pthread_spinlock_t *)(u->map + KX_SMR_LOCK_OFF);
     for (size_t i = 0; i < __atomic_load_n(&r->peer_hi, __ATOMIC_ACQUIRE); i++) {
         fi_addr_t fa = (fi_addr_t)i;
@@ -250,7 +244,8 @@ int kx_unblock_step(kx_rail *r)
             again = 1;     /* dying, or a post still inside shm: later */
             continue;
         }
-        kx_peers_unstick(r);          /* shm's completion takes the dead peer's lock */
+        if (!unstuck++)
+            kx_peers_unstick(r);      /* shm's completion takes the dead peer's lock (once a step: it sees every peer) */
         if (pthread_spin_trylock(lock)) {
             again = 1;     /* our progress holds it (or a peer posting to us): later */
             continue;
@@ -261,7 +256,7 @@ int kx_unblock_step(kx_rail *r)
             u->until = u->q[3];
         pthread_mutex_unlock(&r->hub->lock);
         pthread_spin_unlock(lock);
-        p->answered = 1;
+        p->answered = n ? KX_ANSWERED_SOME : KX_ANSWERED_NONE;
         answered += n;
     }
     if (answered) {
@@ -283,8 +278,8 @@ int kx_unblock_settle(kx_rail *r, fi_addr_t fa, int64_t wait_ns)
 {
     kx_unblock *u = r->unblock;
     kx_peer *p = kx_peer_get(r, fa);
-    if (!u || !p || !p->answered)
-        return 0;
+    if (!u || !p || p->answered != KX_ANSWERED_SOME)
+        return 0;          /* nothing of fa's in the queue is ours to withdraw */
     int64_t end = kx_now_ns() + (wait_ns < KX_SETTLE_NS ? wait_ns : KX_SETTLE_NS);
     while ((int64_t)(u->q[2] - u->until) < 0 && kx_now_ns() < end) {
         __atomic_store_n((int *)(u->map + KX_SMR_SIGNAL_OFF), 1, __ATOMIC_SEQ_CST);

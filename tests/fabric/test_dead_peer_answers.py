@@ -41,12 +41,13 @@ def _kill_during(provider: str, post_to_victim, check, reads: bool = False):
         peers = [eng.connect(t.address) for t in (victim, live)]
         remotes = [eng.remote(t.descriptor) for t in (victim, live)]
         pages = np.arange(PAGES)
-        warm = eng.register(np.zeros(n, np.uint8), remote=False)
+        warm = eng.register(np.zeros(n, np.uint8), remote=False) if reads else None
         for p, r in zip(peers, remotes):           # both answered once before (as in the finding)
             eng.write_pages(mr, pages, p, r, pages, PAGE).wait(DEADLINE)
-            if reads:
+            if warm is not None:
                 eng.read_pages(warm, pages, p, r, pages, PAGE).wait(DEADLINE)
-        warm.close()
+        if warm is not None:
+            warm.close()
         doomed, extra = post_to_victim(eng, mr, peers[0], remotes[0], pages)
         victim.kill()
         check(eng, mr, peers[1], remotes[1], pages, live, src)
