@@ -124,6 +124,9 @@ def main() -> None:
             return inproc and role == "kv_both" and opts.get("side") == "p"
         return role == "kv_producer" and inproc and scheduler().connector.has_pending_push_work()
 
+    from _stalls import StallWatch
+
+    watch = StallWatch()             # windows where this process's threads did not run (finding 29)
     answer({"ready": True, "pid": os.getpid()})
     counter = 0
     while True:
@@ -188,7 +191,7 @@ def main() -> None:
                 answer({"ok": True, "free_blocks": s.kv_cache_manager.block_pool.get_num_free_blocks(),
                         "external": s.connector.connector_scheduler.external,
                         "pending_push": s.connector.has_pending_push_work(),
-                        "messenger": eng.collective_rpc(_worker_messenger_stats)})
+                        "messenger": eng.collective_rpc(_worker_messenger_stats), "stalls": watch.stalls, "stuck": watch.stuck})
             elif op == "inspect":
                 s, w = scheduler(), worker_connector()
                 cs = s.connector.connector_scheduler
@@ -197,6 +200,7 @@ def main() -> None:
                         "asked": w.sender.asked() if w.sender else [],
                         "loads": dict(w.recent_loads), "sends": dict(w.recent_sends),
                         "stats": _totals(w), "has_work": w.has_work(), "messenger": _messenger_state(w.messenger),
+                        "stalls": watch.stalls, "stuck": watch.stuck,
                         "progress_rt": {"asked": w.engine.progress_rt_priority,
                                         "granted": w.engine.stats()["progress_rt"],
                                         "errno": w.engine.stats()["progress_rt_errno"]},
