@@ -26,16 +26,23 @@ AFTER = 3.0
 WATCHED = ("kvxfer-msg", "kvxfer-msg-send")
 
 
+def _read(path: str) -> str:
+    """A /proc file's text, stripped; "" if it cannot be read (its thread ended)."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _cpu_ms() -> dict[int, float]:
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for tid in os.listdir("/proc/self/task"):
-        try:
-            st = open(f"/proc/self/task/{tid}/stat").read()
-        except OSError:
-            continue
-        f = st[st.rfind(")") + 2:].split()
-        out[int(tid)] = (int(f[11]) + int(f[12])) * 1e3 / tick
+        st = _read(f"/proc/self/task/{tid}/stat")
+        if st:                                   # (a thread that ended meanwhile reads "")
+            f = st[st.rfind(")") + 2:].split()
+            out[int(tid)] = (int(f[11]) + int(f[12])) * 1e3 / tick
     return out
 
 
@@ -43,18 +50,8 @@ def _names() -> dict[int, str]:
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     for tid in os.listdir("/proc/self/task"):
         if int(tid) not in names:
-            try:
-                names[int(tid)] = open(f"/proc/self/task/{tid}/comm").read().strip() + f"/{tid}"
-            except OSError:
-                pass
+            names[int(tid)] = _read(f"/proc/self/task/{tid}/comm") + f"/{tid}"
     return names
-
-
-def _read(path: str) -> str:
-    try:
-        return open(path).read().strip()
-    except OSError:
-        return ""
 
 
 class StallWatch:
@@ -75,8 +72,8 @@ class StallWatch:
             late = now - t0 - TICK
             if late > AFTER:
                 names = _names()
-                ran = {names.get(tid, str(tid)): round(ms - before.get(tid, 0.0)) for tid, ms in cpu.items()
-                       if ms - before.get(tid, 0.0) >= 1}
+                used = {tid: ms - before.get(tid, 0.0) for tid, ms in cpu.items()}
+                ran = {names.get(tid, str(tid)): round(ms) for tid, ms in used.items() if ms >= 1}
                 self.stalls.append({"at": round(time.time() - late - TICK, 3), "seconds": round(late + TICK, 3),
                                     "cpu_ms_by_thread": ran, "loadavg": _read("/proc/loadavg"),
                                     "cpu_pressure": _read("/proc/pressure/cpu").splitlines()[:1]})
