@@ -8,7 +8,8 @@ Four vLLM instances (kvxfer P and D, NIXL P and D), each its own process
 (bench/vllm_pd_probe.py: tests/vllm/_instance.py with timestamps inside vLLM's scheduler), a
 Llama of 8 layers and 8 KV heads of 128 made here (64 KiB of KV per token in float32: 32 MiB
 for 512 tokens), prefix caching off (each prompt runs three times), one request at a time.
-Three flows per prompt, their order rotated each prompt:
+Three flows per prompt, their order rotated each prompt, each with the other connector's pair
+stopped (`--together` leaves it running; `--idle-wait S` sets kvxfer's `idle_wait`):
 
 * ``kvxfer`` and ``nixl``, P first (the proxy convention): P prefills with
   ``do_remote_decode``, its ``kv_transfer_params`` go to D, D loads and decodes.
@@ -27,7 +28,10 @@ covers the prompts before it and names it. Not a test: figures go to docs/benchm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,6 +87,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--out", default=None)
     ap.add_argument("--provider", default="tcp;ofi_rxm", help="kvxfer's libfabric provider (shm: one host)")
+    ap.add_argument("--idle-wait", type=float, default=None,
+                    help="kvxfer's idle_wait option (seconds; default: the connector's own)")
+    ap.add_argument("--together", action="store_true",
+                    help="leave the other connector's pair running during a flow (default: stopped, SIGSTOP)")
     ap.add_argument("--resummarize", default=None, help="a finished run's directory: its summary again")
     a = ap.parse_args()
     if a.resummarize:
@@ -101,6 +109,8 @@ def main() -> None:
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     base = {"prefix_caching": False}
     extra = {"provider": a.provider, "node": "127.0.0.1", "peer_timeout": 10}
+    if a.idle_wait is not None:
+        extra["idle_wait"] = a.idle_wait
     inst = {                 # (shm ignores the node: it names its region after the process)
         "kvxfer-p": Probed("kvxfer-p", model, "kv_producer", dict(base, extra=extra), work, env),
         "kvxfer-d": Probed("kvxfer-d", model, "kv_consumer", dict(base, extra=extra), work, env),
@@ -118,10 +128,11 @@ def main() -> None:
         hs = None
         for c in ("kvxfer", "nixl"):                       # warm up: connects, first steps
             p, d = inst[f"{c}-p"], inst[f"{c}-d"]
-            rp = p.call(op="generate", prompts=[ps[-1]], max_tokens=1, params=[{"do_remote_decode": True}],
-                        ids=[f"warm-{c}"])
-            kp = rp["outputs"][0]["kv_transfer_params"]
-            d.call(op="generate", prompts=[ps[-1]], max_tokens=4, params=[kp], ids=[f"warm-{c}-d"])
+            with alone(inst, c, a.together):
+                rp = p.call(op="generate", prompts=[ps[-1]], max_tokens=1, params=[{"do_remote_decode": True}],
+                            ids=[f"warm-{c}"])
+                kp = rp["outputs"][0]["kv_transfer_params"]
+                d.call(op="generate", prompts=[ps[-1]], max_tokens=4, params=[kp], ids=[f"warm-{c}-d"])
             hs = kp["remote_handshakes"] if c == "kvxfer" else hs
         rows: list[dict] = []
         failed: list[dict] = []
@@ -132,9 +143,10 @@ def main() -> None:
                 c = flow.split("-")[0]
                 p, d = inst[f"{c}-p"], inst[f"{c}-d"]
                 rid = f"q{i}-{flow}"
-                t0 = time.monotonic()
                 try:
-                    rows.append(run_flow(flow, rid, q, p, d, hs, t0))
+                    with alone(inst, c, a.together):
+                        t0 = time.monotonic()
+                        rows.append(run_flow(flow, rid, q, p, d, hs, t0))
                 except (TimeoutError, RuntimeError, AssertionError) as exc:   # say it, keep the rows
                     print(json.dumps({"flow": flow, "i": i, "failed": str(exc)[:300]}), flush=True)
                     failed.append({"flow": flow, "i": i, "error": str(exc)[:2000]})
@@ -161,6 +173,23 @@ def main() -> None:
                 x.close(timeout=30)
             except (OSError, subprocess.TimeoutExpired) as exc:    # a NIXL process stuck in the kernel
                 print(f"{x.name}: close: {exc}", flush=True)
+
+
+@contextlib.contextmanager
+def alone(inst: dict, c: str, together: bool):
+    """The other connector's two instances stopped (SIGSTOP of their process groups) while
+    ``c``'s pair serves a request: each connector is measured at its best, without the other's
+    idle threads on the two cores (NIXL's progress thread spins while idle; kvxfer's P steps
+    every 2 ms while it holds blocks). Both of a pair stop and go on together, so neither
+    hears the other fall silent (kvxfer forgives its own stall: docs/messenger.md)."""
+    others = [] if together else [x for n, x in inst.items() if not n.startswith(c)]
+    for x in others:
+        os.killpg(x.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for x in others:
+            os.killpg(x.pid, signal.SIGCONT)
 
 
 def run_flow(flow: str, rid: str, q: list[int], p: Probed, d: Probed, hs, t0: float) -> dict:
@@ -200,6 +229,7 @@ def first(evs: list[dict], name: str, rid: str) -> float | None:
 def summarize(rows: list[dict], ev: dict, a, loads: list[str]) -> dict:
     out: dict = {"requests": a.requests, "tokens": a.tokens, "loadavg_1m_during": loads,
                  "kvxfer_provider": getattr(a, "provider", "tcp;ofi_rxm"),
+                 "idle_wait": getattr(a, "idle_wait", None), "together": getattr(a, "together", True),
                  "kv_mib_per_request": a.tokens * SHAPE["layers"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2 * 4 / 2**20}
     toks = {}
     for r in rows:
@@ -238,7 +268,38 @@ def summarize(rows: list[dict], ev: dict, a, loads: list[str]) -> dict:
                            "n": len(nixl_x), "descs": sorted({e["descs"] for e in nixl_x}),
                            "mib": sorted({round(e["bytes"] / 2**20, 1) for e in nixl_x})}
     out["kvxfer_load_ms"] = {"p50": pct([e["ms"] for e in kv_x], 50), "p99": pct([e["ms"] for e in kv_x], 99), "n": len(kv_x)}
+    out["kvxfer_stages_ms"] = stages(rows, ev)
     return out
+
+
+STAGES = (("alloc_to_receive", "load_start", "start"), ("receive_to_p_read", "start", "arrived"),
+          ("p_read_to_callback", "arrived", "callback"), ("callback_to_posted", "callback", "returned"),
+          ("posted_to_d_done", "returned", "done"), ("d_done_to_fenced", "done", "fenced"),
+          ("fenced_to_worker_saw", "fenced", "seen"), ("worker_saw_to_sched", "seen", "load_end"))
+
+
+def stages(rows: list[dict], ev: dict) -> dict:
+    """kvxfer P first, where D's load time goes (p50 and max of each stage, ms): D's scheduler
+    allocates (``load_start``), its worker's step makes the ``Receive`` (``start``), P's
+    messenger reads the REQUEST (``arrived``), P's callback runs (``callback``) and returns
+    with the writes posted (``returned``), D's count is reached (``done``) and fenced, D's
+    worker sees it in a step (``seen``), D's scheduler gets it (``load_end``)."""
+    per: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    for r in rows:
+        if r["flow"] != "kvxfer":
+            continue
+        t = {"load_start": first(ev["kvxfer-d"], "load_start", r["drid"]),
+             "load_end": first(ev["kvxfer-d"], "load_end", r["drid"])}
+        for e in ev["kvxfer-d"]:
+            if e["ev"] == "kx_recv" and e["rid"].rsplit("-", 1)[0] == r["drid"]:
+                t.update(start=e["start"], done=e["done"], fenced=e["fenced"], seen=e["seen"])
+        for e in ev["kvxfer-p"]:             # P's own id (vLLM's suffix), not the D-first flow's key
+            if e["ev"] == "kx_req" and e["key"].rsplit("-", 1)[0] == r["rid"] and e["key"] != r["rid"] + "-dfirst":
+                t.update(arrived=e["arrived"], callback=e["callback"], returned=e["returned"])
+        for name, a, b in STAGES:
+            if t.get(a) is not None and t.get(b) is not None:
+                per[name].append(1e3 * (t[b] - t[a]))
+    return {name: {"p50": pct(xs, 50), "max": round(max(xs), 1) if xs else None} for name, xs in per.items()}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ event to EVENTS, ``time.monotonic()`` (one clock for every process on the host):
 with external tokens), ``load_end`` (D's scheduler got the request in ``finished_recving``),
 ``p_finished`` (P's request finished: ``request_finished``), ``sent`` (P's scheduler got it in
 ``finished_sending``), ``nixl_xfer`` (NIXL's own telemetry of one READ: post to completion) and
-``kvxfer_load`` (kvxfer's load time: the step that started it to the one that saw it fenced).
+``kvxfer_load`` (kvxfer's load time: the step that started it to the one that saw it fenced),
+``kx_recv`` (D: the load's ``Receive`` made, final, fenced, and seen by the worker's step) and
+``kx_req`` (P: the decoder's REQUEST read by the messenger, its callback begun, and returned
+with the writes posted).
 """
 
 from __future__ import annotations
@@ -88,6 +91,31 @@ def _install() -> None:
         return record_load(self, outcome, ms, nbytes)
 
     KvxferConnectorStats.record_load = _record_load
+
+    # kvxfer's load, step by step (one clock for all: CLOCK_MONOTONIC is the machine's): D's
+    # receive(), the REQUEST read at P, P's callback begun and its writes posted, D's count
+    # reached and fenced, D's worker seeing it
+    from kvxfer.integrations.vllm.loader import Loader
+    from kvxfer.integrations.vllm.sender import Sender
+
+    loader_finished, on_request = Loader.finished, Sender.on_request
+
+    def finished(self, wait=0.0):
+        loading = dict(self._loading)
+        out = loader_finished(self, wait)
+        now = time.monotonic()
+        for rid in out[0]:
+            r = loading[rid].receive if rid in loading else None
+            if r is not None:
+                _event("kx_recv", rid=rid, start=r.t_start, done=r.t_done, fenced=r.t_fenced, seen=now)
+        return out
+
+    def on_request_timed(self, req):
+        t = time.monotonic()
+        on_request(self, req)
+        _event("kx_req", key=str(req.request_id), arrived=req.t_arrived, callback=t, returned=time.monotonic())
+
+    Loader.finished, Sender.on_request = finished, on_request_timed
 
 
 if __name__ == "__main__":

@@ -37,12 +37,14 @@ class Node:
         self.hist = Histograms()              # seconds of the transitions (kvxfer/messenger/metrics.py)
         self.polling = False                  # Messenger.poll() was called: transitions are kept
         self.events: deque = deque()          # Receives and Sends that turned final or fenced
+        self.reported = threading.Event()     # set at each report: a waiting poll wakes
 
     def report(self, obj: Any) -> None:
         """``obj`` (a Receive or Send) turned final, or a Receive fenced: kept for ``poll``
-        once polling is on (an append: no lock the poller could wait for)."""
+        once polling is on (an append, then the event a waiting ``poll`` sleeps on)."""
         if self.polling:
             self.events.append(obj)
+            self.reported.set()
 
     def count(self, key: str, n: int = 1) -> None:
         with self.lock:

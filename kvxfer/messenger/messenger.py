@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 
-from kvxfer._check import is_int
+from kvxfer._check import as_timeout, is_int
 from kvxfer.errors import (
     ClosedError,
     DescriptorError,
@@ -340,21 +340,28 @@ class Messenger:
             counts = dict(self._node.counts)
         return metrics_snapshot(counts, self._node.hist)
 
-    def poll(self) -> list[Receive | Send]:
+    def poll(self, timeout: float = 0.0) -> list[Receive | Send]:
         """The ``Receive``s and ``Send``s that became final (done, failed or aborted) since the
         last call, in the order they did, and the ``Receive``s whose pages became safe to
         reuse (``fenced`` turned True, at ``t_fenced``). A Receive final and fenced by then
         appears once; one final before its fence appears again once fenced (read ``fenced``
-        to tell). Never blocks, takes no lock the messenger's threads hold for long, runs no
-        callback: the call for an engine's scheduler loop (vLLM's ``get_finished``, SGLang's
-        ``poll``). The first call turns reporting on and returns ``[]`` (call it once at
-        start-up): a messenger never polled keeps nothing. Any thread may call it; two
-        threads polling at once each get a part."""
+        to tell). Takes no lock the messenger's threads hold for long, runs no callback: the
+        call for an engine's scheduler loop (vLLM's ``get_finished``, SGLang's ``poll``).
+        With nothing to report it returns at once, or with ``timeout`` (seconds) waits up to
+        that long for the first report (an idle engine step that would otherwise spin: the
+        wait ends the moment one comes). The first call turns reporting on and returns
+        ``[]`` at once (call it once at start-up): a messenger never polled keeps nothing.
+        Any thread may call it; two threads polling at once each get a part."""
+        wait = 0.0 if type(timeout) is float and timeout == 0.0 else as_timeout(timeout, "timeout", forever=False)
         node = self._node
         if not node.polling:
             node.polling = True
             return []
         q = node.events
+        if wait and not q:
+            node.reported.clear()
+            if not q:                    # a report between the test and the clear is in q
+                node.reported.wait(wait)
         out = []
         for _ in range(len(q)):          # bounded: what is there now; later ones wait
             try:

@@ -76,6 +76,32 @@ def test_poll_reports_an_abort_and_its_fence(cl):
     cl.check([4, 5], [6, 7])
 
 
+def test_poll_with_a_timeout_waits_for_the_first_report(cl):
+    """``poll(timeout)`` with nothing to report waits, and returns the Receive the moment it
+    is final and fenced (well inside a 30 s timeout, bytes exact); with nothing coming it
+    returns ``[]`` after the timeout; a bad timeout is refused before anything is taken."""
+    d = cl.d
+    d.poll()
+    t0 = time.monotonic()
+    assert d.poll(0.05) == [] and time.monotonic() - t0 >= 0.05
+    r = d.receive(cl.peer, "w", [3, 9], 8)
+    qs = cl.requests(1)
+    for p, q in zip(cl.pre, qs):
+        p.send(q[0], [11, 12]).finish()
+    seen: list = []
+    t0 = time.monotonic()
+    while not (r in seen and r.fenced) and time.monotonic() - t0 < 30:
+        seen += d.poll(30)
+    assert r in seen and r.state == "done" and r.fenced and time.monotonic() - t0 < 30
+    cl.check([3, 9], [11, 12])
+    for bad in (-1, float("nan"), float("inf"), 1e12):
+        with pytest.raises(InvalidArgumentError):
+            d.poll(bad)
+    for bad in (None, "1", True):
+        with pytest.raises(TypeError):
+            d.poll(bad)
+
+
 # -- reject -----------------------------------------------------------------------------------
 def test_reject_before_send_fails_rejected_and_frees_the_pages(cl):
     """A request rejected before anything was sent: the Receive fails with RejectedError (not

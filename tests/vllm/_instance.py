@@ -92,6 +92,8 @@ def main() -> None:
 
     kw = dict(enforce_eager=True, dtype="float32", block_size=32, max_model_len=1024, seed=0,
               enable_prefix_caching=opts.get("prefix_caching", True))
+    if opts.get("max_batched"):           # a smaller token budget: longer prompts prefill in chunks
+        kw["max_num_batched_tokens"] = opts["max_batched"]
     if opts.get("tp", 1) > 1:             # one worker process per rank (vLLM's mp executor)
         kw["tensor_parallel_size"] = opts["tp"]
         kw["distributed_executor_backend"] = "mp"

@@ -41,6 +41,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: P's tokens per step: a 700-token prompt prefills in chunks ending at 240 (inside a block),
+#: 480 (a block's end) and 700
+P_BUDGET = 240
+
+
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 380, n).tolist() for n in lengths]
@@ -52,10 +57,12 @@ def cluster(model, workdir, reference):
     default layout (the engine core its own process; ``kv_load_failure_policy="fail"``;
     ``road="pull"``: it reads its loads from P), all started at once with the reference. P
     offers both roads (``road="pull"`` on a prefiller: D's push REQUESTs are written as ever)
-    and asks SCHED_FIFO 1 for its progress threads (``progress_rt_priority``)."""
+    and asks SCHED_FIFO 1 for its progress threads (``progress_rt_priority``); its token budget
+    of ``P_BUDGET`` per step prefills longer prompts in chunks (chunked prefill)."""
     port = free_port()
     p = Instance("prefill", model, "kv_producer",
-                 {"extra": dict(EXTRA, metrics_port=port, road="pull", progress_rt_priority=1)}, workdir)
+                 {"extra": dict(EXTRA, metrics_port=port, road="pull", progress_rt_priority=1),
+                  "max_batched": P_BUDGET}, workdir)
     p.metrics_port = port
     d = Instance("decode", model, "kv_consumer", {"extra": EXTRA}, workdir)
     d2 = Instance("decode-default-layout", model, "kv_consumer",
@@ -242,38 +249,47 @@ def test_client_abort_on_decoder_fences_then_frees(pd):
     p.call(op="drain", timeout=60)                                 # the held request of rp is unclaimed
 
 
-def test_decoder_first_streams_layer_by_layer(pd, reference):
+@pytest.mark.parametrize("n, chunks, seed", [(200, 1, 14), (700, 3, 19)], ids=["whole", "chunked"])
+def test_decoder_first_streams_layer_by_layer(pd, reference, n, chunks, seed):
     """D first: the proxy gives D the request before P has it (P's handshake from an earlier
     answer, a key of its own as ``remote_request_id``, the prompt's length); D allocates and
     its REQUEST waits at P; P, given the same key as ``kvxfer_request_key``, streams the
-    prompt's KV while it computes it: a streamed Send scheduled for the forward pass, layer
-    l's writes armed for layer l (``save_kv_layer`` bumps the layer counter), some of them
-    posted before the last layer was computed. Tokens equal the reference's."""
+    prompt's KV while it computes it: a streamed Send, each forward pass computing the prompt
+    (one, or each of a chunked prefill's three: P's budget is ``P_BUDGET`` tokens a step)
+    scheduling its chunk's writes, layer l's armed for layer l (``save_kv_layer`` bumps the
+    layer counter), some posted before the pass's last layer was computed. Tokens equal the
+    reference's."""
     p, d = pd
-    (prompt,) = prompts(14, [700])
+    key = f"d-first-{n}"
+    (prompt,) = prompts(seed, [n])          # seeds apart: no prefix of one prompt is the other's
     ref = reference.call(op="generate", prompts=[prompt], max_tokens=8)["outputs"]
     hs = p.call(op="generate", prompts=prompts(15, [8]), max_tokens=1,
                 params=[{"do_remote_decode": True}])["outputs"][0]["kv_transfer_params"]["remote_handshakes"]
     p.call(op="drain")
     before = p.call(op="inspect")["stats"]
     d.send(op="generate", prompts=[prompt], max_tokens=8, params=[{
-        "do_remote_prefill": True, "kvxfer": 1, "remote_request_id": "d-first-1",
+        "do_remote_prefill": True, "kvxfer": 1, "remote_request_id": key,
         "remote_handshakes": hs, "remote_num_tokens": len(prompt)}])
     deadline = time.monotonic() + 60
-    while "d-first-1" not in p.call(op="inspect")["asked"] and time.monotonic() < deadline:
+    while key not in p.call(op="inspect")["asked"] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert "d-first-1" in p.call(op="inspect")["asked"]
+    assert key in p.call(op="inspect")["asked"]
     rp = p.call(op="generate", prompts=[prompt], max_tokens=1,
-                params=[{"do_remote_decode": True, "kvxfer_request_key": "d-first-1"}])
-    assert rp["outputs"][0]["kv_transfer_params"]["remote_request_id"] == "d-first-1"
+                params=[{"do_remote_decode": True, "kvxfer_request_key": key}])
+    assert rp["outputs"][0]["kv_transfer_params"]["remote_request_id"] == key
     rd = d.answer(timeout=120)
     assert rd["outputs"][0]["tokens"] == ref[0]["tokens"]
+    # every prompt token loaded from P (D counts an async load that waited for P's prefill in
+    # num_cached_tokens, so the connector's own count is the check)
+    assert _internal(d.call(op="inspect")["external"], rd["outputs"][0]["id"]) == n
     p.call(op="drain")
     pin = p.call(op="inspect")
-    assert len(pin["sends"]["d-first-1"]) == -(-700 // BLOCK)
+    assert len(pin["sends"][key]) == -(-n // BLOCK)
     assert pin["held"] == []
     after = pin["stats"]
     assert after["sends_streamed"] == before["sends_streamed"] + 1
+    assert after["stream_chunks"] == before["stream_chunks"] + chunks
+    assert after["sends_done"] == before["sends_done"] + 1           # one Send, through every chunk
     assert after["stream_entries"] > before["stream_entries"]
     # posted while the model still computed (layer 0's writes before the last layer's)
     assert after["stream_entries_early"] > before["stream_entries_early"], after

@@ -36,8 +36,8 @@ def tiny(model):
 
 
 def test_connector_options_are_checked_when_vllm_makes_it(h, tiny):
-    """``kv_connector_extra_config`` is read when vLLM's factory makes the connector: ``road``
-    and ``progress_rt_priority`` reach its options, a bad value is refused there with
+    """``kv_connector_extra_config`` is read when vLLM's factory makes the connector: ``road``,
+    ``progress_rt_priority`` and ``idle_wait`` reach its options, a bad value is refused there with
     ``InvalidArgumentError`` naming the key."""
     from kvxfer.errors import InvalidArgumentError
 
@@ -45,8 +45,12 @@ def test_connector_options_are_checked_when_vllm_makes_it(h, tiny):
     assert (s.connector.options.road, s.connector.options.progress_rt_priority) == ("pull", 3)
     s = h.make_scheduler(tiny, "kv_consumer")
     assert (s.connector.options.road, s.connector.options.progress_rt_priority) == ("push", 0)
+    assert s.connector.options.idle_wait == 0.005
+    assert h.make_scheduler(tiny, "kv_consumer", extra={"idle_wait": 0}).connector.options.idle_wait == 0.0
     for bad, key in (({"road": "sideways"}, "road"), ({"progress_rt_priority": 100}, "progress_rt_priority"),
-                     ({"progress_rt_priority": True}, "progress_rt_priority")):
+                     ({"progress_rt_priority": True}, "progress_rt_priority"), ({"idle_wait": -0.001}, "idle_wait"),
+                     ({"idle_wait": 2}, "idle_wait"), ({"idle_wait": True}, "idle_wait"),
+                     ({"idle_wait": "5ms"}, "idle_wait"), ({"idle_wait": float("nan")}, "idle_wait")):
         with pytest.raises(InvalidArgumentError, match=key):
             h.make_scheduler(tiny, "kv_consumer", extra=bad)
 
@@ -99,26 +103,54 @@ def test_prefiller_frees_requests_not_for_remote_decode_and_aborted_ones(h, tiny
     assert h.step(s)[0].kv_connector_metadata.sends == {}
 
 
-def test_prefiller_decoder_first_streams_only_a_whole_prompt(h, tiny):
+def test_prefiller_decoder_first_streams_whole_prompts_and_chunks(h, tiny):
     """D first (``kvxfer_request_key``): a prompt this step computes whole is offered to the
-    worker for layer streaming; one split by chunked prefill is not (a chunk boundary inside a
-    block is not exact for the CPU cache), and is written when it finishes."""
+    worker for layer streaming in that step; one split by chunked prefill is offered at each
+    of its chunks, with its blocks so far and the tokens computed once the pass is over; it
+    is held under the proxy's key when it finishes, as any other."""
+    from kvxfer.integrations.vllm.params import Stream
+
     s = h.make_scheduler(tiny, "kv_producer", max_batched=64)
     whole = h.request(60, max_tokens=1, params={"do_remote_decode": True, "kvxfer_request_key": "k-whole"})
     s.add_request(whole)
     so, _ = h.step(s)
-    assert so.kv_connector_metadata.streams == {whole.request_id: ("k-whole", h.block_ids(s, whole.request_id), 60)}
+    assert so.kv_connector_metadata.streams == {whole.request_id: Stream("k-whole", h.block_ids(s, whole.request_id),
+                                                                         60, 60)}
     h.step(s, sending={whole.request_id})
-    chunked = h.request(100, max_tokens=1, params={"do_remote_decode": True, "kvxfer_request_key": "k-chunked"})
+    chunked = h.request(150, max_tokens=1, params={"do_remote_decode": True, "kvxfer_request_key": "k-chunked"})
     s.add_request(chunked)
-    so, outs = h.step(s)
-    assert so.num_scheduled_tokens[chunked.request_id] == 64 and so.kv_connector_metadata.streams == {}
-    so, outs = h.step(s)
-    assert so.kv_connector_metadata.streams == {}
+    ends = []
+    for _ in range(3):
+        so, outs = h.step(s)
+        (st,) = so.kv_connector_metadata.streams.values()
+        assert (st.key, st.num_tokens) == ("k-chunked", 150)
+        assert st.blocks == h.block_ids(s, chunked.request_id)[:len(st.blocks)] and len(st.blocks) == -(-st.end // 32)
+        ends.append(st.end)
+    assert ends == [64, 128, 150] and so.kv_connector_metadata.stream_ends == {}
     params = outs[0].outputs[0].kv_transfer_params
     assert params["remote_request_id"] == "k-chunked"            # the proxy's key, not P's id
-    assert h.step(s)[0].kv_connector_metadata.sends == {chunked.request_id: ("k-chunked",
-                                                                          h.block_ids(s, chunked.request_id))}
+    so, _ = h.step(s)
+    assert so.kv_connector_metadata.streams == {}
+    assert so.kv_connector_metadata.sends == {chunked.request_id: ("k-chunked", h.block_ids(s, chunked.request_id))}
+
+
+def test_prefiller_chunked_stream_aborted_midway_is_given_up_and_held(h, tiny):
+    """A chunked D-first prompt aborted between its chunks: the next step tells the worker to
+    give its stream up (``stream_ends``, True: vLLM holds the blocks), and its blocks come
+    back only with the worker's finished_sending (its aborted writes final)."""
+    s = h.make_scheduler(tiny, "kv_producer", max_batched=64)
+    free0 = h.free(s)
+    r = h.request(150, max_tokens=1, params={"do_remote_decode": True, "kvxfer_request_key": "k-ab"})
+    s.add_request(r)
+    so, _ = h.step(s)
+    assert so.kv_connector_metadata.streams[r.request_id].end == 64
+    s.finish_requests(r.request_id, h.RequestStatus.FINISHED_ABORTED)
+    assert h.free(s) < free0                                     # held for the stream's writes
+    so, _ = h.step(s)
+    assert so.kv_connector_metadata.stream_ends == {r.request_id: True} and so.kv_connector_metadata.streams == {}
+    assert s.connector.has_pending_push_work()
+    h.step(s, sending={r.request_id})
+    assert h.free(s) == free0 and not s.connector.has_pending_push_work()
 
 
 # -- the decoder --------------------------------------------------------------------------------
@@ -146,9 +178,11 @@ def test_decoder_waits_for_its_async_load_then_computes_the_last_token(h, tiny):
         so, _ = h.step(s)
         assert so.num_scheduled_tokens == {} and r.status == h.RequestStatus.WAITING_FOR_REMOTE_KVS
         assert so.kv_connector_metadata.loads == {}
+        assert so.kv_connector_metadata.idle          # nothing computed: the worker may wait
     h.step(s, recving={r.request_id})
     so, _ = h.step(s)
     assert so.num_scheduled_tokens == {r.request_id: 1} and r.status == h.RequestStatus.RUNNING
+    assert not so.kv_connector_metadata.idle
     assert h.block_ids(s, r.request_id) == load.block_ids          # the loaded blocks, kept
     while s.has_requests():
         h.step(s)

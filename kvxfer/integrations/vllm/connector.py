@@ -116,7 +116,9 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.connector_worker is not None
-        sending, recving, failed = self.connector_worker.transfer_results()
+        meta = self._connector_metadata           # still bound: vLLM clears it after this call
+        idle = isinstance(meta, StepMeta) and meta.idle
+        sending, recving, failed = self.connector_worker.transfer_results(idle)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 

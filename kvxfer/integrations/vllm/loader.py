@@ -113,11 +113,12 @@ class Loader:
                 if ld.receive is not None and not ld.receive.done:
                     ld.receive.abort(timeout=0)      # asks; the fence comes through poll()
 
-    def finished(self) -> tuple[set[str], set[str]]:
-        """(finished, failed) vLLM request ids since the last call: every one fenced."""
+    def finished(self, wait: float = 0.0) -> tuple[set[str], set[str]]:
+        """(finished, failed) vLLM request ids since the last call: every one fenced. With
+        loads in flight and none ended, waits up to ``wait`` seconds for one."""
         ended = [(rid, None) for rid in self._failed_now]
         self._failed_now = []
-        for x in self.messenger.poll():
+        for x in self.messenger.poll(wait if self._loading and not ended else 0.0):
             rid = self._by_receive.get(x)
             if rid is not None and x.done and x.fenced:   # a final one not yet fenced comes again
                 del self._by_receive[x]

@@ -43,7 +43,11 @@ class Options:
     which the ``kv_load_failure_policy`` then handles), ``progress_rt_priority`` (0, the
     default, or a SCHED_FIFO priority 1..99 for each rank's progress threads,
     ``Engine(progress_rt_priority=)``; refused by the kernel, the engine runs at normal
-    scheduling with a ``kvxfer.errors.SchedulingWarning``).
+    scheduling with a ``kvxfer.errors.SchedulingWarning``), ``idle_wait`` (seconds, default
+    0.005; 0 turns it off: an engine step that computes nothing while this rank has loads or
+    writes in flight waits up to this long in ``get_finished`` for one to end, instead of
+    spinning on the engine's loop; it returns the moment one ends, so no transfer is seen
+    later, and only an idle engine waits).
     """
 
     provider: str = "tcp;ofi_rxm"
@@ -56,6 +60,7 @@ class Options:
     metrics_addr: str = "127.0.0.1"
     road: str = "push"
     progress_rt_priority: int = 0
+    idle_wait: float = 0.005
 
     @classmethod
     def from_config(cls, extra: Optional[dict]) -> "Options":
@@ -63,6 +68,11 @@ class Options:
         o = cls()
         o.provider = str(extra.pop("provider", o.provider))
         o.node = extra.pop("node", None) or os.environ.get("VLLM_HOST_IP") or None
+        wait = extra.pop("idle_wait", o.idle_wait)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1:
+            raise InvalidArgumentError(f"kv_connector_extra_config['idle_wait'] must be seconds in [0, 1], "
+                                       f"got {wait!r}")
+        o.idle_wait = float(wait)
         for name in ("peer_timeout", "load_timeout", "unclaimed_timeout"):
             v = extra.pop(name, getattr(o, name))
             try:
@@ -103,6 +113,18 @@ class KvxferHandshake(KVConnectorHandshakeMetadata):
 
 
 @dataclass
+class Stream:
+    """A D-first prompt a prefiller's step computes part or all of: under the transfer
+    ``key``, its ``blocks`` so far, its ``num_tokens`` (the prompt's length) and ``end`` (the
+    tokens computed once this step's pass is over: ``end >= num_tokens`` is its last chunk)."""
+
+    key: str
+    blocks: list[int]
+    num_tokens: int
+    end: int
+
+
+@dataclass
 class Load:
     """A decoder's load: ask the prefiller ranks for tokens ``[first_token, num_tokens)`` of
     ``remote_request_id`` into ``block_ids`` (from the block holding ``first_token``: the
@@ -123,8 +145,14 @@ class StepMeta(KVConnectorMetadata):
     loads: dict[str, Load] = field(default_factory=dict)
     aborts: set[str] = field(default_factory=set)
     sends: dict[str, tuple[str, list[int]]] = field(default_factory=dict)   # id -> (key, blocks)
-    #: prefiller, D first: prompts this step computes whole, id -> (key, blocks, prompt length)
-    streams: dict[str, tuple[str, list[int], int]] = field(default_factory=dict)
+    #: prefiller, D first: the prompts (or chunks of prompts) this step computes, by id
+    streams: dict[str, "Stream"] = field(default_factory=dict)
+    #: prefiller, D first: ids whose prompt stopped before its last chunk, their streams given
+    #: up: True where vLLM holds the blocks until finished_sending (aborted), False where the
+    #: request goes on in other blocks (preempted and resumed) and is not sent again
+    stream_ends: dict[str, bool] = field(default_factory=dict)
+    #: the step computes no token (vLLM steps on while requests wait for their KV)
+    idle: bool = False
 
 
 def _b64(b: bytes) -> str:

@@ -8,7 +8,7 @@ import logging
 from typing import Any, Optional
 
 from kvxfer.errors import InvalidArgumentError
-from kvxfer.integrations.vllm.params import Load, StepMeta, parse_consumer_params, producer_params
+from kvxfer.integrations.vllm.params import Load, StepMeta, Stream, parse_consumer_params, producer_params
 
 log = logging.getLogger("kvxfer.integrations.vllm")
 
@@ -29,6 +29,9 @@ class ConnectorScheduler:
         self.external: dict[str, int] = {}         # decoder: tokens loaded per request (tests)
         self._local: dict[str, int] = {}           # decoder: the local prefix hit it was offered
         self._may_stream: dict[str, tuple[str, int]] = {}   # prefiller: id -> (key, prompt length)
+        self._streaming: dict[str, Stream] = {}     # prefiller: chunked prompts past their first chunk
+        self._stream_ends: dict[str, bool] = {}     # prefiller: streams stopped before their last chunk
+        self._given_up: set[str] = set()            # prefiller: preempted mid-stream, not sent again
 
     def set_handshakes(self, metadata: dict) -> None:
         self.handshakes = [metadata[k].blob for k in sorted(metadata)]
@@ -92,6 +95,15 @@ class ConnectorScheduler:
         rid = request.request_id
         p = request.kv_transfer_params
         self._may_stream.pop(rid, None)
+        if self._streaming.pop(rid, None) is not None:
+            # its prompt stopped before the last chunk (aborted): the worker gives the stream
+            # up, and the blocks stay held until its writes are final (finished_sending)
+            self._stream_ends[rid] = True
+            self._held.add(rid)
+            return True, None
+        if rid in self._given_up:                   # its decoder's load failed at the preemption
+            self._given_up.discard(rid)
+            return False, None
         if not self.producer:
             self._local.pop(rid, None)
             if rid in self._loads or rid in self._loading:   # aborted while loading: fence, then free
@@ -109,29 +121,55 @@ class ConnectorScheduler:
         return True, producer_params(key, self.handshakes, request.num_computed_tokens)
 
     # -- every step ----------------------------------------------------------------------
-    def _streams(self, out: Any) -> dict[str, tuple[str, list[int], int]]:
-        """Prefiller: D-first requests whose whole prompt (the rest of it, after a prefix hit)
-        this step computes, as id -> (key, blocks, prompt length): the worker streams them
-        layer by layer if the decoder's REQUEST is there. A prompt split over steps (chunked
-        prefill) is written when it finishes: a chunk boundary inside a block cannot be
-        exact for the CPU cache (its K is transposed per block)."""
-        found: dict[str, tuple[str, list[int], int]] = {}
-        if out is None or not self._may_stream:
+    def _streams(self, out: Any) -> dict[str, Stream]:
+        """Prefiller: the D-first prompts this step computes, whole or a chunk of (chunked
+        prefill), by id: the worker streams each pass's pages layer by layer if the decoder's
+        REQUEST is there (a chunk moves the whole blocks it completes; a block a chunk boundary
+        splits goes with the next chunk: the CPU cache's K is transposed per block). A prompt
+        resumed after a preemption (its blocks replaced) stops streaming (``stream_ends``)."""
+        found: dict[str, Stream] = {}
+        if out is None or not (self._may_stream or self._streaming):
             return found
+        counts = getattr(out, "num_scheduled_tokens", None) or {}
         for nr in getattr(out, "scheduled_new_reqs", None) or ():
             cand = self._may_stream.pop(nr.req_id, None)
             if cand is None:
                 continue
             key, n = cand
-            if nr.num_computed_tokens + out.num_scheduled_tokens.get(nr.req_id, 0) >= n > 0:
-                found[nr.req_id] = (key, list(nr.block_ids[0]), n)
+            st = Stream(key, list(nr.block_ids[0]), n, nr.num_computed_tokens + counts.get(nr.req_id, 0))
+            if n > 0 and st.end > 0:
+                found[nr.req_id] = st
+                if st.end < n:
+                    self._streaming[nr.req_id] = st
+        cached = getattr(out, "scheduled_cached_reqs", None)
+        if cached is not None and self._streaming:
+            resumed = getattr(cached, "resumed_req_ids", None) or set()
+            for i, rid in enumerate(cached.req_ids):
+                st = self._streaming.get(rid)
+                if st is None:
+                    continue
+                if rid in resumed:                       # preempted: its blocks were freed
+                    del self._streaming[rid]
+                    self._stream_ends[rid] = False
+                    self._given_up.add(rid)
+                    continue
+                new_ids = cached.new_block_ids[i]
+                blocks = st.blocks + list(new_ids[0]) if new_ids else list(st.blocks)
+                st = Stream(st.key, blocks, st.num_tokens, cached.num_computed_tokens[i] + counts.get(rid, 0))
+                found[rid] = st
+                if st.end >= st.num_tokens:
+                    del self._streaming[rid]
+                else:
+                    self._streaming[rid] = st
         return found
 
     def build_meta(self, scheduler_output: Any = None) -> StepMeta:
-        meta = StepMeta(loads=self._loads, aborts=self._aborts, sends=self._sends,
-                        streams=self._streams(scheduler_output))
+        streams = self._streams(scheduler_output)
+        meta = StepMeta(loads=self._loads, aborts=self._aborts, sends=self._sends, streams=streams,
+                        stream_ends=self._stream_ends,
+                        idle=getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0)
         self._loading.update(self._loads)
-        self._loads, self._aborts, self._sends = {}, set(), {}
+        self._loads, self._aborts, self._sends, self._stream_ends = {}, set(), {}, {}
         return meta
 
     def update_connector_output(self, output: Any) -> None:

@@ -54,6 +54,7 @@ class Sender:
         self._gone: dict[str, str] = {}              # keys sent or expired -> why (rejected at once)
         self._done: set[str] = set()                 # vLLM request ids whose blocks are free
         self.recent_sends: dict[str, list[int]] = {}
+        self._open: dict[str, list[Any]] = {}        # transfer key -> (Request, Send) streamed, last chunk to come
         self._pass: Any = None                       # the forward pass streaming now
         self._pass_sends: list[Any] = []
         self._layer = 0
@@ -151,10 +152,14 @@ class Sender:
                 continue
             self._send(key, req, held)
 
-    def finished(self) -> set[str]:
+    def finished(self, wait: float = 0.0) -> set[str]:
         """vLLM request ids whose held blocks are free since the last call: every decoder rank
-        that had to ask was served (or gave up), or nobody asked within ``unclaimed_timeout``."""
-        final = self.messenger.poll()
+        that had to ask was served (or gave up), or nobody asked within ``unclaimed_timeout``.
+        With blocks held, waits up to ``wait`` seconds for a Send to end (a REQUEST that comes
+        meanwhile is served on the callback thread, not by this step)."""
+        with self._lock:
+            busy = bool(self._held or self._sends) and not self._done
+        final = self.messenger.poll(wait if busy else 0.0)
         now = time.monotonic()
         with self._lock:
             for s in final:
@@ -183,18 +188,28 @@ class Sender:
         return out
 
     # -- layer streaming (D first: the REQUEST came before the prefill) --------------------------
-    def begin_pass(self, streams: dict[str, tuple[str, list[int], int]]) -> None:
-        """Before a forward pass: each prompt it computes whole (``streams``: id -> (key, blocks,
-        prompt length)) whose decoder's REQUEST is here gets a streamed Send, scheduled for
-        this pass (``Messenger.schedule``): layer l's writes are posted once the model has
-        computed it (``layer_done``), while layer l + 1 computes."""
+    def begin_pass(self, streams: dict[str, Any]) -> None:
+        """Before a forward pass: each D-first prompt it computes, whole or a chunk
+        (``streams``: id -> ``params.Stream``), whose decoder's REQUEST is here gets a streamed
+        Send at its first such pass, and each pass schedules the chunk it computes
+        (``Messenger.schedule``): layer l's writes are posted once the model has computed it
+        (``layer_done``), while layer l + 1 computes. A chunk moves the whole blocks it
+        completes (a block split by the chunk's end goes with the next chunk: the CPU cache's K
+        is transposed per block); the last chunk ends at the block end the decoder named."""
         if not streams:
             return
         now = time.monotonic()
-        todo = []
+        todo, fresh = [], []
         with self._lock:
-            for rid, (key, blocks, _n) in streams.items():
-                live = [q for q in self._asked.get(key, ()) if not q.aborted and q.peer.alive]
+            for rid, st in streams.items():
+                open_ = self._open.get(st.key)
+                if open_ is not None:                # a later chunk of a stream begun before
+                    held = self._held.get(st.key)
+                    if held is not None:
+                        held.blocks = list(st.blocks)
+                    todo += [(st, req, snd) for req, snd in open_ if not snd.stopped]
+                    continue
+                live = [q for q in self._asked.get(st.key, ()) if not q.aborted and q.peer.alive]
                 # a pull request is exposed whole once the prompt is computed (step()), never
                 # streamed: it waits on in _asked
                 reqs = [q for q in live if not q.pull]
@@ -202,60 +217,96 @@ class Sender:
                     continue
                 pulls = [q for q in live if q.pull]
                 if pulls:
-                    self._asked[key] = pulls
+                    self._asked[st.key] = pulls
                 else:
-                    self._asked.pop(key, None)
-                    self._asked_since.pop(key, None)
-                held = self._held[key] = _Held(rid, list(blocks), now, finished=False)
-                self._gone.pop(key, None)
+                    self._asked.pop(st.key, None)
+                    self._asked_since.pop(st.key, None)
+                held = self._held[st.key] = _Held(rid, list(st.blocks), now, finished=False)
+                self._gone.pop(st.key, None)
                 held.sending += len(reqs)
-                todo += [(key, q, held) for q in reqs]
-        if not todo:
-            return
+                fresh += [(st, q, held) for q in reqs]
         bs = self.messenger.layout.page_size
-        chunks, made = [], []
         self.messenger.layer_counter                 # made (with its watcher) before the pass
-        for key, req, held in todo:
+        made = []
+        for st, req, held in fresh:
             n = -(-int(req.num_tokens) // bs)
             try:
-                if n > len(held.blocks) or n <= 0:
-                    raise KvxferError(f"decoder asks for {req.num_tokens} tokens of {key!r}, which holds "
-                                      f"{len(held.blocks)} blocks of {bs}")
-                src = held.blocks[:n]
-                snd = self.messenger.stream(req, src)
+                if n > -(-st.num_tokens // bs) or n <= 0:
+                    raise KvxferError(f"decoder asks for {req.num_tokens} tokens of {st.key!r}, whose prompt "
+                                      f"has {st.num_tokens} tokens in blocks of {bs}")
+                snd = self.messenger.stream(req, st.blocks[:n])
             except KvxferError as exc:
-                log.warning("kvxfer: cannot stream %s: %s", key, exc)
+                log.warning("kvxfer: cannot stream %s: %s", st.key, exc)
                 self._reject(req, str(exc))
                 with self._lock:
                     held.sending -= 1
                     held.served.update(req.peer.ranks)
                 continue
-            # the whole request in this pass: its last chunk (to the block end the decoder
-            # named: whole blocks move, the cache's K is transposed per block)
-            chunks.append((snd, int(req.first_token), int(req.num_tokens), src))
-            made.append((key, req, held, snd, src))
-        if not chunks:
-            return
+            made.append((st, req, snd, held))
+            todo.append((st, req, snd))
+        chunks, used = [], []
+        for st, req, snd in todo:
+            n = -(-int(req.num_tokens) // bs)
+            last = st.end >= st.num_tokens
+            end = int(req.num_tokens) if last else min(st.end // bs * bs, int(req.num_tokens))
+            start = snd.next_token
+            if end <= start:                         # no whole block completed this pass
+                continue
+            chunks.append((snd, start, end, st.blocks[:n]))
+            used.append((st, req, snd, last))
+        if made:
+            with self._lock:
+                for st, req, snd, held in made:
+                    if held.want is None:
+                        held.want = self._want(req)
+                    self._sends[snd] = st.key
+                    self._open.setdefault(st.key, []).append((req, snd))
         try:
-            p = self.messenger.schedule(chunks)
-        except KvxferError as exc:                   # nothing armed
+            p = self.messenger.schedule(chunks) if chunks else None
+        except KvxferError as exc:                   # nothing armed: give these streams up
             log.warning("kvxfer: cannot schedule the streamed writes: %s", exc)
-            for key, req, held, snd, _ in made:
-                self._reject(req, str(exc))
+            for st, _req, snd, _last in used:
                 with self._lock:
-                    held.sending -= 1
-                    held.served.update(req.peer.ranks)
+                    self._open.pop(st.key, None)
+                snd.abort(timeout=0)
             return
-        with self._lock:
-            for key, req, held, snd, src in made:
-                if held.want is None:
-                    held.want = self._want(req)
-                self._sends[snd] = key
-                remember(self.recent_sends, key, src)
-        for _, _, _, snd, _ in made:
+        for _st, _req, snd, _held in made:
             snd.finish(None)                         # no context: the count is the layers' writes
-        self._pass, self._pass_sends, self._layer = p, [m[3] for m in made], 0
+        for st, req, snd, last in used:
+            remember(self.recent_sends, st.key, st.blocks[:-(-int(req.num_tokens) // bs)])
+            if last:
+                with self._lock:
+                    self._open.pop(st.key, None)
+        if p is not None:
+            self._pass, self._pass_sends, self._layer = p, [u[2] for u in used], 0
         self.stats.data["sends_streamed"] += len(made)
+        self.stats.data["stream_chunks"] += len(used)
+
+    def end_streams(self, ends: dict[str, bool]) -> None:
+        """Give up the streams of prompts that stopped before their last chunk (their Sends
+        aborted: the decoder fences and its policy recomputes). ``ends[rid]``: True where vLLM
+        holds the blocks until this rank reports the id finished sending (an abort), False
+        where the request goes on in other blocks (preempted and resumed; not sent again)."""
+        now = time.monotonic()
+        stop = []
+        with self._lock:
+            for rid, held_by_vllm in ends.items():
+                key = next((k for k, h in self._held.items() if h.rid == rid and not h.finished), None)
+                if key is None:                      # nothing streamed yet
+                    if held_by_vllm:
+                        self._done.add(rid)
+                    continue
+                stop += [snd for _req, snd in self._open.pop(key, ())]
+                held = self._held[key]
+                if held_by_vllm:                     # freed by finished() once its Sends are final
+                    held.finished, held.since = True, now
+                    if held.want is None:
+                        held.want = set()
+                else:
+                    del self._held[key]
+                    self._gone[key] = "was given up (its prefill was preempted)"
+        for snd in stop:
+            snd.abort(timeout=0)
 
     def layer_done(self) -> None:
         """The model computed one more layer of the pass (vLLM's ``save_kv_layer``; on CPU the

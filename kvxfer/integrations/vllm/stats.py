@@ -13,8 +13,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 #: per-interval counters: the connector's outcomes, then deltas of the messenger's metrics
 _COUNTS = ("loads_done", "loads_failed", "loads_rejected", "loads_aborted", "sends_done", "sends_failed",
-           "sends_rejected", "sends_unclaimed", "sends_streamed", "stream_entries", "stream_entries_early", "bytes_loaded", "bytes_received", "bytes_sent", "peers_up",
-           "peers_dead", "connects_failed")
+           "sends_rejected", "sends_unclaimed", "sends_streamed", "stream_chunks", "stream_entries",
+           "stream_entries_early", "bytes_loaded", "bytes_received", "bytes_sent", "peers_up", "peers_dead",
+           "connects_failed")
 #: the messenger metrics behind the deltas: (our name, section, key)
 _FROM_METRICS = (("bytes_received", "bytes", "received"), ("bytes_sent", "bytes", "sent"),
                  ("peers_up", "peers", "up"), ("peers_dead", "peers", "dead"),

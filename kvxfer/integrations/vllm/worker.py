@@ -81,7 +81,10 @@ class ConnectorWorker:
 
     # -- every step ----------------------------------------------------------------------
     def begin_pass(self, meta: StepMeta) -> None:
-        """Before the forward pass: a prefiller streams the prompts it computes whole there."""
+        """Before the forward pass: a prefiller gives up the streams of prompts stopped before
+        their last chunk, then streams the prompts (or chunks) the pass computes."""
+        if self.sender is not None and meta.stream_ends:
+            self.sender.end_streams(meta.stream_ends)
         if self.sender is not None and meta.streams:
             self.sender.begin_pass(meta.streams)
 
@@ -91,12 +94,15 @@ class ConnectorWorker:
         elif self.loader is not None:
             self.loader.start(meta.loads, meta.aborts)
 
-    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending, finished receiving, failed receiving) since the last call."""
+    def transfer_results(self, idle: bool = False) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call. On an
+        ``idle`` step (it computed nothing) with transfers in flight, waits up to the
+        ``idle_wait`` option for one to end (the engine would otherwise spin)."""
+        wait = self.options.idle_wait if idle else 0.0
         if self.sender is not None:
-            return self.sender.finished(), set(), set()
+            return self.sender.finished(wait), set(), set()
         if self.loader is not None:
-            done, failed = self.loader.finished()
+            done, failed = self.loader.finished(wait)
             return set(), done, failed
         return set(), set(), set()
 
