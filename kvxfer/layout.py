@@ -28,6 +28,7 @@ from the `Sharding` passed next to it. `dtype` matters only by size; `"bfloat16"
 | | `separate` | K and V each in their own region (a K pool and a V pool) |
 | | `mla` | one plane, one latent vector per token, `kv_heads=1` |
 | | `packed` | vLLM 0.32's `2 * head_dim` rows: HND per head K rows then V rows (CPU), NHD K|V per (token, head) |
+| | `packed_rows` | vLLM 0.32's GPU backends: K|V in each (token, head) row of `2 * head_dim`, HND or NHD as `KVCacheLayout` names |
 | `layer_regions` | `per_layer` | one region (or one per K/V pool) per layer |
 | | `layer_major` | one region (per pool) holding all layers at `layer_stride` |
 | `page_stride`, `layer_stride` | bytes | override the dense strides (padding); checked when resolved (below) |
@@ -42,6 +43,7 @@ Constructors for the engines people run:
 | `KVLayout.layer_major(..., kv="fused")` | `[layers, pages, 2, heads, page, dim]` | one (two with `kv="separate"`) |
 | `KVLayout.mla(layers, latent_dim, ...)` | `[pages, page, latent_dim]` | one per layer (or layer-major) |
 | `KVLayout.vllm_packed(..., order="HND")` (vLLM 0.32) | `[pages, heads, page, 2*dim]` (NHD: `[pages, page, heads, 2*dim]`) | one per layer, or one storage (`layer_stride`, `page_stride`) |
+| `KVLayout.vllm_packed_rows(..., order="NHD")` (vLLM 0.32 on a GPU) | `[pages, page, heads, 2*dim]` (HND: `[pages, heads, page, 2*dim]`), K|V per row | one per layer, or one storage |
 
 `layout.resolve(sharding) -> RankGeometry` fixes every stride in bytes for a rank of that
 sharding (all ranks of one sharding have the same geometry); `layout.region_sizes(sharding)`
@@ -61,7 +63,7 @@ offset(layer, plane, page, head, token)
     = layer * layer_stride + plane_base[plane] + page * page_stride
       + head * head_stride + token * token_stride            (dim innermost, contiguous)
 
-row = 2c if packed else c              (bytes from one token's vector to the next)
+row = 2c if packed or packed_rows else c   (bytes from one token's vector to the next)
 HND: head_stride = page_size * row, token_stride = row      (packed HND: token_stride = c)
 NHD: head_stride = row,             token_stride = lh * row
 
@@ -72,6 +74,7 @@ separate  (0, 1)        (0, 0)                 B
 mla       (0,)          (0,)                   B
 packed    (0, 0)        HND (0, page_size*c),  2B
                         NHD (0, c)
+packed_rows (0, 0)      (0, c)                 2B
 
 per_layer:   regions_per_layer = pools (2 if separate else 1), layer_stride = 0,
              region size = num_pages * page_stride (x2 if stacked)
@@ -94,7 +97,10 @@ tokens (another form, another block size) would misplace K: `KVLayout.vllm_packe
 layer_regions="layer_major", layer_stride=..., page_stride=...)` with the strides of vLLM's
 `kv_cache_config` (layer-major or block-major, both placements above). Its GPU backends pack
 K|V per (token, head) in the order `KVCacheLayout` names: NHD `[blocks, block_size, kv_heads,
-2 * head_size]`, HND as on CPU, one tensor per layer. A packed page's K plane is every other
+2 * head_size]`, HND `[blocks, kv_heads, block_size, 2 * head_size]` with K|V in each row
+(not the CPU kernel's view): the `packed_rows` form, `KVLayout.vllm_packed_rows`, built by the
+connector from the tensors' strides (kvxfer/integrations/vllm/layout.py; layer-major or
+block-major storages, as `KVCacheLayout` places them). A packed page's K plane is every other
 `c` bytes, so under either order a write moves one (head, token) vector unless the two sides
 are the same packed shape, where K and V of a row (and whole pages) coalesce.
 
@@ -124,7 +130,7 @@ from kvxfer.errors import LayoutError
 __all__ = ["KVLayout", "Sharding", "RankGeometry", "ORDERS", "KV_FORMS", "LAYER_REGIONS"]
 
 Order = Literal["HND", "NHD"]
-KVForm = Literal["fused", "stacked", "separate", "mla", "packed"]
+KVForm = Literal["fused", "stacked", "separate", "mla", "packed", "packed_rows"]
 #: how a rank's layers map to regions: one region (per K/V pool) per layer, or every layer in
 #: one region at ``layer_stride`` (the ``KVLayout.layer_regions`` field; not
 #: ``kvxfer.topology.Placement``, which is where a GPU's transfers run)
@@ -136,8 +142,9 @@ ORDERS: tuple[str, ...] = ("HND", "NHD")
 #: separate: K and V in their own regions (SGLang's k_buffer / v_buffer);
 #: mla: one latent vector per token, no V plane, replicated on every rank;
 #: packed: vLLM 0.32's ``2 * head_dim`` rows: HND a head's K rows then its V rows (CPU backend),
-#: NHD K then V in each (token, head) row.
-KV_FORMS: tuple[str, ...] = ("fused", "stacked", "separate", "mla", "packed")
+#: NHD K then V in each (token, head) row;
+#: packed_rows: vLLM 0.32's GPU backends: K then V in each (token, head) row, HND or NHD.
+KV_FORMS: tuple[str, ...] = ("fused", "stacked", "separate", "mla", "packed", "packed_rows")
 #: per_layer: each layer its own region(s); layer_major: one region (per K/V pool) with
 #: layers at ``layer_stride``.
 LAYER_REGIONS: tuple[str, ...] = ("per_layer", "layer_major")
@@ -280,7 +287,7 @@ class RankGeometry:
     layer_stride: int  #: base offset shift per layer (0 when one region per layer)
     num_regions: int
     region_size: int
-    packed: bool = False  #: K and V interleaved per (head, token) row (the ``packed`` form)
+    packed: bool = False  #: K and V interleaved per (head, token) row (``packed``, ``packed_rows``)
 
     def region(self, layer: int, plane: int) -> int:
         """Region id holding ``(layer, plane)``."""
@@ -310,7 +317,7 @@ class KVLayout:
     together (a head slice is ``page_size`` runs). ``page_stride`` and ``layer_stride`` (bytes)
     override the dense defaults, e.g. for padded pages; they are checked against the
     sharding when resolved. Use the constructors (:meth:`vllm`, :meth:`flash_attn`,
-    :meth:`sglang`, :meth:`layer_major`, :meth:`mla`, :meth:`vllm_packed`) for the common
+    :meth:`sglang`, :meth:`layer_major`, :meth:`mla`, :meth:`vllm_packed`, :meth:`vllm_packed_rows`) for the common
     engines.
     """
 
@@ -387,11 +394,24 @@ class KVLayout:
                     dtype: Any = "bfloat16", order: Order = "HND", layer_regions: LayerRegions = "per_layer",
                     **kw: Any) -> KVLayout:
         """vLLM 0.32's packed K|V: per layer ``[pages, heads, page, 2*dim]`` (HND: the CPU backend,
-        and GPU backends whose ``KVCacheLayout`` is HND) or ``[pages, page, heads, 2*dim]``
-        (NHD), K in the first ``head_dim`` elements of a row and V in the second. vLLM's CPU
-        backend views every layer into one storage: pass ``layer_regions="layer_major"`` with its
-        ``layer_stride`` and ``page_stride`` (block stride) in bytes."""
+        whose kernel reads a head's block as its K rows then its V rows) or ``[pages, page,
+        heads, 2*dim]`` (NHD, K in the first ``head_dim`` elements of a row and V in the second;
+        the GPU backends' forms are :meth:`vllm_packed_rows`). vLLM's CPU backend views every
+        layer into one storage: pass ``layer_regions="layer_major"`` with its ``layer_stride``
+        and ``page_stride`` (block stride) in bytes."""
         return cls(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, "packed", layer_regions, **kw)
+
+    @classmethod
+    def vllm_packed_rows(cls, num_layers: int, kv_heads: int, head_dim: int, page_size: int, num_pages: int,
+                         dtype: Any = "bfloat16", order: Order = "NHD",
+                         layer_regions: LayerRegions = "per_layer", **kw: Any) -> KVLayout:
+        """vLLM 0.32's GPU backends (FlashAttention, FlashInfer, Triton): per layer the logical
+        ``[pages, heads, page, 2*dim]`` with K then V in each (token, head) row, stored in the
+        order ``KVCacheLayout`` names: NHD ``[pages, page, heads, 2*dim]`` or HND ``[pages,
+        heads, page, 2*dim]``; one storage for every layer takes ``layer_regions="layer_major"``
+        with its ``layer_stride`` and ``page_stride`` (layers outer, or inside each block)."""
+        return cls(num_layers, kv_heads, head_dim, page_size, num_pages, dtype, order, "packed_rows",
+                   layer_regions, **kw)
 
     # -- derived --------------------------------------------------------------------------
     @property
@@ -427,10 +447,10 @@ class KVLayout:
             raise LayoutError(f"expected a Sharding, got {sharding!r}")
         lh = sharding.local_heads(self.kv_heads)
         isz, d, p = self.itemsize, self.head_dim, self.page_size
-        packed = self.kv == "packed"
+        packed = self.kv in ("packed", "packed_rows")
         block = lh * p * d * isz
         row = (2 if packed else 1) * d * isz  # one token's vector(s) of one head
-        if packed and self.order == "HND":
+        if self.kv == "packed" and self.order == "HND":
             # vLLM's CPU kernel views a head's [page, 2*dim] as [2*page, dim]: page K rows, then
             # page V rows (vllm/v1/attention/backends/cpu_attn.py, view + chunk(2, dim=2))
             head_stride, token_stride = 2 * p * d * isz, d * isz
@@ -439,7 +459,7 @@ class KVLayout:
         else:
             head_stride, token_stride = row, lh * row
         planes = self.planes
-        in_page = planes if self.kv in ("fused", "packed") else 1
+        in_page = planes if self.kv in ("fused", "packed", "packed_rows") else 1
         dense_page = in_page * block
         page_stride = dense_page if self.page_stride is None else self.page_stride
         if page_stride < dense_page:
@@ -455,7 +475,8 @@ class KVLayout:
         elif self.kv == "separate":
             plane_region, plane_base = (0, 1), (0, 0)
         elif packed:
-            plane_region, plane_base = (0, 0), ((0, p * d * isz) if self.order == "HND" else (0, d * isz))
+            plane_region, plane_base = (0, 0), ((0, p * d * isz) if self.kv == "packed" and self.order == "HND"
+                                                else (0, d * isz))
         else:
             plane_region, plane_base = (0,), (0,)
         per_layer = pool * (2 if self.kv == "stacked" else 1)
@@ -515,7 +536,7 @@ def _layout_init_compat(self: KVLayout, *args: Any, placement: Any = _UNSET, **k
         warnings.warn("KVLayout(placement=) is deprecated, use layer_regions=", DeprecationWarning, stacklevel=2)
         if "layer_regions" in kw or (len(args) > 8 and args[8] != "per_layer"):
             raise TypeError("KVLayout() got both placement= and layer_regions=")
-        if len(args) > 8:       # mla() and vllm_packed() pass their default positionally
+        if len(args) > 8:       # mla() and vllm_packed*() pass their default positionally
             args = args[:8] + (placement,) + args[9:]
         else:
             kw["layer_regions"] = placement

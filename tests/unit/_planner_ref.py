@@ -5,7 +5,8 @@ viewed through numpy reshapes of the tensor shapes the engines document (vLLM
 ``[pages, 2, heads, page, dim]``, flash-attn ``[2, pages, page, heads, dim]``, SGLang
 ``[tokens, heads, dim]`` per K/V pool, layer-major ``[layers, ...]``, vLLM 0.32's packed
 ``[pages, heads, page, 2 * dim]`` (read as ``[pages, heads, 2, page, dim]``, vLLM's CPU kernel's
-view) / ``[pages, page, heads, 2, dim]`` with its layers outer or
+view) / ``[pages, page, heads, 2, dim]``, and its GPU rows ``[pages, heads, page, 2, dim]`` /
+``[pages, page, heads, 2, dim]``, with its layers outer or
 inside each page of one storage), the sharding is re-derived from the GQA rule, and a plan is
 executed as byte copies between numpy arrays.
 """
@@ -31,7 +32,7 @@ def dense_strides(kv: str, local_heads: int, page_size: int, head_dim: int, item
                   num_pages: int) -> tuple[int, int]:
     """(page bytes, layer bytes) of a dense layout, from the tensor shapes."""
     pb = local_heads * page_size * head_dim * itemsize
-    page = 2 * pb if kv in ("fused", "packed") else pb
+    page = 2 * pb if kv in ("fused", "packed", "packed_rows") else pb
     layer = 2 * num_pages * page if kv == "stacked" else num_pages * page
     return page, layer
 
@@ -55,7 +56,7 @@ class RankMemory:
         self.block = (lh, P, cb) if layout.order == "HND" else (P, lh, cb)
         pb = lh * P * cb  # one (plane, page) block
         planes = 1 if layout.kv == "mla" else 2
-        in_page = planes if layout.kv in ("fused", "packed") else 1
+        in_page = planes if layout.kv in ("fused", "packed", "packed_rows") else 1
         self.page_stride = in_page * pb if layout.page_stride is None else layout.page_stride
         pool = pages * self.page_stride
         per_layer = 2 * pool if layout.kv == "stacked" else pool
@@ -99,12 +100,13 @@ class RankMemory:
             raw = _view(self._layer_bytes(layer, 0), (2, pages, self.page_stride))[plane, :, : self.pb]
         elif lay.kv == "fused":
             raw = _view(self._layer_pages(layer, 0, 2 * self.pb), (pages, 2, self.pb))[:, plane]
-        elif lay.kv == "packed":
+        elif lay.kv in ("packed", "packed_rows"):
             raw = self._layer_pages(layer, 0, 2 * self.pb)
-            if lay.order == "HND":  # vLLM's CPU view: [pages, heads, 2 * page, dim], K rows then V rows
+            if lay.kv == "packed" and lay.order == "HND":  # vLLM's CPU view: [pages, heads, 2 * page, dim]
                 return _view(raw, (pages, self.block[0], 2, *self.block[1:]))[:, :, plane]
-            rows = _view(raw, (pages, *self.block[:2], 2, self.block[2]))   # [pages, page, heads, 2, dim]
-            return rows[:, :, :, plane].transpose(0, 2, 1, 3)
+            rows = _view(raw, (pages, *self.block[:2], 2, self.block[2]))   # [pages, a, b, 2, dim]: K|V rows
+            v = rows[:, :, :, plane]
+            return v if lay.order == "HND" else v.transpose(0, 2, 1, 3)
         else:  # mla
             raw = self._layer_pages(layer, 0, self.pb)
         v = _view(raw, (pages, *self.block))

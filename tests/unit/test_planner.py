@@ -20,7 +20,7 @@ from _strategies import side_shape
 
 ITEMSIZE = {"uint8": 1, "bfloat16": 2, "float32": 4}
 HEADS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64]
-FORMS = ("fused", "stacked", "separate", "packed")
+FORMS = ("fused", "stacked", "separate", "packed", "packed_rows")
 
 
 @st.composite

@@ -71,9 +71,12 @@ class Loader:
             pg = self.messenger.connect(blob, wait=False)
             mine = self.messenger.layout
             theirs = pg.layout
-            if (theirs.kv, theirs.order, theirs.page_size) != (mine.kv, mine.order, mine.page_size):
+            alike = theirs.page_size == mine.page_size and (
+                theirs.kv == mine.kv == "packed_rows" or (theirs.kv, theirs.order) == (mine.kv, mine.order))
+            if not alike:
                 # the CPU kernel keeps a block's K transposed: only whole (head, block) runs of
-                # two alike caches are exact, never a block split by tokens
+                # two alike caches are exact, never a block split by tokens (the GPU backends'
+                # rows, HND or NHD, meet each other by rows)
                 raise UnsupportedError(f"the prefiller's cache ({theirs.kv} {theirs.order}, block "
                                        f"{theirs.page_size}) is not this one's ({mine.kv} {mine.order}, "
                                        f"block {mine.page_size})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from kvxfer.errors import UnsupportedError
 from kvxfer.integrations.vllm.layout import CacheRegions, cache_regions
 from kvxfer.integrations.vllm.loader import Loader
 from kvxfer.integrations.vllm.params import KvxferHandshake, Options, StepMeta
@@ -51,6 +52,12 @@ class ConnectorWorker:
 
         total_heads = self.vllm_config.model_config.get_total_num_kv_heads()
         self.cache = cache_regions(kv_caches, self.kv_cache_config, total_heads, self.tp_size)
+        device = self.cache.owner[0].device
+        if device.type != "cpu":
+            # the layout is described (packed_rows); registering device memory here would take
+            # Engine(hmem=True) and a device buffer per region, not run without a GPU
+            raise UnsupportedError(f"the KV cache is on {device}: this connector registers host memory only "
+                                   f"(vLLM's CPU backend); its layout would be {self.cache.layout}")
         o = self.options
         self.engine = kvxfer.Engine(o.provider, node=o.node, peer_timeout=o.peer_timeout,
                                     progress_rt_priority=o.progress_rt_priority)
