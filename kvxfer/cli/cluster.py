@@ -42,6 +42,18 @@ class Placement:
         return [], "127.0.0.1"
 
 
+def _first(procs: list["_Proc"], tag: str, timeout: float) -> Any:
+    """The JSON after the first line tagged ``tag`` from any of ``procs``."""
+    end = time.monotonic() + timeout
+    while True:
+        for x in procs:
+            try:
+                return x.next(tag, 0.02)
+            except TimeoutError:
+                if time.monotonic() > end:
+                    raise
+
+
 class _Proc:
     """A node process; its stdout read in lines with deadlines (nothing it does can hang us)."""
 
@@ -246,10 +258,12 @@ def run_cluster(kind: str, *, placement: Optional[Placement] = None, requests: i
 
         progress(40)
         # the kill must find requests in flight on p0: p0 stops serving new requests and the
-        # kill comes once one of them reached it (its rank 0 process: every request has a leg there)
+        # kill comes once one reached it. Per rank, the ranks read "hold" at different moments:
+        # a request may be served by rank 0 and held by rank 1 (in flight all the same), and a
+        # decoder waiting on it in order sends rank 0 nothing new, so any rank's HELD counts.
         for p in pre["p0"]:
             p.send("hold")
-        held = pre["p0"][0].next("HELD", 60)
+        held = _first(pre["p0"], "HELD", 60)
         event(f"p0 holds request {held['request']} unserved")
         for p in pre["p0"]:
             p.kill()

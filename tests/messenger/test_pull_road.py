@@ -18,7 +18,7 @@ import pytest
 
 import kvxfer
 from kvxfer import KVLayout, Sharding
-from kvxfer.errors import DescriptorError, KvxferError, PeerError, RejectedError, UnsupportedError
+from kvxfer.errors import DescriptorError, InvalidArgumentError, KvxferError, PeerError, RejectedError, UnsupportedError
 from kvxfer.messenger import _codec as C
 
 from _nodes import SENTINEL
@@ -230,7 +230,10 @@ def _abort_round(provider, side: str, delays) -> None:
             elif side == "prefiller":
                 s.abort(timeout=0)
             else:
-                req.reject("preempted")
+                try:
+                    req.reject("preempted")
+                except InvalidArgumentError:          # too late: every read was done, and DONE in
+                    assert s.state == "done", s.state  # before the reject (a slow round on 2 cores)
             try:
                 r.wait(DEADLINE)
             except KvxferError:
