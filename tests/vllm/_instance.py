@@ -94,6 +94,10 @@ def main() -> None:
               enable_prefix_caching=opts.get("prefix_caching", True))
     if opts.get("max_batched"):           # a smaller token budget: longer prompts prefill in chunks
         kw["max_num_batched_tokens"] = opts["max_batched"]
+    if opts.get("speculative"):           # speculative decoding by a draft model: this model itself
+        kw["speculative_config"] = {"method": "draft_model", "model": model,
+                                    "num_speculative_tokens": opts["speculative"]}
+        kw["disable_log_stats"] = False   # its acceptance counters (op spec_metrics)
     if opts.get("tp", 1) > 1:             # one worker process per rank (vLLM's mp executor)
         kw["tensor_parallel_size"] = opts["tp"]
         kw["distributed_executor_backend"] = "mp"
@@ -215,10 +219,13 @@ def main() -> None:
                 while any(r not in w.sender.held() for r in cmd["ids"]) and time.monotonic() - t0 < 30:
                     eng.step()
                 g = torch.Generator().manual_seed(1)
+                # "draft": only the draft model's layers (speculative decoding's own KV)
+                prefix = "draft_model." if cmd.get("layers") == "draft" else ""
                 for rid in cmd["ids"]:
                     blocks = w.sender.held()[rid]
-                    for t in w.cache.owner:
-                        t[blocks] = torch.randn(t[blocks].shape, generator=g, dtype=t.dtype)
+                    for name, t in zip(w.cache.layer_names, w.cache.owner):
+                        if name.startswith(prefix):
+                            t[blocks] = torch.randn(t[blocks].shape, generator=g, dtype=t.dtype)
                 answer({"ok": True})
             elif op == "prom":              # vLLM's own Prometheus path for the connector's stats
                 from prometheus_client import REGISTRY, generate_latest
@@ -230,6 +237,14 @@ def main() -> None:
                 prom.observe(w.totals.data, 0)
                 text = generate_latest(REGISTRY).decode()
                 answer({"ok": True, "lines": [x for x in text.splitlines() if x.startswith("vllm:kvxfer_")]})
+            elif op == "spec_metrics":      # speculative decoding's counters since start
+                out = {}
+                for m in (llm.get_metrics() if opts.get("speculative") else ()):
+                    if m.name.startswith("vllm:spec_decode_num_"):
+                        out[m.name[len("vllm:spec_decode_num_"):]] = m.value if hasattr(m, "value") \
+                            else list(m.values)
+                w = worker_connector() if role != "none" else None
+                answer({"ok": True, "spec": out, "layers": list(w.cache.layer_names) if w and w.cache else None})
             elif op == "layout_check":      # vLLM's own cache write against KVLayout's offsets
                 answer(dict(ok=True, **_layout_check(eng, worker_connector())))
             elif op == "exit":

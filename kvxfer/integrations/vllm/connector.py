@@ -108,7 +108,7 @@ class KvxferConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         # a streaming prefiller bumps its layer counter (D first); otherwise nothing
         if self.connector_worker is not None:
-            self.connector_worker.save_kv_layer()
+            self.connector_worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         if self.connector_worker is not None:

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any, Optional
 
-from kvxfer.errors import KvxferError, RejectedError, UnsupportedError
+from kvxfer.errors import KvxferError, LayoutError, RejectedError, UnsupportedError
 from kvxfer.integrations.vllm.params import Load
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
 
@@ -68,8 +68,13 @@ class Loader:
         ``receive`` on it is queued until it is up, or fails with the connect's error)."""
         pg = self._peers.get(blob)
         if pg is None or not pg.alive:
-            pg = self.messenger.connect(blob, wait=False)
             mine = self.messenger.layout
+            try:
+                pg = self.messenger.connect(blob, wait=False)
+            except LayoutError as exc:
+                raise LayoutError(f"{exc}: the prefiller's cache and this one ({mine.num_layers} layers) must be "
+                                  "alike, and a draft model's layers are in the cache, so both instances need "
+                                  "the same speculative_config") from exc
             theirs = pg.layout
             alike = theirs.page_size == mine.page_size and (
                 theirs.kv == mine.kv == "packed_rows" or (theirs.kv, theirs.order) == (mine.kv, mine.order))

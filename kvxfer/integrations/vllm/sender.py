@@ -57,7 +57,8 @@ class Sender:
         self._open: dict[str, list[Any]] = {}        # transfer key -> (Request, Send) streamed, last chunk to come
         self._pass: Any = None                       # the forward pass streaming now
         self._pass_sends: list[Any] = []
-        self._layer = 0
+        self._layer = 0                              # layers of the pass bumped
+        self._seen: set[int] = set()                 # layers of the pass computed
         self.num_layers = messenger.layout.num_layers
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._housekeeping, name="kvxfer-vllm-asked", daemon=True)
@@ -278,7 +279,7 @@ class Sender:
                 with self._lock:
                     self._open.pop(st.key, None)
         if p is not None:
-            self._pass, self._pass_sends, self._layer = p, [u[2] for u in used], 0
+            self._pass, self._pass_sends, self._layer, self._seen = p, [u[2] for u in used], 0, set()
         self.stats.data["sends_streamed"] += len(made)
         self.stats.data["stream_chunks"] += len(used)
 
@@ -308,18 +309,23 @@ class Sender:
         for snd in stop:
             snd.abort(timeout=0)
 
-    def layer_done(self) -> None:
-        """The model computed one more layer of the pass (vLLM's ``save_kv_layer``; on CPU the
-        attention op is synchronous, so the layer's KV is in the cache now)."""
-        if self._pass is None:
+    def layer_done(self, index: Optional[int]) -> None:
+        """The model computed layer ``index`` of the layout (vLLM's ``save_kv_layer``; on CPU
+        the attention op is synchronous, so the layer's KV is in the cache now). The counter
+        is bumped through every layer below the lowest not yet computed: a layer seen again
+        in the pass (a draft model's later proposing steps) or not in the layout (None)
+        bumps nothing."""
+        if self._pass is None or index is None or index in self._seen:
             return
-        self._layer += 1
-        if self._layer == self.num_layers:
-            # streaming visible: the writes already posted before the last layer is released
-            posted = sum(1 for snd in self._pass_sends for e in snd.entries if e.fired_ns)
-            self.stats.data["stream_entries"] += sum(len(snd.entries) for snd in self._pass_sends)
-            self.stats.data["stream_entries_early"] += posted
-        self.messenger.layer_counter.bump()
+        self._seen.add(index)
+        while self._layer in self._seen:
+            self._layer += 1
+            if self._layer == self.num_layers:
+                # streaming visible: the writes already posted before the last layer is released
+                posted = sum(1 for snd in self._pass_sends for e in snd.entries if e.fired_ns)
+                self.stats.data["stream_entries"] += sum(len(snd.entries) for snd in self._pass_sends)
+                self.stats.data["stream_entries_early"] += posted
+            self.messenger.layer_counter.bump()
 
     def end_pass(self) -> None:
         """vLLM's ``wait_for_save``: the pass is over; one that did not see every layer (not

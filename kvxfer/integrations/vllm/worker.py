@@ -37,6 +37,7 @@ class ConnectorWorker:
         self.engine: Any = None
         self.messenger: Any = None
         self.cache: Optional[CacheRegions] = None
+        self._layer_index: dict[str, int] = {}      # layer name -> its index in the layout
         self.loader: Optional[Loader] = None
         self.sender: Optional[Sender] = None
         self._stats = KvxferConnectorStats()
@@ -52,6 +53,7 @@ class ConnectorWorker:
 
         total_heads = self.vllm_config.model_config.get_total_num_kv_heads()
         self.cache = cache_regions(kv_caches, self.kv_cache_config, total_heads, self.tp_size)
+        self._layer_index = {n: i for i, n in enumerate(self.cache.layer_names)}
         device = self.cache.owner[0].device
         if device.type != "cpu":
             # the layout is described (packed_rows); registering device memory here would take
@@ -113,9 +115,10 @@ class ConnectorWorker:
             return set(), done, failed
         return set(), set(), set()
 
-    def save_kv_layer(self) -> None:
+    def save_kv_layer(self, layer_name: str) -> None:
+        """``layer_name`` computed (a target layer, or a draft model's: both are in the cache)."""
         if self.sender is not None:
-            self.sender.layer_done()
+            self.sender.layer_done(self._layer_index.get(layer_name))
 
     def wait_for_save(self) -> None:
         if self.sender is not None:
