@@ -40,6 +40,8 @@ def as_int(
     """``value`` as a plain int, or ``error`` naming ``name`` when it is not an int or lies
     outside ``[minimum, maximum]``. With the default ``error``, a value of the wrong type raises
     ``ArgumentTypeError`` (an ``InvalidArgumentError`` that is also a ``TypeError``)."""
+    if type(value) is int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value         # the common case first: a small write's checks are much of its latency
     if not is_int(value):
         raise (ArgumentTypeError if error is InvalidArgumentError else error)(f"{name} must be an int, got {value!r}")
     v = operator.index(value)
@@ -58,6 +60,8 @@ def as_timeout(t: Any, name: str = "timeout", *, forever: bool = True) -> Option
     """``t`` seconds as a float, or None for no deadline (``None`` or ``inf``; refused with
     ``forever=False``, for calls that must end). NaN, negative numbers and finite waits past
     ``MAX_TIMEOUT`` raise ``InvalidArgumentError``, other types ``ArgumentTypeError``."""
+    if (type(t) is float or type(t) is int) and 0 <= t <= MAX_TIMEOUT:
+        return float(t)      # the common case first (NaN and inf fail the comparison: below)
     if t is None:
         if not forever:
             raise ArgumentTypeError(f"{name} must be a number of seconds, got None")

@@ -62,6 +62,8 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
         uint64_t dead_answered
         uint64_t errors
         int64_t outstanding
+        uint64_t drives
+        uint64_t drives_got
 
     ctypedef struct kx_transfer_state:
         int64_t planned

@@ -47,6 +47,7 @@ struct kx_transfer {
     kx_op shared_op;       /* used for every write when the provider needs no per-op context */
     kx_op *ops;            /* per-op contexts when it does */
     int64_t planned;       /* messages the walk contains */
+    uint64_t nbytes;       /* bytes of all its triples (a small one's waiter drives, progress.c) */
     int64_t posted;        /* messages posted so far (atomic) */
     int64_t completed;     /* completions read (success or error) */
     int posting_done;      /* nothing more will be posted */
@@ -195,6 +196,7 @@ struct kx_rail {
     int yielded;           /* futex word: the progress thread yields the CQ to driving waiters (drivers > 0) */
     int drive_got;         /* the last driver got what it waited for (else it now blocks) */
     int64_t spin_ns;       /* how long a waiter drives before it blocks (0: never drives) */
+    int64_t tx_spin_ns;    /* ... a waiter for a small transfer (shm: KX_TX_DRIVE_SHM_NS by default, progress.c) */
     int endpoint_closed;
     int quiesced;
     pid_t tid;             /* the progress thread's kernel id, for tests of pinning */
@@ -237,6 +239,8 @@ struct kx_rail {
     uint64_t stat_direct_revoked;  /* direct messages whose copy the target's permit refused (direct.c) */
     uint64_t stat_bell_rings;  /* posts of ours that woke a sleeping peer through its bell */
     uint64_t stat_bell_wakes;  /* sleeps of our progress thread that a peer's ring ended */
+    uint64_t stat_drives;      /* waits that drove progress themselves (progress.c, kx_drive) */
+    uint64_t stat_drives_got;  /* ... and got what they waited for within their window */
 
     struct kx_bell *bell;  /* shm: our doorbell (bell.c), NULL without one */
     char *bell_path;
@@ -305,6 +309,9 @@ void kx_wake(kx_rail *r);
 void kx_progress_rt_await(kx_rail *r);   /* kx_rail_start: until the thread tried SCHED_FIFO */
 /* kx_hub_wait_flag, but the waiter first drives progress on r for up to r->spin_ns */
 int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns);
+/* kx_wait_flag for a small transfer's done flag: the waiter drives for up to r->tx_spin_ns */
+#define KX_TX_DRIVE_MAX_BYTES 65536u
+int kx_wait_transfer_flag(kx_rail *r, const int *flag, int64_t slice_ns);
 /* the waiter drives progress until *head is non-NULL or its window passes; returns the
  * part of slice_ns left for a blocking wait */
 int64_t kx_drive_for_message(kx_rail *r, void *const *head, int64_t slice_ns);

@@ -370,6 +370,8 @@ kx_transfer *kx_transfer_new(const uint64_t *src_off, const uint64_t *dst_off, c
     if (!x)
         return NULL;
     x->planned = kx_count_messages(src_off, dst_off, length, n, iov, max_write, pack_min);
+    for (size_t i = 0; i < n; i++)
+        x->nbytes += length[i];
     if (need_ctx && x->planned > 0) {
         x->ops = calloc((size_t)x->planned, sizeof(kx_op));
         if (!x->ops) {

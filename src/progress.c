@@ -7,7 +7,8 @@
  *
  * Who reads: the progress thread owns the CQ while nobody waits. A thread that waits for a
  * transfer, a counter or a message can drive progress itself for a short window (spin_ns:
- * KVXFER_DRIVE_US microseconds, off by default, see kx_drive_ns_from_env; only while the rail
+ * KVXFER_DRIVE_US microseconds, off by default, see kx_drive_ns_from_env; a transfer's waiter
+ * on shm drives for KX_TX_DRIVE_SHM_NS by default, tx_spin_ns; only while the rail
  * has operations out or had traffic in the last 10 ms, so a thread idling in recv() never
  * spins): it reads the CQ in its own loop, so the completion it waits for costs no thread
  * hand-off (poster -> progress thread -> condition variable -> waiter). Meanwhile the
@@ -49,22 +50,42 @@
 #define KX_PARK_NS          1000000LL    /* a parked progress thread looks again after this */
 #define KX_RT_NAP_NS        20000L       /* at SCHED_FIFO: the pause between empty polls */
 
-/* KVXFER_DRIVE_US: microseconds a waiter drives progress before it blocks; unset or 0:
- * never (the default). On the 2-core machine it was measured on (docs/benchmarks.md, issue
- * 13) driving lowered the best round trips but not the median, on tcp it raised the median:
- * two processes whose waiters spin take the CPU from each other. Opt in where cores are
- * free, e.g. KVXFER_DRIVE_US=200. */
-static int64_t kx_drive_ns_from_env(const kx_rail *r)
+/* KVXFER_DRIVE_US: microseconds a waiter drives progress before it blocks; unset: the
+ * defaults below, 0: never. On the 2-core machine it was measured on (docs/benchmarks.md,
+ * issue 13) driving lowered the best round trips but not the median, on tcp it raised the
+ * median: two processes whose waiters spin take the CPU from each other. Opt in where cores
+ * are free, e.g. KVXFER_DRIVE_US=200. KVXFER_DRIVE_TX_US sets the transfers' window alone
+ * (it wins over KVXFER_DRIVE_US for them). Returns -1 when unset (or not a number). */
+static int64_t kx_drive_ns_from_env(const char *name)
 {
-    (void)r;
-    const char *v = getenv("KVXFER_DRIVE_US");
+    const char *v = getenv(name);
     if (!v || !*v)
-        return 0;
+        return -1;
     char *end;
     long long us = strtoll(v, &end, 10);
     if (*end || us < 0)
-        return 0;
+        return -1;
     return us > 1000000 ? 1000000000LL : us * 1000LL;
+}
+
+/* The default for the waiter of a small transfer (at most KX_TX_DRIVE_MAX_BYTES, internal.h)
+ * on shm, where such a write completes within a few
+ * microseconds of its post (a direct write at once; an RMA write once the target's progress
+ * thread answered): reading the CQ for this long saves the two thread hand-offs (progress
+ * thread -> condition variable -> waiter) that cost 10-30 us here, and costs at most this
+ * much CPU when the completion is later (docs/benchmarks.md, issue 28 item 4). Not on tcp,
+ * where the completion waits for the target's acknowledgement through the kernel (tens of
+ * microseconds) and a driving sender measured slower; not for counters and messages, whose
+ * waits are long and whose drive made round trips slower (same section). */
+#define KX_TX_DRIVE_SHM_NS 50000LL
+
+static void kx_drive_windows(kx_rail *r)
+{
+    int64_t env = kx_drive_ns_from_env("KVXFER_DRIVE_US");
+    int64_t tx = kx_drive_ns_from_env("KVXFER_DRIVE_TX_US");     /* the transfers' window alone */
+    __atomic_store_n(&r->spin_ns, env >= 0 ? env : 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&r->tx_spin_ns, tx >= 0 ? tx : env >= 0 ? env : (r->shm && !r->spin ? KX_TX_DRIVE_SHM_NS : 0),
+                     __ATOMIC_RELAXED);
 }
 
 int kx_rail_set_progress_rt(kx_rail *r, int priority)
@@ -372,6 +393,9 @@ static int kx_drive(kx_rail *r, const int *flag, void *const *ptr, int64_t windo
         sched_yield();        /* 2 cores: let the peer (or our own progress thread) run */
     }
     __atomic_store_n(&r->drive_got, got, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&r->stat_drives, 1, __ATOMIC_RELAXED);
+    if (got)
+        __atomic_add_fetch(&r->stat_drives_got, 1, __ATOMIC_RELAXED);
     __atomic_sub_fetch(&r->drivers, 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&r->yielded, __ATOMIC_SEQ_CST)) {
         __atomic_store_n(&r->yielded, 0, __ATOMIC_SEQ_CST);
@@ -384,9 +408,9 @@ static int kx_drive(kx_rail *r, const int *flag, void *const *ptr, int64_t windo
 /* How long a waiter drives: spin_ns while the rail has operations out or saw traffic in the
  * last KX_RECENT_NS; 0 on an idle rail (a thread parked in recv() for minutes must not spin
  * at the start of every 50 ms slice), where the progress thread handles the next arrival. */
-static int64_t kx_drive_window(kx_rail *r, int64_t slice_ns)
+static int64_t kx_drive_window(kx_rail *r, const int64_t *spin_ns, int64_t slice_ns)
 {
-    int64_t window = __atomic_load_n(&r->spin_ns, __ATOMIC_RELAXED);
+    int64_t window = __atomic_load_n(spin_ns, __ATOMIC_RELAXED);
     if (window <= 0)
         return 0;
     if (__atomic_load_n(&r->outstanding, __ATOMIC_RELAXED) == 0 &&
@@ -395,11 +419,11 @@ static int64_t kx_drive_window(kx_rail *r, int64_t slice_ns)
     return window < slice_ns ? window : slice_ns;
 }
 
-int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns)
+static int kx_wait_flag_driving(kx_rail *r, const int *flag, const int64_t *spin_ns, int64_t slice_ns)
 {
     if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
         return 1;
-    int64_t window = kx_drive_window(r, slice_ns);
+    int64_t window = kx_drive_window(r, spin_ns, slice_ns);
     int64_t t0 = window > 0 ? kx_now_ns() : 0;
     if (kx_drive(r, flag, NULL, window))
         return 1;
@@ -414,9 +438,19 @@ int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns)
     return got;
 }
 
+int kx_wait_flag(kx_rail *r, const int *flag, int64_t slice_ns)
+{
+    return kx_wait_flag_driving(r, flag, &r->spin_ns, slice_ns);
+}
+
+int kx_wait_transfer_flag(kx_rail *r, const int *flag, int64_t slice_ns)
+{
+    return kx_wait_flag_driving(r, flag, &r->tx_spin_ns, slice_ns);
+}
+
 int64_t kx_drive_for_message(kx_rail *r, void *const *head, int64_t slice_ns)
 {
-    int64_t window = kx_drive_window(r, slice_ns);
+    int64_t window = kx_drive_window(r, &r->spin_ns, slice_ns);
     if (window <= 0 || __atomic_load_n(head, __ATOMIC_ACQUIRE))
         return slice_ns;
     int64_t t0 = kx_now_ns();
@@ -456,7 +490,7 @@ void *kx_progress_main(void *arg)
     if (r->pin)
         pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &r->cpus);
     kx_progress_rt_self(r);
-    __atomic_store_n(&r->spin_ns, kx_drive_ns_from_env(r), __ATOMIC_RELAXED);
+    kx_drive_windows(r);
     int wait_fd = -1;      /* the CQ's wait fd, where the provider exposes it (tcp) */
     if (r->has_wait && fi_control(&r->cq->fid, FI_GETWAIT, &wait_fd) != 0)
         wait_fd = -1;

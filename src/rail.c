@@ -436,6 +436,8 @@ void kx_rail_get_stats(const kx_rail *r, kx_rail_stats *out)
     out->dead_answered = kx_unblock_answered(r);
     out->errors = __atomic_load_n(&r->stat_rx_err, __ATOMIC_RELAXED);
     out->outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_RELAXED);
+    out->drives = __atomic_load_n(&r->stat_drives, __ATOMIC_RELAXED);
+    out->drives_got = __atomic_load_n(&r->stat_drives_got, __ATOMIC_RELAXED);
 }
 
 int kx_rail_thread_id(const kx_rail *r) { return (int)r->tid; }

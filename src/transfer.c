@@ -84,6 +84,8 @@ void kx_transfer_get_state(const kx_transfer *x, kx_transfer_state *out)
 
 int kx_transfer_wait(kx_rail *r, kx_transfer *x, int64_t slice_ns)
 {
+    if (x->nbytes <= KX_TX_DRIVE_MAX_BYTES)
+        return kx_wait_transfer_flag(r, &x->done, slice_ns);
     return kx_wait_flag(r, &x->done, slice_ns);
 }
 

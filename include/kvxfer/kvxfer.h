@@ -59,6 +59,8 @@ typedef struct kx_rail_stats {
     uint64_t dead_answered; /* shm: operations to peers whose process exited that kvxfer answered for them (unblock.c) */
     uint64_t errors;       /* error completions not tied to a transfer */
     int64_t outstanding;   /* operations posted and not completed */
+    uint64_t drives;       /* waits in which the waiter read the CQ itself (KVXFER_DRIVE_US, a small transfer on shm) */
+    uint64_t drives_got;   /* ... and saw what it waited for before its window passed */
 } kx_rail_stats;
 
 typedef struct kx_transfer_state {

@@ -56,6 +56,8 @@ def _concat_index(parts: list) -> np.ndarray:
 
 def _nonneg(v, name: str, positive: bool = False) -> int:
     """A plain Python int, at least 1 with ``positive``, else at least 0 (``_check.as_int``)."""
+    if type(v) is int and v >= positive:
+        return v
     return as_int(v, name, minimum=1 if positive else 0)
 
 
@@ -78,6 +80,8 @@ def _check_timeout(timeout) -> float:
 
 def _check_imm(imm) -> Optional[int]:
     """None (no immediate data) or an int in [0, 2**32)."""
+    if imm is None or (type(imm) is int and 0 <= imm < _U32):
+        return imm
     return None if imm is None else as_int(imm, "imm", minimum=0, maximum=_U32 - 1)
 
 

@@ -61,8 +61,17 @@ class Transfer:
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every write completed at the sender; raise its error, or TimeoutError."""
         timeout = _timeout(timeout)
+        handles = self._handles
+        if len(handles) == 1:        # one rail: no deadline arithmetic (a small write's wait)
+            x = handles[0]
+            if not x.wait(timeout):
+                raise TimeoutError(f"transfer not complete after {timeout} s ({x.completed}/{self.num_writes} writes done)")
+            err = x.errno
+            if err:
+                raise _fabric.error_from("fi_writemsg", err)
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
-        for x in self._handles:
+        for x in handles:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not x.wait(left):
                 done = sum(x.completed for x in self._handles)
