@@ -42,7 +42,7 @@ except ImportError:                       # a checkout from before the acceptanc
     DEFAULT_PRESETS = tuple(sorted(PRESETS))
 
 
-def _open(preset: str, tokens: int, page_size: int, provider: str, poll_us: float = 10.0, progress_rt: int = 0):
+def _open(preset: str, tokens: int, page_size: int, provider: str, poll_us=None, progress_rt: int = 0):
     sl, ss, dl, ds = _layouts(preset, tokens, page_size)
     node = None if provider.startswith("shm") else "127.0.0.1"
     ea = kvxfer.Engine(provider, node, progress_rt_priority=progress_rt)
@@ -127,8 +127,8 @@ def main() -> None:
     ap.add_argument("--max-mib", type=int, default=192)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--poll-us", type=float, default=10.0,
-                    help="the prefill messenger's watch_poll_us (default 10, the messenger's default)")
+    ap.add_argument("--poll-us", type=float, default=None,
+                    help="the prefill messenger's watch_poll_us (default: the messenger's, 0 on a CPU counter)")
     ap.add_argument("--progress-rt", default="0", metavar="PRIO[,PRIO...]",
                     help="Engine(progress_rt_priority=) of both engines; several: each case once per value, "
                          "back to back (default 0)")

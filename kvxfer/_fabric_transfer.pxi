@@ -204,6 +204,64 @@ def check_groups(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const
     return None
 
 
+_np = None
+
+
+def prepare_pairs(src_off, dst_off, length, counts):
+    """Engine.write_pairs' fast path, one pass: for 1-D contiguous uint64 triples (each below
+    2**62, of one length) and int64 counts (each >= 0, adding up to the triples), ``(so, do,
+    ln, starts, which, nbytes)``: private copies of the triples, the posting groups' starts
+    and pair indices (the pairs with a nonzero count) and the bytes in all; None for anything
+    else (the caller's own checks then take it and name the defect)."""
+    global _np
+    cdef const uint64_t[::1] s, d, n
+    cdef const int64_t[::1] c
+    try:
+        s, d, n, c = src_off, dst_off, length, counts
+    except (TypeError, ValueError, BufferError):
+        return None
+    cdef Py_ssize_t m = n.shape[0], ng = c.shape[0], g, k = 0, i
+    cdef uint64_t lim = 1ULL << 62, total = 0
+    cdef int64_t acc = 0
+    if s.shape[0] != m or d.shape[0] != m:
+        return None
+    for i in range(m):
+        if s[i] >= lim or d[i] >= lim or n[i] >= lim or total + n[i] < total:
+            return None
+        total += n[i]
+    for g in range(ng):
+        if c[g] < 0 or c[g] > m:
+            return None
+        acc += c[g]
+        if c[g]:
+            k += 1
+    if acc != m:
+        return None
+    if _np is None:
+        import numpy
+        _np = numpy
+    so = _np.empty(m, _np.uint64)
+    do = _np.empty(m, _np.uint64)
+    ln = _np.empty(m, _np.uint64)
+    starts = _np.empty(k + 1, _np.int64)
+    which = _np.empty(k, _np.int64)
+    cdef uint64_t[::1] so_, do_, ln_
+    cdef int64_t[::1] st_, wh_
+    so_, do_, ln_, st_, wh_ = so, do, ln, starts, which
+    for i in range(m):
+        so_[i] = s[i]
+        do_[i] = d[i]
+        ln_[i] = n[i]
+    st_[0] = 0
+    k = 0
+    for g in range(ng):
+        if c[g]:
+            wh_[k] = g
+            st_[k + 1] = st_[k] + c[g]
+            k += 1
+    return so, do, ln, starts, which, total
+
+
 def count_messages(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
                    size_t iov, uint64_t max_write, uint64_t pack_min=0):
     """The native message rule, for checking kvxfer.wire.count_writes against it."""

@@ -8,9 +8,14 @@
  * order, so a context armed after a pass's last layer goes after it). An entry is shared by
  * its owner and the armed list (refs); its transfer's caller reference is the entry's.
  *
- * The thread never busy-spins: with nothing armed it sleeps on the condition variable; with
- * entries armed it waits on it with a short timeout (poll_ns, timer slack lowered to 1 us so
- * a 10 us wait is one), and kx_watcher_bump (a CPU model) signals it at once. Disarming an
+ * The thread never busy-spins: with nothing armed it sleeps on its own condition variable
+ * (wake); with entries armed it waits on it with a short timeout (poll_ns, timer slack lowered
+ * to 1 us so a 10 us wait is one), and kx_watcher_bump (a CPU model) signals it at once. With
+ * poll_ns 0 it never polls: armed or not it sleeps until a bump, an advance, an arm or the
+ * close signals wake (a counter only this process's CPU changes, through kx_watcher_bump and
+ * kx_watcher_advance; a word a kernel or another process writes needs the poll). wake is the
+ * thread's alone (the waiters on entries sleep on cond), so no signal meant for it can wake
+ * a waiter instead. Disarming an
  * entry that the thread is posting right now waits until that post returned, so the caller
  * learns exactly which entries were posted (the messenger's abort fence needs that). */
 #include "internal.h"
@@ -49,13 +54,14 @@ struct kx_watch {
 
 struct kx_watcher {
     pthread_mutex_t lock;
-    pthread_cond_t cond;       /* the thread sleeps here; waiters on entries too */
+    pthread_cond_t cond;       /* waiters on entries and on the thread's exit */
+    pthread_cond_t wake;       /* the thread alone sleeps here */
     pthread_t thread;
     int started, stop, leaked, exited;
     pid_t tid;
     volatile uint64_t *word;
     uint64_t *own_word;
-    int64_t poll_ns;
+    int64_t poll_ns;           /* 0: never polls (woken by bump, advance, arm, close) */
     cpu_set_t cpus;
     int pin;
     kx_watch *armed;           /* sorted by threshold */
@@ -128,15 +134,21 @@ static void *watcher_main(void *arg)
     pthread_mutex_lock(&w->lock);
     while (!w->stop) {
         if (!w->armed) {
-            pthread_cond_wait(&w->cond, &w->lock);
+            pthread_cond_wait(&w->wake, &w->lock);
             w->wakeups++;
             continue;
         }
+        /* read under the lock: a bump adds before it takes the lock to signal, so either this
+         * read sees its value or the signal comes after this thread waits (none is lost) */
         uint64_t v = __atomic_load_n(w->word, __ATOMIC_ACQUIRE);
         if (w->armed->threshold > v) {
-            struct timespec ts;
-            kx_deadline(&ts, w->poll_ns);
-            pthread_cond_timedwait(&w->cond, &w->lock, &ts);
+            if (w->poll_ns) {
+                struct timespec ts;
+                kx_deadline(&ts, w->poll_ns);
+                pthread_cond_timedwait(&w->wake, &w->lock, &ts);
+            } else {
+                pthread_cond_wait(&w->wake, &w->lock);
+            }
             w->wakeups++;
             continue;
         }
@@ -195,12 +207,13 @@ int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus,
         word = w->own_word;
     }
     w->word = word;
-    w->poll_ns = poll_ns > 0 ? poll_ns : 10000;
+    w->poll_ns = poll_ns >= 0 ? poll_ns : 10000;
     pthread_mutex_init(&w->lock, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&w->cond, &ca);
+    pthread_cond_init(&w->wake, &ca);
     pthread_condattr_destroy(&ca);
     CPU_ZERO(&w->cpus);
     for (int i = 0; i < ncpus; i++) {
@@ -211,6 +224,7 @@ int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus,
     int ret = pthread_create(&w->thread, NULL, watcher_main, w);
     if (ret) {
         pthread_cond_destroy(&w->cond);
+        pthread_cond_destroy(&w->wake);
         pthread_mutex_destroy(&w->lock);
         free(w->own_word);
         free(w);
@@ -247,7 +261,7 @@ uint64_t kx_watcher_bump(kx_watcher *w, uint64_t n)
     pthread_mutex_lock(&w->lock);
     if (w->armed && w->armed->threshold <= v && !w->bump_ns)
         w->bump_ns = now;
-    pthread_cond_signal(&w->cond);
+    pthread_cond_signal(&w->wake);
     pthread_mutex_unlock(&w->lock);
     return v;
 }
@@ -258,7 +272,7 @@ uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to)
     while (v < to && !__atomic_compare_exchange_n(w->word, &v, to, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         ;
     pthread_mutex_lock(&w->lock);
-    pthread_cond_signal(&w->cond);
+    pthread_cond_signal(&w->wake);
     pthread_mutex_unlock(&w->lock);
     return v < to ? to : v;
 }
@@ -354,7 +368,7 @@ int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, co
         w->narmed++;
     }
     if (ng)
-        pthread_cond_signal(&w->cond);
+        pthread_cond_signal(&w->wake);
     pthread_mutex_unlock(&w->lock);
     return 0;
 }
@@ -518,7 +532,7 @@ int kx_watcher_close(kx_watcher *w, int64_t timeout_ns)
         return 0;
     }
     w->stop = 1;
-    pthread_cond_broadcast(&w->cond);
+    pthread_cond_signal(&w->wake);
     struct timespec ts;
     kx_deadline(&ts, timeout_ns);
     while (!w->exited) {
@@ -567,6 +581,7 @@ void kx_watcher_free(kx_watcher *w)
     /* the owner frees its entries with kx_watch_free before the watcher (Cython keeps a
      * reference from each entry to its watcher) */
     pthread_cond_destroy(&w->cond);
+    pthread_cond_destroy(&w->wake);
     pthread_mutex_destroy(&w->lock);
     free(w->own_word);
     free(w);

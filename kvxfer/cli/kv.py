@@ -78,11 +78,14 @@ def token_list(text: str) -> list[int]:
 
 
 def poll_us(text: str) -> float:
-    """``--poll-us``: what ``Engine.watcher`` takes (positive, at most 1e9 µs), refused here
-    rather than by the spawned prefill process."""
-    v = positive_float(text)
-    if v > 1e9:
-        raise argparse.ArgumentTypeError(f"a poll interval in µs up to 1e9 expected, got {text!r}")
+    """``--poll-us``: what ``Engine.watcher`` takes (0: never polls, woken by each bump; else
+    at least 0.001 and at most 1e9 µs), refused here rather than by the spawned prefill process."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not (v == 0 or 1e-3 <= v <= 1e9):
+        raise argparse.ArgumentTypeError(f"a poll interval in µs, 0 or from 0.001 to 1e9, expected, got {text!r}")
     return v
 
 
@@ -142,7 +145,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-mib", type=positive_int, default=192,
                    help="cap one side's KV for a prompt at this (default 192)")
     p.add_argument("--provider", default="shm")
-    p.add_argument("--poll-us", type=poll_us, default=10.0, help="the watcher's poll interval while armed")
+    p.add_argument("--poll-us", type=poll_us, default=None,
+                   help="the watcher's poll interval while armed (default: the messenger's, 0 on a CPU counter: "
+                        "woken by each bump, never polls)")
     p.add_argument("--hot", action="store_true",
                    help="receive with hot=True: the decoder's progress threads poll while the request is in flight")
     p.add_argument("--json", metavar="FILE", type=writable_file)
@@ -185,7 +190,7 @@ def _prefill_main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="kvxfer.cli.kv _prefill")
     ap.add_argument("--provider", required=True)
-    ap.add_argument("--poll-us", type=float, default=10.0)
+    ap.add_argument("--poll-us", type=float, default=None)
     ap.add_argument("--rt", type=int, default=0)
     ap.add_argument("--progress-rt", type=int, default=0)
     args = ap.parse_args(argv)
@@ -286,9 +291,9 @@ def _sleep_until(t: float) -> None:
 
 class _Prefill:
     def __init__(self, args: Any) -> None:
+        poll = [] if args.poll_us is None else ["--poll-us", str(args.poll_us)]
         self.p = subprocess.Popen([sys.executable, "-m", "kvxfer.cli.kv", "_prefill", "--provider", args.provider,
-                                   "--poll-us", str(args.poll_us), "--rt", str(args.rt),
-                                   "--progress-rt", str(args.progress_rt)],
+                                   *poll, "--rt", str(args.rt), "--progress-rt", str(args.progress_rt)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         #: the SCHED_FIFO priority the prefill engine's progress threads got (0: none)
         self.progress_rt = int(self.read().get("progress_rt", 0))

@@ -61,7 +61,6 @@ __all__ = ["MessengerTransport", "prefill_node_main", "python_signals"]
 
 _CTX = mp.get_context("spawn")
 START_TIMEOUT = 90.0
-WATCH_POLL_US = 20000.0  #: the watcher's safety poll; every bump here is a CPU bump that signals it
 
 
 def python_signals() -> None:
@@ -94,11 +93,10 @@ def prefill_node_main(spec: dict[str, Any], conn: Any) -> None:
         eng = kvxfer.Engine(spec["provider"], "127.0.0.1")
         python_signals()
         workers = WorkerGroup(cfg, spec["tp"], spec["num_pages"], spec["chunk"], layer_signal=spec["stream"])
-        # the relay's CPU bump wakes the watcher at once; its poll (default 10 us while writes are
-        # armed, for a counter a GPU kernel writes) would only take a core from the TP ranks
+        # the relay's CPU bump wakes the watcher at once; the messenger's default for a CPU
+        # counter is no poll at all (a poll while writes are armed would take a core from the ranks)
         m = kvxfer.Messenger(eng, workers.layout, workers.sharding,
-                             {r: c.regions for r, c in enumerate(workers.caches)}, peer_timeout=spec["peer_timeout"],
-                             watch_poll_us=WATCH_POLL_US)
+                             {r: c.regions for r, c in enumerate(workers.caches)}, peer_timeout=spec["peer_timeout"])
         conn.send(("ready", m.handshake(), cfg.fingerprint(), os.getpid(), workers.pids))
         _serve(cfg, m, workers, conn, PagePool(spec["num_pages"]), spec["stream"])
     except BaseException:

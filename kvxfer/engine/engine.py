@@ -569,7 +569,7 @@ class Engine(_Writes, _Reads, _Counters, _Messages, _Permits):
         """A native counter watcher that posts armed writes when a counter reaches their
         threshold (see ``Watcher``); pinned to ``cpus`` (default: the engine's)."""
         self._check_open()
-        check_watch(poll_us, rt_priority)
+        check_watch(poll_us, rt_priority, polled=bool(word))
         word = _check_word(word)
         cpus = self.cpus if cpus is None else _check_cpus(cpus)
         w = Watcher(self, word, poll_us, cpus or (), keep, rt_priority)

@@ -27,13 +27,21 @@ if TYPE_CHECKING:
 MAX_POLL_US = 1e9
 
 
-def check_watch(poll_us, rt_priority, prefix: str = "") -> None:
-    """A watcher's poll interval (µs, positive, at most ``MAX_POLL_US``) and SCHED_FIFO
-    priority (0..99); ``prefix`` names them as the caller's options do (the messenger's
-    ``watch_``)."""
-    if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not 0 < poll_us <= MAX_POLL_US:
-        raise InvalidArgumentError(f"{prefix}poll_us must be a positive number up to {MAX_POLL_US:g}, "
+def check_watch(poll_us, rt_priority, prefix: str = "", *, polled: bool = False) -> None:
+    """A watcher's poll interval (µs, at most ``MAX_POLL_US``; 0: it never polls, only a
+    ``bump()``, ``advance()`` or arming wakes it) and SCHED_FIFO priority (0..99); ``prefix``
+    names them as the caller's options do (the messenger's ``watch_``). ``polled``: the counter
+    is written where no bump is seen (a caller's own word, a CUDA-mapped one), so 0 is refused:
+    the thread would never see it move."""
+    if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not 0 <= poll_us <= MAX_POLL_US:
+        raise InvalidArgumentError(f"{prefix}poll_us must be a number from 0 to {MAX_POLL_US:g}, "
                                    f"got {poll_us!r}")
+    if poll_us == 0 and polled:
+        raise InvalidArgumentError(f"{prefix}poll_us=0 (no polling) needs a counter that only bump() and "
+                                   "advance() change: this one is written elsewhere (a caller's word or a "
+                                   "CUDA-mapped one), so the watcher must poll it")
+    if 0 < poll_us < 1e-3:
+        raise InvalidArgumentError(f"{prefix}poll_us must be 0 or at least 0.001 (1 ns), got {poll_us!r}")
     as_int(rt_priority, f"{prefix}rt_priority", minimum=0, maximum=99)
 
 
@@ -113,7 +121,9 @@ class Watcher:
 
     ``word``: the counter's address; 0 lets the watcher allocate it (``ptr``). ``keep``: the
     owner of external memory, kept alive. The thread blocks when nothing is armed, polls every
-    ``poll_us`` while something is, and ``bump()`` wakes it at once. ``rt_priority`` > 0 asks
+    ``poll_us`` while something is, and ``bump()`` wakes it at once. ``poll_us=0`` (its own
+    word only): it never polls, armed or not; ``bump()``, ``advance()`` and arming wake it, and
+    a write to ``ptr`` by any other means is not seen until one of them. ``rt_priority`` > 0 asks
     for SCHED_FIFO (it sleeps between polls; ``stats()["rt"]`` says whether it was granted)."""
 
     def __init__(self, engine: "Engine", word: int = 0, poll_us: float = 10.0, cpus: Iterable[int] = (),

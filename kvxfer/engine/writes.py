@@ -198,8 +198,10 @@ class _Writes:
                     imm: Optional[int] = None, rail: Optional[int] = None) -> Transfer:
         """``write_groups`` over a checked ``RegionPairs`` table: group g is pair g with the
         next ``counts[g]`` triples of the concatenated ``src_offsets``, ``dst_offsets``,
-        ``lengths`` (a pair with count 0 posts nothing). One vectorised validation, one
-        native loop (GIL released), one ``Transfer``; nothing posted on bad input."""
+        ``lengths`` (a pair with count 0 posts nothing). One validation (a native pass,
+        ``_fabric.prepare_pairs``, for uint64 triples and int64 counts; numpy's checks for
+        any other input), one native loop (GIL released), one ``Transfer``; nothing posted
+        on bad input."""
         self._check_open()
         if not isinstance(pairs, RegionPairs) or pairs.engine is not self:
             raise InvalidArgumentError("pairs must come from this engine's region_pairs()")
@@ -211,6 +213,52 @@ class _Writes:
         imm = _check_imm(imm)
         if imm is not None and self._rails[0].cq_data_size < 4:
             raise UnsupportedError(f"provider {self.provider!r} carries no 32-bit immediate data")
+        # uint64 triples and int64 counts (what the messenger's templates give): one native
+        # pass checks and copies them; anything else takes the checks below, which name it
+        fast = _fabric.prepare_pairs(src_offsets, dst_offsets, lengths, counts)
+        if fast is not None and len(counts) == len(pairs):
+            so, do, ln, starts, which, nbytes = fast
+            c = None                          # the posting groups' counts: np.diff(starts)
+        else:
+            so, do, ln, starts, which, c = self._pair_args(pairs, src_offsets, dst_offsets, lengths, counts)
+            nbytes = int(ln.sum()) if len(ln) else 0
+        bad = _fabric.check_groups(so, do, ln, starts, which, pairs.src_sizes, pairs.dst_sizes)
+        if bad is not None:
+            g, side, i, end = bad
+            p = int(which[g])
+            size = int((pairs.dst_sizes if side else pairs.src_sizes)[p])
+            raise OutOfBoundsError(f"group {p}: {'destination' if side else 'source'} write {i} ends at byte {end}, "
+                                   f"beyond the {size}-byte {'remote ' if side else ''}region")
+        nr = len(self._rails)
+        if rail is not None or nr == 1:
+            k = 0 if rail is None else rail
+            sets = [self._rails[k].write_groups(peer.fi_addrs[k], peer.gens[k], pairs.handles[k], pairs.dst_base, pairs.keys[k],
+                                                pairs.directs, which, so, do, ln, starts, imm, self.iov, self.max_write,
+                                                pairs.pack_mins)]
+        else:
+            if c is None:
+                c = np.diff(starts)
+            sets = []
+            for k in range(nr):
+                # each group cut over the rails as write_batch cuts it (wire.stripe_bounds)
+                lo, hi = c * k // nr, c * (k + 1) // nr
+                sel = np.flatnonzero(hi > lo)
+                if not len(sel):
+                    continue
+                lens = (hi - lo)[sel]
+                st = np.zeros(len(sel) + 1, np.int64)
+                np.cumsum(lens, out=st[1:])
+                # rail k's triples: [starts[g] + lo[g], starts[g] + hi[g]) of each selected group g
+                idx = np.repeat(starts[sel] + lo[sel] - st[:-1], lens) + np.arange(int(st[-1]))
+                sets.append(self._rails[k].write_groups(peer.fi_addrs[k], peer.gens[k], pairs.handles[k], pairs.dst_base,
+                                                        pairs.keys[k], pairs.directs, which[sel], so[idx], do[idx],
+                                                        ln[idx], st, imm, self.iov, self.max_write, pairs.pack_mins))
+        return Transfer(sets, nbytes, imm)
+
+    @staticmethod
+    def _pair_args(pairs: "RegionPairs", src_offsets: Any, dst_offsets: Any, lengths: Any, counts: Any) -> tuple:
+        """``write_pairs``' checks of anything ``prepare_pairs`` does not take: ``(so, do,
+        ln, starts, which, c)`` (c: the posting groups' counts), or the precise error."""
         so = _as_offsets(src_offsets, "src_offsets")
         do = _as_offsets(dst_offsets, "dst_offsets")
         ln = _as_offsets(lengths, "lengths")
@@ -233,36 +281,7 @@ class _Writes:
             c = c[which]
         starts = np.zeros(len(c) + 1, np.int64)
         np.cumsum(c, out=starts[1:])
-        bad = _fabric.check_groups(so, do, ln, starts, which, pairs.src_sizes, pairs.dst_sizes)
-        if bad is not None:
-            g, side, i, end = bad
-            p = int(which[g])
-            size = int((pairs.dst_sizes if side else pairs.src_sizes)[p])
-            raise OutOfBoundsError(f"group {p}: {'destination' if side else 'source'} write {i} ends at byte {end}, "
-                                   f"beyond the {size}-byte {'remote ' if side else ''}region")
-        nr = len(self._rails)
-        if rail is not None or nr == 1:
-            k = 0 if rail is None else rail
-            sets = [self._rails[k].write_groups(peer.fi_addrs[k], peer.gens[k], pairs.handles[k], pairs.dst_base, pairs.keys[k],
-                                                pairs.directs, which, so, do, ln, starts, imm, self.iov, self.max_write,
-                                                pairs.pack_mins)]
-        else:
-            sets = []
-            for k in range(nr):
-                # each group cut over the rails as write_batch cuts it (wire.stripe_bounds)
-                lo, hi = c * k // nr, c * (k + 1) // nr
-                sel = np.flatnonzero(hi > lo)
-                if not len(sel):
-                    continue
-                lens = (hi - lo)[sel]
-                st = np.zeros(len(sel) + 1, np.int64)
-                np.cumsum(lens, out=st[1:])
-                # rail k's triples: [starts[g] + lo[g], starts[g] + hi[g]) of each selected group g
-                idx = np.repeat(starts[sel] + lo[sel] - st[:-1], lens) + np.arange(int(st[-1]))
-                sets.append(self._rails[k].write_groups(peer.fi_addrs[k], peer.gens[k], pairs.handles[k], pairs.dst_base,
-                                                        pairs.keys[k], pairs.directs, which[sel], so[idx], do[idx],
-                                                        ln[idx], st, imm, self.iov, self.max_write, pairs.pack_mins))
-        return Transfer(sets, int(ln.sum()) if len(ln) else 0, imm)
+        return so, do, ln, starts, which, c
 
     def nearest_rail(self, placement: Any) -> Optional[int]:
         """The local rail nearest to a ``Placement`` (from ``Topology.assign``): the first of

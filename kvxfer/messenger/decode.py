@@ -44,7 +44,7 @@ from kvxfer.messenger._node import FINAL, Node
 from kvxfer.messenger.peers import PeerGroup, Peers, context_stride
 from kvxfer.messenger.pullrecv import PullReader
 from kvxfer.messenger.receive import Leg, Receive
-from kvxfer.planner import request_seed, writing_ranks
+from kvxfer.planner import chooses_replicas, request_seed, writing_ranks
 
 __all__ = ["Receive", "Leg", "Decoder", "IMM_LIMIT"]     # Receive and Leg live in receive.py
 
@@ -109,8 +109,7 @@ class Decoder(PullReader):
         # is ceil(num_tokens / the source's page size) long (planner: "Page sizes that differ")
         src_n = len(pages) if first.layout.page_size == self.layout.page_size and not first_token else \
             prefix.source_pages(num_tokens, first_token, first.layout.page_size, ps)
-        writers = writing_ranks(first.layout, first.sharding, self.layout, self.sharding, self.ranks, src_n,
-                                seed=request_seed(rid_bytes))
+        writers = self._writers(first, src_n, rid_bytes)
         by_rank = {r: pg for pg in groups for r in pg.ranks}
         missing = [s for s in writers if s not in by_rank]
         if missing:
@@ -174,6 +173,22 @@ class Decoder(PullReader):
             for leg in legs:              # sent from here, no hand-off (or by the sender thread)
                 self.peers.flush(leg.peer)
         return r
+
+    def _writers(self, first: PeerGroup, src_n: int, rid_bytes: bytes) -> tuple[int, ...]:
+        """The source ranks that write a request of ``src_n`` source pages from ``first``'s
+        instance (``writing_ranks``). Where the source draws no replicas they depend on the
+        page count alone: kept per peer (its ``cache``, at most 64 counts), no seed hashed."""
+        if chooses_replicas(first.layout, first.sharding):
+            return writing_ranks(first.layout, first.sharding, self.layout, self.sharding, self.ranks, src_n,
+                                 seed=request_seed(rid_bytes))
+        memo = first.cache.setdefault("writers", {})
+        w = memo.get(src_n)
+        if w is None:
+            if len(memo) >= 64:
+                memo.clear()
+            w = memo[src_n] = writing_ranks(first.layout, first.sharding, self.layout, self.sharding, self.ranks,
+                                            src_n)
+        return w
 
     def _post_requests(self, r: Receive, wake: bool = True) -> None:
         """Under the lock: every leg's REQUEST to its outbox (no wait on the engine); the sender
@@ -421,10 +436,10 @@ class Decoder(PullReader):
             self.fail(r, exc)
             return
         leg.counter = c
+        if c.done:                         # everything had landed already: no thread hop
+            self.on_counter(r, leg)        # (final: wakes a caller in Receive.wait once, not twice)
         if all(x.counter is not None for x in r.legs):
             r._armed.set()                 # a caller in Receive.wait now waits natively
-        if c.done:                         # everything had landed already: no thread hop
-            self.on_counter(r, leg)
 
     def on_aborted(self, pg: PeerGroup, m: C.Control) -> None:
         r, leg = self._leg_of(pg, m.imm)

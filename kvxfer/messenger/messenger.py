@@ -148,7 +148,11 @@ class Messenger:
     kvxfer/messenger/stream.py): ``counter_device`` puts the layer counter in pinned host
     memory mapped into that CUDA device; ``watch_poll_us``, ``watch_cpus`` and
     ``watch_rt_priority`` tune its native watcher thread (poll interval while writes are
-    armed, CPUs to pin to, SCHED_FIFO). ``offer_pull``: register the regions readable too and
+    armed, CPUs to pin to, SCHED_FIFO). ``watch_poll_us`` None (the default): 10 µs with
+    ``counter_device`` (a kernel's bumps are seen only by polling), else 0: the watcher never
+    polls and each ``LayerCounter.bump()`` wakes it (armed and polling every 10 µs it took
+    half a core here). A CPU counter written other than by ``bump()`` (a native kernel
+    writing ``LayerCounter.ptr``) needs a poll interval; 0 is refused with ``counter_device``. ``offer_pull``: register the regions readable too and
     put their reads-only descriptors in the handshake, so decoders may ``receive(...,
     pull=True)`` from this messenger (it then exposes a request's pages and holds them until
     the decoder's reads are done: docs/messenger.md, "Push or pull").
@@ -159,7 +163,7 @@ class Messenger:
                  peer_timeout: float = 10.0, secret: Optional[bytes] = None,
                  on_request: Optional[Callable[[Request], Any]] = None, inline_requests: bool = False,
                  placements: Optional[Mapping[int, Any]] = None, counter_device: Optional[int] = None,
-                 watch_poll_us: float = 10.0, watch_cpus: Optional[Iterable[int]] = None,
+                 watch_poll_us: Optional[float] = None, watch_cpus: Optional[Iterable[int]] = None,
                  watch_rt_priority: int = 0, offer_pull: bool = False) -> None:
         from kvxfer.engine import Engine, check_watch      # here: the codecs import without libfabric
 
@@ -183,7 +187,10 @@ class Messenger:
             raise InvalidArgumentError(f"context_bytes {context_bytes} exceeds one message of this engine")
         if counter_device is not None and (not is_int(counter_device) or counter_device < 0):
             raise InvalidArgumentError(f"counter_device must be a CUDA device ordinal, got {counter_device!r}")
-        check_watch(watch_poll_us, watch_rt_priority, "watch_")      # Engine.watcher's own check, up front
+        # Engine.watcher's own check, up front (a CUDA-mapped counter is only seen by polling)
+        if watch_poll_us is None:
+            watch_poll_us = 10.0 if counter_device is not None else 0.0
+        check_watch(watch_poll_us, watch_rt_priority, "watch_", polled=counter_device is not None)
         if not isinstance(offer_pull, bool):
             raise InvalidArgumentError(f"offer_pull must be a bool, got {offer_pull!r}")
         poll_us, rt = float(watch_poll_us), int(watch_rt_priority)

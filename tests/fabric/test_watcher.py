@@ -174,8 +174,12 @@ def test_bad_input_arms_nothing(pair):
         w.arm(-1, ms, peer, rd, [0], [0], [1])
     with pytest.raises(InvalidArgumentError):
         w.arm(1, ms, peer, rd, [0], [0], [1], rail=3)
-    with pytest.raises(InvalidArgumentError):
-        a.watcher(poll_us=0)
+    word = np.zeros(1, np.uint64)
+    for poll in (-1, 1e-4, float("nan"), 2e9):    # 1e-4 µs would be 0 ns: no polling unasked
+        with pytest.raises(InvalidArgumentError):
+            a.watcher(poll_us=poll)
+    with pytest.raises(InvalidArgumentError, match="poll_us=0"):
+        a.watcher(word=word.ctypes.data, keep=word, poll_us=0)   # written elsewhere: must be polled
     # what would reach native code unchecked: every one a kvxfer error, nothing armed
     bad = [lambda: w.arm(1, ms, peer, rd, [0], [0], [1], rail=0.0),
            lambda: w.arm(1, ms, peer, rd, [0], [0], [1], tag="x"),
@@ -222,6 +226,43 @@ def test_blocks_when_idle_and_bump_from_another_thread(pair):
     t.join(5)
     e.wait(10)
     b.expect(3, e.num_writes).wait(10)
+
+
+def test_a_watcher_that_does_not_poll_sleeps_while_armed_and_wakes_on_bump(pair):
+    """``poll_us=0``: armed or not, the thread sleeps (a handful of wake-ups in 200 ms, where
+    a 10 µs poll makes thousands) until a bump, an advance or an arming due at once wakes it;
+    callers waiting on entries meanwhile sleep on another condition variable than the thread,
+    so a bump's signal cannot wake one of them instead (with one shared, glibc's condition
+    variable happened to wake the thread first in three runs: this shows the behaviour, it
+    does not catch that mistake)."""
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher(poll_us=0)
+    e1 = w.arm(1, ms, peer, rd, *_layer(0), imm=5)
+    e2 = w.arm(2, ms, peer, rd, *_layer(1), imm=5)
+    time.sleep(0.2)
+    assert w.stats()["wakeups"] < 5 and e1.state == "armed"
+    waiters = [threading.Thread(target=e.wait, args=(10,)) for e in (e1, e2) for _ in range(2)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.05)                           # the waiters sleep on the entries' condition
+    t = threading.Thread(target=w.bump)
+    t.start()
+    t.join(5)
+    e1.wait(10)
+    assert e1.state == "posted" and e2.state == "armed"
+    assert w.advance(2) == 2
+    e2.wait(10)
+    e3 = w.arm(2, ms, peer, rd, *_layer(2), imm=5)     # due when armed: the arming wakes it
+    e3.wait(10)
+    for t in waiters:
+        t.join(10)
+        assert not t.is_alive()
+    b.expect(5, e1.num_writes + e2.num_writes + e3.num_writes).wait(10)
+    for l in range(3):
+        for o, _, n in zip(*_layer(l)):
+            assert np.array_equal(dst[int(o):int(o) + int(n)], src[int(o):int(o) + int(n)])
+    w.close()
 
 
 def test_engine_close_stops_armed_watchers(provider):

@@ -191,3 +191,51 @@ def test_disarm_racing_fire_is_exact(prov):
     finally:
         a.close()
         b.close()
+
+
+# -- the watcher of a CPU counter does not poll -------------------------------------------------
+def test_a_cpu_layer_counter_is_not_polled_and_its_bumps_stream(provider):
+    """The messenger's default on a CPU counter (no ``counter_device``): its watcher never
+    polls, armed or not (a handful of wake-ups while a pass waits 200 ms, where a 10 µs poll
+    makes thousands and takes half a core here); each ``bump()`` still wakes it, so the
+    layers stream and the request completes byte-exact. ``watch_poll_us=0`` with a device
+    counter is refused before anything is made."""
+    import time
+
+    from kvxfer import KVLayout, Sharding
+
+    lay = KVLayout.vllm(4, 2, 8, 4, 16, "float16")
+    node = None if provider.startswith("shm") else "127.0.0.1"
+    ea, eb = kvxfer.Engine(provider, node), kvxfer.Engine(provider, node)
+    p = d = None
+    try:
+        kvp = {0: [np.random.default_rng(3).integers(0, 256, s, dtype=np.uint8) for s in lay.region_sizes(Sharding(1))]}
+        kvd = {0: [np.zeros(s, np.uint8) for s in lay.region_sizes(Sharding(1))]}
+        with pytest.raises(InvalidArgumentError, match="poll_us=0"):
+            kvxfer.Messenger(ea, lay, Sharding(1), kvp, counter_device=0, watch_poll_us=0)
+        p = kvxfer.Messenger(ea, lay, Sharding(1), kvp, peer_timeout=30)
+        d = kvxfer.Messenger(eb, lay, Sharding(1), kvd, peer_timeout=30)
+        pg = d.connect(p.handshake())
+        r = d.receive(pg, "r", [5, 9], 8)
+        (req,) = p.requests(timeout=30)
+        s = p.stream(req)
+        lc = p.layer_counter
+        p.schedule([(s, 0, 8, [2, 3])])
+        s.finish()
+        w0 = lc.stats()["wakeups"]
+        time.sleep(0.2)
+        assert lc.stats()["wakeups"] - w0 < 5 and lc.stats()["armed"] > 0
+        for _ in range(lay.num_layers):
+            lc.bump()
+        r.wait(30)
+        assert r.state == "done"
+        for src, dst in zip(kvp[0], kvd[0]):
+            sv, dv = src.reshape(lay.num_pages, -1), dst.reshape(lay.num_pages, -1)   # a page: its K, then V
+            assert np.array_equal(dv[[5, 9]], sv[[2, 3]])
+            assert not np.delete(dv, [5, 9], axis=0).any()
+    finally:
+        for m in (d, p):
+            if m is not None:
+                m.close()
+        ea.close()
+        eb.close()

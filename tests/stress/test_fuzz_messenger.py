@@ -774,7 +774,8 @@ OPTIONS = st.fixed_dictionaries({
     "placements": _mostly(st.sampled_from([None, {0: 0}]), st.one_of(st.sampled_from([{0: 5}, {1: 0}, {0: "x"}]),
                                                                       flag_junk), 7),
     "counter_device": _mostly(st.none(), st.one_of(st.just(0), flag_junk), 7),
-    "watch_poll_us": _mostly(st.floats(0.5, 100), st.one_of(st.floats(1e9, 1e300), flag_junk), 7),
+    "watch_poll_us": _mostly(st.one_of(st.floats(0.5, 100), st.sampled_from([0, 0.0, None])),
+                             st.one_of(st.floats(1e9, 1e300), flag_junk), 7),
     "watch_cpus": _mostly(st.sampled_from([None, sorted(os.sched_getaffinity(0))[:1]]), flag_junk, 7),
     "watch_rt_priority": _mostly(st.just(0), st.one_of(st.integers(-1, 100), flag_junk), 7),
 })
