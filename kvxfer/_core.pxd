@@ -64,6 +64,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
         int64_t outstanding
         uint64_t drives
         uint64_t drives_got
+        uint64_t naps
 
     ctypedef struct kx_transfer_state:
         int64_t planned

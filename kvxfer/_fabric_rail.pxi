@@ -173,7 +173,8 @@ cdef class Rail:
         return {"writes_posted": s.writes_posted, "direct_writes": s.direct_writes,
                 "direct_revoked": s.direct_revoked, "errors": s.errors,
                 "outstanding": s.outstanding, "bell_rings": s.bell_rings, "bell_wakes": s.bell_wakes,
-                "dead_answered": s.dead_answered, "drives": s.drives, "drives_got": s.drives_got}
+                "dead_answered": s.dead_answered, "drives": s.drives, "drives_got": s.drives_got,
+                "naps": s.naps}
 
     # -- addresses -------------------------------------------------------------------------
     def getname(self):

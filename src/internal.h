@@ -241,6 +241,10 @@ struct kx_rail {
     uint64_t stat_bell_wakes;  /* sleeps of our progress thread that a peer's ring ended */
     uint64_t stat_drives;      /* waits that drove progress themselves (progress.c, kx_drive) */
     uint64_t stat_drives_got;  /* ... and got what they waited for within their window */
+    uint64_t stat_naps;        /* pauses the progress thread napped, the core being contended (progress.c) */
+    int long_yields;           /* progress thread's own: long yields in a row */
+    int64_t probe_ns;          /* progress thread's own: a yield took a slice (the core is contended), so it
+                                * sleeps instead of yielding until this time, then yields once again */
 
     struct kx_bell *bell;  /* shm: our doorbell (bell.c), NULL without one */
     char *bell_path;
@@ -252,6 +256,9 @@ static inline int64_t kx_now_ns(void)
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
+
+/* Ask for a short scheduler slice for the calling thread (sched.c): 0, or -errno */
+int kx_sched_short_slice(void);
 
 /* One step of a bounded wait on another thread or process (a peer's lock, a permit's
  * writers): a live holder lets go within microseconds, so yield the first 64 times, then nap

@@ -19,7 +19,8 @@
  *
  * Blocking mode (the default, for 2-core machines): while tx operations are outstanding, or
  * for a short window after the last completion, the thread polls with sched_yield between
- * empty reads (naps at SCHED_FIFO, below); otherwise it blocks: poll() on the CQ's wait fd
+ * empty reads (sleeps briefly where a yield took a millisecond, the core being contended, and
+ * naps at SCHED_FIFO: kx_progress_pause); otherwise it blocks: poll() on the CQ's wait fd
  * after fi_trywait where the provider has one (tcp), fi_cq_sread where it has a wait object
  * but no fd, else (shm) a futex wait on the rail's doorbell (bell.c) with an exponential
  * back-off capped at 10 ms, or a condition-variable wait capped at 1 ms where it has no
@@ -38,6 +39,7 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -48,7 +50,9 @@
                                                * back-off only serves writers without one */
 #define KX_RECENT_NS        10000000LL   /* ... if the rail was busy this recently (or has ops out) */
 #define KX_PARK_NS          1000000LL    /* a parked progress thread looks again after this */
-#define KX_RT_NAP_NS        20000L       /* at SCHED_FIFO: the pause between empty polls */
+#define KX_RT_NAP_NS        20000L       /* at SCHED_FIFO, or on a contended core: the pause between empty polls */
+#define KX_YIELD_LONG_NS    1000000LL    /* a yield that took longer: another thread ran its slice, the core is contended */
+#define KX_CONTENDED_NS     100000000LL  /* ... nap instead of yielding for this long, then yield again */
 
 /* KVXFER_DRIVE_US: microseconds a waiter drives progress before it blocks; unset: the
  * defaults below, 0: never. On the 2-core machine it was measured on (docs/benchmarks.md,
@@ -136,15 +140,60 @@ void kx_progress_rt_await(kx_rail *r)
     }
 }
 
-/* block mode's pause between empty polls: sched_yield, or at SCHED_FIFO a short nap (a FIFO
- * thread's yield lets no normal thread run) */
-static void kx_progress_pause(const kx_rail *r)
+/* Sleep on the CQ's wait fd for up to `ms` without holding poll_owner, so a waiter that starts
+ * to drive never waits for this thread to be scheduled again; fi_trywait says whether sleeping
+ * is safe (nothing is left to read) */
+static void kx_sleep_on_fd(kx_rail *r, int wait_fd, int ms)
+{
+    struct fid *cqfid = &r->cq->fid;
+    if (fi_trywait(r->fabric, &cqfid, 1) == FI_SUCCESS) {
+        struct pollfd pfd = {.fd = wait_fd, .events = POLLIN};
+        poll(&pfd, 1, ms);
+    }
+}
+
+/* block mode's pause between empty polls: sched_yield, or a short nap where a yield would
+ * not come back soon. At SCHED_FIFO always a nap (a FIFO thread's yield lets no normal thread
+ * run). At normal scheduling a yield to a busy thread of the same core lasts that thread's
+ * slice (1.4 ms on average, up to 4 ms, measured beside a busy loop on this 2-core VM's
+ * kernel; 0.4 us when nothing else runs), and the thread reads nothing meanwhile: on tcp, which
+ * needs both progress threads turn by turn per message, that was item 3's backlog. So a
+ * yield that took over KX_YIELD_LONG_NS, twice in a row (one may be a stray preemption),
+ * marks the core contended; the pauses then sleep (a sleeper's wake-up preempts the busy
+ * thread), on the CQ's fd for up to 1 ms where the provider has one (tcp: a socket's data
+ * wakes it; whether its send room does was not checked), else for KX_RT_NAP_NS, and yield
+ * once more only after KX_CONTENDED_NS, to see whether the core is free again (stats: naps;
+ * figures: docs/benchmarks.md, issue 28 item 3, bench/busy_core.c). */
+static void kx_progress_pause(kx_rail *r, int wait_fd)
 {
     if (r->rt > 0) {
         struct timespec ts = {0, KX_RT_NAP_NS};
         nanosleep(&ts, NULL);
+        return;
+    }
+    int64_t t0 = kx_now_ns();
+    if (t0 < r->probe_ns) {
+        __atomic_add_fetch(&r->stat_naps, 1, __ATOMIC_RELAXED);
+        if (wait_fd >= 0) {
+            /* tcp: sleep on the CQ's fd, which a socket's data wakes (a 20 us nap
+             * between polls halved a 16 KiB x 4096 write on a quiet machine: the socket
+             * drains faster than that) */
+            kx_sleep_on_fd(r, wait_fd, 1);
+            return;
+        }
+        struct timespec ts = {0, KX_RT_NAP_NS};
+        nanosleep(&ts, NULL);
+        return;
+    }
+    sched_yield();
+    int64_t t1 = kx_now_ns();
+    if (t1 - t0 > KX_YIELD_LONG_NS) {
+        if (++r->long_yields >= 2) {
+            r->probe_ns = t1 + KX_CONTENDED_NS;
+            r->long_yields = 0;
+        }
     } else {
-        sched_yield();
+        r->long_yields = 0;
     }
 }
 
@@ -388,9 +437,12 @@ static int kx_drive(kx_rail *r, const int *flag, void *const *ptr, int64_t windo
         }
         if (n > 0)
             continue;
-        if (kx_now_ns() >= end)
+        int64_t t0 = kx_now_ns();
+        if (t0 >= end)
             break;
         sched_yield();        /* 2 cores: let the peer (or our own progress thread) run */
+        if (kx_now_ns() - t0 > KX_YIELD_LONG_NS)
+            break;            /* a contended core (kx_progress_pause): block, let the progress thread read */
     }
     __atomic_store_n(&r->drive_got, got, __ATOMIC_RELAXED);
     __atomic_add_fetch(&r->stat_drives, 1, __ATOMIC_RELAXED);
@@ -490,6 +542,7 @@ void *kx_progress_main(void *arg)
     if (r->pin)
         pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &r->cpus);
     kx_progress_rt_self(r);
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);   /* 1 us: a 20 us nap is one, not 70 */
     kx_drive_windows(r);
     int wait_fd = -1;      /* the CQ's wait fd, where the provider exposes it (tcp) */
     if (r->has_wait && fi_control(&r->cq->fid, FI_GETWAIT, &wait_fd) != 0)
@@ -525,7 +578,7 @@ void *kx_progress_main(void *arg)
         int64_t outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_RELAXED) + (r->q_head != NULL)
                               + __atomic_load_n(&r->awake, __ATOMIC_RELAXED);
         if (quiet < KX_SPIN_WINDOW_NS || (outstanding > 0 && quiet < KX_STALL_NS)) {
-            kx_progress_pause(r);
+            kx_progress_pause(r, wait_fd);
             continue;
         }
         /* idle: block. Announce it first, then look again, so a post (or a driver) that
@@ -540,14 +593,7 @@ void *kx_progress_main(void *arg)
             continue;
         }
         if (r->has_wait && outstanding == 0 && wait_fd >= 0) {
-            /* sleep on the CQ's fd without holding poll_owner, so a waiter that starts to
-             * drive never waits for this thread to be scheduled again; fi_trywait says
-             * whether sleeping is safe (nothing is left to read) */
-            struct fid *cqfid = &r->cq->fid;
-            if (fi_trywait(r->fabric, &cqfid, 1) == FI_SUCCESS) {
-                struct pollfd pfd = {.fd = wait_fd, .events = POLLIN};
-                poll(&pfd, 1, 50);
-            }
+            kx_sleep_on_fd(r, wait_fd, 50);
             __atomic_store_n(&r->sleeping, 0, __ATOMIC_SEQ_CST);
             continue;
         }

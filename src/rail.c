@@ -438,6 +438,7 @@ void kx_rail_get_stats(const kx_rail *r, kx_rail_stats *out)
     out->outstanding = __atomic_load_n(&r->outstanding, __ATOMIC_RELAXED);
     out->drives = __atomic_load_n(&r->stat_drives, __ATOMIC_RELAXED);
     out->drives_got = __atomic_load_n(&r->stat_drives_got, __ATOMIC_RELAXED);
+    out->naps = __atomic_load_n(&r->stat_naps, __ATOMIC_RELAXED);
 }
 
 int kx_rail_thread_id(const kx_rail *r) { return (int)r->tid; }

@@ -72,6 +72,7 @@ struct kx_watcher {
     size_t nlat;
     uint64_t fired, wakeups;
     int rt;                    /* SCHED_FIFO priority it runs at, 0 if none */
+    int rt_wanted;             /* ... the priority asked for (set before the thread starts) */
 };
 
 static void watch_release_locked(kx_watcher *w, kx_watch *e, int *free_it)
@@ -131,6 +132,8 @@ static void *watcher_main(void *arg)
     kx_watcher *w = arg;
     w->tid = (pid_t)syscall(SYS_gettid);
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);   /* 1 us: a 10 us wait really is one */
+    if (w->rt_wanted <= 0)
+        kx_sched_short_slice();   /* a bump wakes it past a busy thread of its core */
     pthread_mutex_lock(&w->lock);
     while (!w->stop) {
         if (!w->armed) {
@@ -221,6 +224,7 @@ int kx_watcher_open(uint64_t *word, int64_t poll_ns, const int *cpus, int ncpus,
             CPU_SET(cpus[i], &w->cpus);
     }
     w->pin = ncpus > 0;
+    w->rt_wanted = rt_priority;
     int ret = pthread_create(&w->thread, NULL, watcher_main, w);
     if (ret) {
         pthread_cond_destroy(&w->cond);

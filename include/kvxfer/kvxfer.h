@@ -61,6 +61,7 @@ typedef struct kx_rail_stats {
     int64_t outstanding;   /* operations posted and not completed */
     uint64_t drives;       /* waits in which the waiter read the CQ itself (KVXFER_DRIVE_US, a small transfer on shm) */
     uint64_t drives_got;   /* ... and saw what it waited for before its window passed */
+    uint64_t naps;         /* pauses of the progress thread that napped: its core was contended */
 } kx_rail_stats;
 
 typedef struct kx_transfer_state {

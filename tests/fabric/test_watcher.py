@@ -4,6 +4,7 @@ exactly what was posted; bad input posts nothing; close with entries armed."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -307,3 +308,46 @@ def test_arm_groups_matches_arm(pair):
         w.arm_groups([1], ms, peer, rd, [0], [0], [1], [0, 2])
     with pytest.raises(OutOfBoundsError):
         w.arm_groups([1], ms, peer, rd, [0], [len(dst)], [1], [0, 1])
+
+
+def _slice_ns(tid):
+    """The thread's EEVDF slice from /proc (se.slice), or None where the kernel shows none."""
+    try:
+        with open(f"/proc/self/task/{tid}/sched") as f:
+            for line in f:
+                if line.startswith("se.slice"):
+                    return int(float(line.split(":")[1]))
+    except OSError:
+        pass
+    return None
+
+
+def _custom_slices():
+    """Linux >= 6.12: a normal thread's sched_setattr runtime sets its slice."""
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    return (major, minor) >= (6, 12)
+
+
+@pytest.mark.parametrize("env, want", [(None, 100_000), ("250", 250_000), ("0", None)])
+def test_watcher_asks_for_a_short_slice(engine, monkeypatch, env, want):
+    """The watcher thread asks for a 100 us slice (src/sched.c), KVXFER_SLICE_US another, 0 none."""
+    if env is None:
+        monkeypatch.delenv("KVXFER_SLICE_US", raising=False)
+    else:
+        monkeypatch.setenv("KVXFER_SLICE_US", env)
+    w = engine.watcher()
+    try:
+        deadline = time.monotonic() + 5
+        while w.stats()["tid"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.05)                    # the thread sets its slice first thing
+        got = _slice_ns(w.stats()["tid"])
+        if got is None or not _custom_slices():
+            pytest.skip(f"kernel {os.uname().release} has no per-thread slice")
+        main = _slice_ns(threading.get_native_id())
+        if want is None:
+            assert got == main               # the kernel's own, as this thread's
+        else:
+            assert got == want and main != want
+    finally:
+        w.close()
