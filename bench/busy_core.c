@@ -5,11 +5,13 @@
  * busy loop pinned there too measures:
  *   - sched_yield(): how long until it runs again (the busy loop's slice);
  *   - a 20 us nanosleep;
- *   - a wake-up through a pipe written from CPU 1, at the kernel's slice and at a slice of
- *     SLICE_US (sched_setattr's runtime for a normal thread: Linux >= 6.12's EEVDF).
+ *   - a wake-up through a pipe written from CPU 1, at the kernel's slice and at the watcher's
+ *     (kx_sched_short_slice, src/sched.c: 100 us unless KVXFER_SLICE_US says otherwise;
+ *     Linux >= 6.12's EEVDF).
  * With "quiet" as the first argument there is no busy loop.
  *
- *     cc -O2 -pthread -o /tmp/busy_core bench/busy_core.c && /tmp/busy_core && /tmp/busy_core quiet
+ *     cc -O2 -pthread -Iinclude -Isrc -o /tmp/busy_core bench/busy_core.c src/sched.c \
+ *         && /tmp/busy_core && /tmp/busy_core quiet
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -18,13 +20,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "internal.h"
+
 #define N_WAKES 2000
-#define SLICE_US 100
 
 static int64_t now_ns(void)
 {
@@ -39,19 +40,6 @@ static void pin(int cpu)
     CPU_ZERO(&s);
     CPU_SET(cpu, &s);
     pthread_setaffinity_np(pthread_self(), sizeof(s), &s);
-}
-
-static int set_slice_us(long us)
-{
-    struct {
-        uint32_t size, policy;
-        uint64_t flags;
-        int32_t nice;
-        uint32_t priority;
-        uint64_t runtime, deadline, period;
-    } attr = {.size = 48, .policy = SCHED_OTHER, .nice = getpriority(PRIO_PROCESS, 0),
-              .runtime = (uint64_t)us * 1000};
-    return (int)syscall(SYS_sched_setattr, 0, &attr, 0);
 }
 
 static void *busy(void *arg)
@@ -75,20 +63,21 @@ static void report(const char *what, int64_t *v, int n)
     for (int i = 0; i < n; i++)
         sum += v[i];
     qsort(v, n, sizeof(*v), cmp64);
-    printf("%-28s mean %8.1f us  p50 %8.1f  p99 %8.1f  max %8.1f\n", what, sum / 1e3 / n, v[n / 2] / 1e3,
+    printf("%-30s mean %8.1f us  p50 %8.1f  p99 %8.1f  max %8.1f\n", what, sum / 1e3 / n, v[n / 2] / 1e3,
            v[n * 99 / 100] / 1e3, v[n - 1] / 1e3);
 }
 
 static int pipe_fd[2];
-static long wakee_slice;
+static int wakee_short;
 static int64_t samples[N_WAKES];
 
 static void *wakee(void *arg)
 {
     (void)arg;
     pin(0);
-    if (wakee_slice > 0 && set_slice_us(wakee_slice) != 0)
-        perror("sched_setattr");
+    int err = wakee_short ? kx_sched_short_slice() : 0;
+    if (err)
+        fprintf(stderr, "kx_sched_short_slice: %s\n", strerror(-err));
     for (int i = 0; i < N_WAKES; i++) {
         int64_t t;
         if (read(pipe_fd[0], &t, sizeof(t)) != sizeof(t))
@@ -98,10 +87,10 @@ static void *wakee(void *arg)
     return NULL;
 }
 
-static void wakeups(long slice_us)
+static void wakeups(int short_slice)
 {
     pthread_t w;
-    wakee_slice = slice_us;
+    wakee_short = short_slice;
     pthread_create(&w, NULL, wakee, NULL);
     usleep(10000);
     for (int i = 0; i < N_WAKES; i++) {
@@ -111,12 +100,7 @@ static void wakeups(long slice_us)
             exit(1);
     }
     pthread_join(w, NULL);
-    char what[64];
-    if (slice_us > 0)
-        snprintf(what, sizeof(what), "pipe wake-up, %ld us slice", slice_us);
-    else
-        snprintf(what, sizeof(what), "pipe wake-up, kernel slice");
-    report(what, samples, N_WAKES);
+    report(short_slice ? "pipe wake-up, watcher's slice" : "pipe wake-up, kernel slice", samples, N_WAKES);
 }
 
 int main(int argc, char **argv)
@@ -147,8 +131,8 @@ int main(int argc, char **argv)
     if (pipe(pipe_fd) != 0)
         return 1;
     wakeups(0);
-    wakeups(SLICE_US);
+    wakeups(1);
     wakeups(0);
-    wakeups(SLICE_US);
+    wakeups(1);
     return 0;
 }

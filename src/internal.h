@@ -243,8 +243,8 @@ struct kx_rail {
     uint64_t stat_drives_got;  /* ... and got what they waited for within their window */
     uint64_t stat_naps;        /* pauses the progress thread napped, the core being contended (progress.c) */
     int long_yields;           /* progress thread's own: long yields in a row */
-    int64_t probe_ns;          /* progress thread's own: a yield took a slice (the core is contended), so it
-                                * sleeps instead of yielding until this time, then yields once again */
+    int64_t probe_ns;          /* progress thread's own: two yields in a row took a slice (the core is
+                                * contended), so it sleeps instead of yielding until this time, then yields again */
 
     struct kx_bell *bell;  /* shm: our doorbell (bell.c), NULL without one */
     char *bell_path;

@@ -4,9 +4,10 @@
  * deadline one slice after it becomes eligible. A thread that asks for a short slice has an
  * early deadline, so when it wakes it preempts a busy thread of its core at once instead of
  * waiting for the end of that thread's slice; its share of the CPU does not change. Beside a
- * busy loop on its core, a pipe wake-up's worst case fell from 3.8-4.0 ms to 0.06-1.8 ms, and
- * the streaming bench's bump -> post p99 from 2-4 ms to 0.02-0.8 ms (docs/benchmarks.md,
- * issue 28 item 3). Only the watcher asks for it: it wakes, posts for microseconds and sleeps
+ * busy loop on its core, a pipe wake-up's worst case fell from 3.5-4.0 ms to 18-30 us
+ * (bench/busy_core.c), and beside a CPU hog the streaming bench's bump -> post p99 from a
+ * median of about 2.8 ms to one of about 0.65 ms over 8 runs (docs/benchmarks.md, issue 28
+ * item 3). Only the watcher asks for it: it wakes, posts for microseconds and sleeps
  * again. The progress threads do not: with it, a bulk transfer beside a busy loop on tcp ran
  * 3x slower (chopped into 100 us runs); nor do the messenger's Python threads (a thread cut
  * short while it holds the GIL stalls the others; the tails it gave were no better). A kernel

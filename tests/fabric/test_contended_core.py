@@ -38,7 +38,7 @@ def test_progress_threads_on_a_busy_core_sleep_and_every_page_lands(provider, bu
         peer = a.connect(b.address)
         rr = a.remote(md.descriptor())
         rounds = 0
-        # the first yield that lasts a slice marks the core contended; a round lasts tens of
+        # two yields in a row that last a slice mark the core contended; a round lasts tens of
         # milliseconds beside the busy loop, so a few rounds bring many pauses
         while rounds < 40 and (rounds < 4 or a.stats()["naps"] + b.stats()["naps"] == 0):
             perm = rng.permutation(n)
