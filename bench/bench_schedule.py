@@ -17,7 +17,8 @@ from the same run and the same machine phase (issue 28, item 1: ``ratio`` at mos
     python bench/bench_schedule.py [--provider shm] [--tokens 256,1024,4096] [--repeat 7]
         [--preset NAME]... [--profile] [--poll-us 10] [--progress-rt 0,5]
 
-``--profile`` prints the top of a cProfile of the schedule calls per case. ``pairs done``: ms
+``--profile`` prints the top of a cProfile of the schedule calls per case (``SORT=cumulative``,
+``TOP=30`` in the environment: another order, more lines). ``pairs done``: ms
 from the write_pairs calls to the completion of their transfers (median). ``--progress-rt``
 opens both engines with ``Engine(progress_rt_priority=)``; its progress thread then preempts
 the posting caller and moves the queued rest itself, so ``write_pairs ms`` grows while ``pairs
@@ -175,7 +176,7 @@ def _case(args, preset: str, tokens: int, prio: int) -> None:
               flush=True)
         if prof is not None:
             import pstats
-            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+            pstats.Stats(prof).sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("TOP", "12")))
     finally:
         d.close()
         p.close()

@@ -216,6 +216,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     int64_t kx_watch_planned(const kx_watch *e)
     void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out)
     int kx_watch_disarm(kx_watcher *w, kx_watch *e)
+    size_t kx_watch_disarm_many(kx_watcher *w, kx_watch **es, size_t n, int *disarmed)
     size_t kx_watcher_disarm_tag(kx_watcher *w, uint64_t tag)
     int kx_watch_wait(kx_watcher *w, kx_watch *e, int64_t slice_ns)
     void kx_watch_free(kx_watcher *w, kx_watch *e)

@@ -430,8 +430,7 @@ cdef class Rail:
             if region in (<TransferSet>t).regions and (not (<TransferSet>t).done or (<TransferSet>t).linked):
                 return True
         for ref in region.watches:       # armed from it: the watcher posts from it later
-            h = ref()
-            if h is not None and (<WatchHandle>h).busy:
+            if _tracked_busy(ref):
                 return True
         return False
 

@@ -15,7 +15,7 @@ cdef class RegionHandle:
     cdef public int busy       # posts under way from this region
     cdef public object keep    # the memory's owner, alive as long as the registration
     cdef public object permit   # the region's permit slot (engine._PermitSlot), released when the registration goes
-    cdef readonly list watches # weak references to the watch entries armed from it
+    cdef readonly list watches # weak references to the watch entries (or batches) armed from it
     cdef Py_ssize_t watches_kept # how many the last prune of watches kept (_track_watches)
 
 

@@ -262,6 +262,53 @@ def prepare_pairs(src_off, dst_off, length, counts):
     return so, do, ln, starts, which, total
 
 
+def shift_pages(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, src_pages, dst_pages,
+                uint64_t src_stride, uint64_t dst_stride, const int64_t[::1] order):
+    """A page template's writes for some pages, in one pass: with ``m`` template triples and
+    ``order`` indexing the ``n * m`` (page, entry) pairs as ``page * m + entry``, ``(a, b)``
+    where ``a[k] = src_off[e] + src_pages[p] * src_stride`` (and ``b`` the same of the
+    destination) for ``order[k] = p * m + e``; None where the pages are not 1-D contiguous
+    int64 of the same count, or ``order`` is not a permutation's size (the caller's numpy then).
+    Offsets wrap as numpy's uint64 do; the arming or posting checks bound them."""
+    global _np
+    cdef const int64_t[::1] sp, dp
+    try:
+        sp, dp = src_pages, dst_pages
+    except (TypeError, ValueError, BufferError):
+        return None
+    cdef Py_ssize_t m = src_off.shape[0], n = sp.shape[0], k
+    cdef Py_ssize_t total = order.shape[0]
+    if dst_off.shape[0] != m or dp.shape[0] != n or total != n * m:
+        return None
+    for k in range(total):
+        if order[k] < 0 or order[k] >= total:
+            return None
+    if _np is None:
+        import numpy
+        _np = numpy
+    a = _np.empty(total, _np.uint64)
+    b = _np.empty(total, _np.uint64)
+    cdef uint64_t[::1] av = a, bv = b
+    if total > 65536:           # a short one keeps the GIL: no hand-off to another thread
+        with nogil:
+            _shift(&src_off[0], &dst_off[0], &sp[0], &dp[0], src_stride, dst_stride, &order[0], total, m,
+                   &av[0], &bv[0])
+    elif total:
+        _shift(&src_off[0], &dst_off[0], &sp[0], &dp[0], src_stride, dst_stride, &order[0], total, m, &av[0], &bv[0])
+    return a, b
+
+
+cdef void _shift(const uint64_t *so, const uint64_t *do_, const int64_t *sp, const int64_t *dp, uint64_t ss,
+                 uint64_t ds, const int64_t *order, Py_ssize_t total, Py_ssize_t m, uint64_t *a,
+                 uint64_t *b) noexcept nogil:
+    cdef Py_ssize_t k, q, e
+    for k in range(total):
+        q = order[k] // m
+        e = order[k] - q * m
+        a[k] = so[e] + <uint64_t>sp[q] * ss
+        b[k] = do_[e] + <uint64_t>dp[q] * ds
+
+
 def count_messages(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
                    size_t iov, uint64_t max_write, uint64_t pack_min=0):
     """The native message rule, for checking kvxfer.wire.count_writes against it."""

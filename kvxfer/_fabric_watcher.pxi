@@ -1,5 +1,5 @@
-# The watcher: WatcherHandle (kx_watcher, a thread posting armed entries at thresholds) and
-# WatchHandle (one armed entry).
+# The watcher: WatcherHandle (kx_watcher, a thread posting armed entries at thresholds),
+# WatchHandle (one armed entry) and WatchBatchHandle (the entries of one arm_groups call).
 
 cdef class WatcherHandle:
     """The native layer watcher (``kx_watcher``): a thread that polls a 64-bit counter word
@@ -95,7 +95,7 @@ cdef class WatcherHandle:
         h.e = e
         h.rail = rail
         h.region = region
-        _track_watches(region, [h])
+        _track_watches(region, h)
         return h
 
     def arm_groups(self, const uint64_t[::1] thresholds, uint64_t tag, Rail rail, fi_addr_t peer, uint32_t gen,
@@ -131,15 +131,20 @@ cdef class WatcherHandle:
         check(ret, "kx_watch_arm_groups")      # all or nothing: no entry armed on an error
         out = []
         cdef WatchHandle h
+        cdef int64_t planned = 0
         for g in range(ng):
             h = WatchHandle.__new__(WatchHandle)
             h.watcher = self
             h.e = <kx_watch *>pv[g]
             h.rail = rail
             h.region = region
+            planned += kx_watch_planned(h.e)
             out.append(h)
-        _track_watches(region, out)
-        return out
+        cdef WatchBatchHandle b = WatchBatchHandle.__new__(WatchBatchHandle)
+        b.entries = out
+        b.num_writes = planned
+        _track_watches(region, b)      # one reference for the batch, not one per entry
+        return b
 
     def disarm_tag(self, uint64_t tag):
         cdef kx_watcher *w = self._w()
@@ -175,15 +180,74 @@ cdef class WatcherHandle:
         return ret == 0
 
 
-def _track_watches(RegionHandle region, list handles):
-    """Remember entries armed from ``region`` (weakly: a dropped entry disarms itself), so
-    that closing the region is refused while one may still post from it; forget finished ones."""
-    # pruned once the list doubled since the last prune: each check takes the watcher's lock,
-    # and a request arms thousands of entries from one region (one per layer and rank pair)
+def prepare_arm_groups(thresholds, src_off, dst_off, length, starts, uint64_t src_size, uint64_t dst_size):
+    """Watcher.arm_groups' fast path, one pass: for 1-D contiguous uint64 thresholds and
+    triples (each threshold, offset and length below 2**62, every range inside its region) and int64
+    starts (0, not decreasing, to the triples, one more than the thresholds), ``(th, so, do,
+    ln, starts, total, sums)``: private copies of the five (checked as copied, so no other
+    thread can change them between the check and the arming), the bytes in all and each
+    group's; None for anything else (the caller's own checks then name the defect)."""
+    global _np
+    cdef const uint64_t[::1] th, s, d, n
+    cdef const int64_t[::1] st
+    try:
+        th, s, d, n, st = thresholds, src_off, dst_off, length, starts
+    except (TypeError, ValueError, BufferError):
+        return None
+    cdef Py_ssize_t m = n.shape[0], ng = th.shape[0], i, g
+    if s.shape[0] != m or d.shape[0] != m or st.shape[0] != ng + 1:
+        return None
+    if _np is None:
+        import numpy
+        _np = numpy
+    th_c, so, do, ln = _np.empty(ng, _np.uint64), _np.empty(m, _np.uint64), _np.empty(m, _np.uint64), _np.empty(m, _np.uint64)
+    st_c, sums = _np.empty(ng + 1, _np.int64), _np.empty(ng, _np.uint64)
+    cdef uint64_t[::1] tv = th_c, sv = so, dv = do, lv = ln, uv = sums
+    cdef int64_t[::1] gv = st_c
+    cdef uint64_t lim = 1ULL << 62, total = 0, acc
+    for g in range(ng + 1):
+        gv[g] = st[g]
+    if gv[0] != 0 or gv[ng] != m:
+        return None
+    for g in range(ng):
+        tv[g] = th[g]
+        if tv[g] >= lim or gv[g + 1] < gv[g]:      # thresholds as the Python checks bound them
+            return None
+    for i in range(m):
+        sv[i], dv[i], lv[i] = s[i], d[i], n[i]
+        if sv[i] >= lim or dv[i] >= lim or lv[i] >= lim:
+            return None
+        if sv[i] + lv[i] > src_size or dv[i] + lv[i] > dst_size or total + lv[i] < total:
+            return None
+        total += lv[i]
+    for g in range(ng):
+        acc = 0
+        for i in range(gv[g], gv[g + 1]):
+            acc += lv[i]
+        uv[g] = acc
+    return th_c, so, do, ln, st_c, total, sums
+
+
+def _track_watches(RegionHandle region, armed):
+    """Remember an entry (WatchHandle) or the entries of one arm_groups call
+    (WatchBatchHandle) armed from ``region``, weakly: a dropped entry disarms itself, and a
+    batch's entries live only as long as the batch. Closing the region is refused while one
+    may still post from it; finished ones are forgotten."""
+    # pruned once the list doubled since the last prune: each check takes the watcher's lock
     if len(region.watches) >= max(64, 2 * region.watches_kept):
-        region.watches = [r for r in region.watches if r() is not None and (<WatchHandle>r()).busy]
+        region.watches = [r for r in region.watches if _tracked_busy(r)]
         region.watches_kept = len(region.watches)
-    region.watches.extend(_weakref.ref(h) for h in handles)
+    region.watches.append(_weakref.ref(armed))
+
+
+cdef bint _tracked_busy(ref):
+    """A region's weak reference (its .watches) to an entry or a batch that is still alive and busy."""
+    h = ref()
+    if h is None:
+        return False
+    if type(h) is WatchBatchHandle:
+        return (<WatchBatchHandle>h).busy
+    return (<WatchHandle>h).busy
 
 
 def _array_i64(n):
@@ -232,12 +296,7 @@ cdef class WatchHandle:
     def busy(self):
         """Whether it may still post from, or have writes in flight from, its source
         registration: armed, posting, or posted and not yet complete (or still linked)."""
-        cdef kx_watch_state s = self._state()
-        cdef kx_transfer_state t
-        if s.transfer != NULL:
-            kx_transfer_get_state(s.transfer, &t)
-            return bool(not t.done or t.linked)
-        return s.state == KX_WATCH_ARMED or s.state == KX_WATCH_POSTING
+        return _watch_busy(self)
 
     @property
     def num_writes(self):
@@ -246,35 +305,16 @@ cdef class WatchHandle:
 
     @property
     def posted(self):
-        cdef kx_watch_state s = self._state()
-        cdef kx_transfer_state t
-        if s.transfer == NULL:
-            return 0
-        kx_transfer_get_state(s.transfer, &t)
-        return t.posted
+        return _watch_posted(self)
 
     @property
     def done(self):
         """Disarmed or failed, or posted and every posted message completed."""
-        cdef kx_watch_state s = self._state()
-        cdef kx_transfer_state t
-        if s.state == KX_WATCH_DISARMED or s.state == KX_WATCH_FAILED:
-            return True
-        if s.transfer == NULL:
-            return False
-        kx_transfer_get_state(s.transfer, &t)
-        return bool(t.done)
+        return _watch_done(self)
 
     @property
     def error(self):
-        cdef kx_watch_state s = self._state()
-        cdef kx_transfer_state t
-        if s.state == KX_WATCH_FAILED:
-            return error_from("kx_write", s.error)
-        if s.transfer == NULL:
-            return None
-        kx_transfer_get_state(s.transfer, &t)
-        return error_from("fi_writemsg", t.error) if t.error else None
+        return _watch_error(self)
 
     def disarm(self):
         """True if it was still armed (it will never post); False if it was posted."""
@@ -314,3 +354,142 @@ cdef class WatchHandle:
             return True
         left = None if deadline is None else max(0.0, deadline - _time.monotonic())
         return _wait(self.rail.r, WAIT_TRANSFER, s.transfer, left)
+
+
+cdef int64_t _watch_posted(WatchHandle h):
+    cdef kx_watch_state s = h._state()
+    cdef kx_transfer_state t
+    if s.transfer == NULL:
+        return 0
+    kx_transfer_get_state(s.transfer, &t)
+    return t.posted
+
+
+cdef bint _watch_done(WatchHandle h):
+    cdef kx_watch_state s = h._state()
+    cdef kx_transfer_state t
+    if s.state == KX_WATCH_DISARMED or s.state == KX_WATCH_FAILED:
+        return True
+    if s.transfer == NULL:
+        return False
+    kx_transfer_get_state(s.transfer, &t)
+    return bool(t.done)
+
+
+cdef object _watch_error(WatchHandle h):
+    cdef kx_watch_state s = h._state()
+    cdef kx_transfer_state t
+    if s.state == KX_WATCH_FAILED:
+        return error_from("kx_write", s.error)
+    if s.transfer == NULL:
+        return None
+    kx_transfer_get_state(s.transfer, &t)
+    return error_from("fi_writemsg", t.error) if t.error else None
+
+
+@cython.final
+cdef class WatchBatchHandle:
+    """The entries (WatchHandle) of one WatcherHandle.arm_groups call, in group order, with
+    what the messenger asks of them all (done, posted, error, cancel, wait, how many are in a
+    state) answered in one native loop instead of a Python call per entry."""
+
+    cdef readonly list entries
+    cdef readonly int64_t num_writes    # the messages they post once fired (fixed at arming)
+    cdef object __weakref__             # RegionHandle.watches
+
+    @property
+    def busy(self):
+        """Whether one of its entries may still post from, or have writes in flight from,
+        the source registration (WatchHandle.busy)."""
+        cdef WatchHandle h
+        for h in self.entries:
+            if _watch_busy(h):
+                return True
+        return False
+
+    def __len__(self):
+        return len(self.entries)
+
+    @property
+    def posted(self):
+        cdef int64_t n = 0
+        cdef WatchHandle h
+        for h in self.entries:
+            n += _watch_posted(h)
+        return n
+
+    @property
+    def done(self):
+        cdef WatchHandle h
+        for h in self.entries:
+            if not _watch_done(h):
+                return False
+        return True
+
+    @property
+    def error(self):
+        cdef WatchHandle h
+        for h in self.entries:
+            err = _watch_error(h)
+            if err is not None:
+                return err
+        return None
+
+    def count(self, str state, uint64_t above=0, uint64_t upto=0xFFFFFFFFFFFFFFFF):
+        """Entries in ``state`` (armed, posting, posted, disarmed, failed) whose threshold is
+        in ``(above, upto]``."""
+        cdef int code = ("armed", "posting", "posted", "disarmed", "failed").index(state)
+        cdef Py_ssize_t n = 0
+        cdef WatchHandle h
+        cdef kx_watch_state s
+        for h in self.entries:
+            s = h._state()
+            if <int>s.state == code and above < s.threshold <= upto:
+                n += 1
+        return n
+
+    def cancel(self):
+        """WatchHandle.cancel of every entry: the armed ones disarmed in one native call (one
+        walk of the armed list, not one per entry), then what the posted ones still post
+        stopped."""
+        cdef Py_ssize_t n = len(self.entries), i
+        cdef WatchHandle h
+        if n == 0:
+            return
+        cdef kx_watch **es = <kx_watch **>malloc(n * sizeof(kx_watch *))
+        cdef int *gone = <int *>malloc(n * sizeof(int))
+        if es == NULL or gone == NULL:
+            free(es)
+            free(gone)
+            raise MemoryError()
+        h = self.entries[0]
+        cdef kx_watcher *w = h.watcher.w
+        for i in range(n):
+            es[i] = (<WatchHandle>self.entries[i]).e
+        with nogil:
+            kx_watch_disarm_many(w, es, <size_t>n, gone)
+        try:
+            for i in range(n):
+                if not gone[i]:
+                    (<WatchHandle>self.entries[i]).cancel()     # posted: stop what it still posts
+        finally:
+            free(es)
+            free(gone)
+
+    def wait(self, timeout=None):
+        """True once every entry is final; False if ``timeout`` seconds pass first."""
+        cdef WatchHandle h
+        deadline = None if timeout is None else _time.monotonic() + timeout
+        for h in self.entries:
+            if not h.wait(None if deadline is None else max(0.0, deadline - _time.monotonic())):
+                return False
+        return True
+
+
+cdef bint _watch_busy(WatchHandle h):
+    cdef kx_watch_state s = h._state()
+    cdef kx_transfer_state t
+    if s.transfer != NULL:
+        kx_transfer_get_state(s.transfer, &t)
+        return bool(not t.done or t.linked)
+    return s.state == KX_WATCH_ARMED or s.state == KX_WATCH_POSTING

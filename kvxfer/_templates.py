@@ -30,12 +30,23 @@ from kvxfer._plan import TransferPlan
 from kvxfer.layout import KVLayout, Sharding
 from kvxfer.planner import _inner, _pair_template, _segments, plan
 
+_fabric: Any
+try:                        # the native template shift (pair_writes); numpy's where it is absent
+    from kvxfer import _fabric
+except ImportError:
+    _fabric = None
+
 __all__ = ["PageTemplate", "chooses_replicas", "plan_layers", "request_seed", "writing_ranks"]
 
 #: one region pair's writes of several layers, for ``Watcher.arm_groups``: ``(src rank, dst
 #: rank, src region, dst region, layers, so, do, ln, starts)``, layer ``layers[g]``'s triples
 #: at ``[starts[g], starts[g + 1])``
 ArmBatch = tuple
+
+
+#: Elements (int64 or uint64) that a ``PageTemplate`` keeps of per-page-count work (orders,
+#: lengths, group starts) before it starts over: 32 MiB.
+_SHAPE_BUDGET = 1 << 22
 
 
 def request_seed(request_id: bytes) -> int:
@@ -156,7 +167,12 @@ class PageTemplate:
                                bool((hi - lo <= np.uint64(self.src_stride)).all())))
         self._index = {(p[0], p[1]): i for i, p in enumerate(self.pairs)}
         self._draw = _draws(src_layout, src_sharding, dst_sharding) if self.replicas else []
-        self._orders: dict[tuple[int, int], np.ndarray] = {}     # (pair, pages) -> the planner's order
+        # (pair, pages) -> what depends on the page count only (compact pairs: the planner's
+        # order and the lengths in it; every pair: each region pair's slice, layers and group
+        # starts), read-only and shared; dropped whole past _SHAPE_BUDGET elements
+        self._orders: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._shapes: dict[tuple[int, int], list[tuple[int, int, np.ndarray, np.ndarray]]] = {}
+        self._cached = 0
 
     @staticmethod
     def by_source(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -192,15 +208,21 @@ class PageTemplate:
             return [(i, a, b) for i in range(len(self.pairs))]
         n = len(dp_all)
         rng = np.random.default_rng(seed)
+        # part ascends, so chunk j's pages are one slice of it (its _chunk bounds searched
+        # once per candidate count); already in source order where the source pages ascend
+        ordered = len(sp) < 2 or bool((sp[1:] >= sp[:-1]).all())
+        cuts: dict[int, list[int]] = {}
         out = []
         for d, cands in self._draw:
             r = len(cands)
+            cut = cuts.get(r)
+            if cut is None:
+                cut = cuts[r] = np.searchsorted(part, [_chunk(j, r, n)[0] for j in range(r)] + [n]).tolist()
             for j, s in enumerate(_owners(rng, cands)):
                 i = self._index.get((s, d))
-                a, b = _chunk(j, r, n)
-                mine = (part >= a) & (part < b)
-                if i is not None and mine.any():
-                    out.append((i, *self.by_source(sp[mine], dp[mine])))
+                lo, hi = cut[j], cut[j + 1]
+                if i is not None and hi > lo:
+                    out.append((i, sp[lo:hi], dp[lo:hi]) if ordered else (i, *self.by_source(sp[lo:hi], dp[lo:hi])))
         return out
 
     def pair_writes(self, i: int, sp: np.ndarray, dp: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -211,34 +233,64 @@ class PageTemplate:
         n = len(sp)
         if n == 1:
             return so + int(sp[0]) * self.src_stride, do + int(dp[0]) * self.dst_stride, ln, counts
+        if self._keys[i][3]:
+            hit = self._orders.get((i, n))
+            if hit is None:
+                m = len(so)
+                idx = np.lexsort((np.tile(np.arange(m), n), np.repeat(np.arange(n), m), np.tile(key, n)))
+                hit = self._keep(self._orders, (i, n), (idx, np.tile(ln, n)[idx]), 2 * len(idx))
+            idx, ln_n = hit
+            # page p's entry e is (page, entry) pair p * m + e: shifted and ordered in one pass
+            ab = None if _fabric is None else _fabric.shift_pages(so, do, sp, dp, self.src_stride, self.dst_stride,
+                                                                  idx)
+            if ab is not None:
+                return ab[0], ab[1], ln_n, counts * n
         a = (so[None, :] + (sp * self.src_stride)[:, None].astype(np.uint64)).ravel()
         b = (do[None, :] + (dp * self.dst_stride)[:, None].astype(np.uint64)).ravel()
         if self._keys[i][3]:
-            idx = self._orders.get((i, n))
-            if idx is None:
-                m = len(so)
-                idx = np.lexsort((np.tile(np.arange(m), n), np.repeat(np.arange(n), m), np.tile(key, n)))
-                if len(self._orders) < 64:
-                    self._orders[(i, n)] = idx
-        else:
-            idx = np.lexsort((a, np.tile(key, n)))       # stable: ties keep (page, entry) order
+            return a[idx], b[idx], ln_n, counts * n
+        idx = np.lexsort((a, np.tile(key, n)))       # stable: ties keep (page, entry) order
         return a[idx], b[idx], np.tile(ln, n)[idx], counts * n
+
+    def _keep(self, cache: dict, key: tuple[int, int], value: Any, size: int) -> Any:
+        """Store ``value`` (arrays, made read-only) in one of the page-count caches, emptying
+        both first once ``size`` more elements would pass the budget."""
+        if self._cached + size > _SHAPE_BUDGET:
+            self._orders.clear()
+            self._shapes.clear()
+            self._cached = 0
+        for v in (value if isinstance(value, tuple) else ()):
+            v.setflags(write=False)
+        cache[key] = value
+        self._cached += size
+        return value
+
+    def _shape(self, i: int, n: int) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """Rank pair ``i``'s region pairs for ``n`` pages: ``(a, b, layers, starts)``, their
+        triples ``[a, b)`` of ``pair_writes``, the layer of each group and the groups' starts."""
+        hit = self._shapes.get((i, n))
+        if hit is None:
+            ukey, kcount, bounds, _ = self._keys[i]
+            cum = np.zeros(len(ukey) + 1, np.int64)
+            np.cumsum(kcount * n, out=cum[1:])
+            hit = []
+            for r in range(len(bounds) - 1):
+                ka, kb = bounds[r], bounds[r + 1]
+                a, b = int(cum[ka]), int(cum[kb])
+                lay, st = ukey[ka:kb] % self.num_layers, cum[ka:kb + 1] - a
+                lay.setflags(write=False)
+                st.setflags(write=False)
+                hit.append((a, b, lay, st))
+            self._keep(self._shapes, (i, n), hit, 2 * len(ukey) + 1)
+        return hit
 
     def pair_layers(self, i: int, sp: np.ndarray, dp: np.ndarray) -> list[ArmBatch]:
         """``pair_writes`` split for arming: one ``ArmBatch`` per region pair, its layers as
         groups (layer ``layers[g]`` = triples ``[starts[g], starts[g + 1])``)."""
         s, d, regs = self.pairs[i][:3]
         so, do, ln, _ = self.pair_writes(i, sp, dp)
-        ukey, kcount, bounds, _ = self._keys[i]
-        cum = np.zeros(len(ukey) + 1, np.int64)
-        np.cumsum(kcount * len(sp), out=cum[1:])
-        out = []
-        for r, (sr, dr) in enumerate(regs):
-            ka, kb = bounds[r], bounds[r + 1]
-            a, b = int(cum[ka]), int(cum[kb])
-            out.append((s, d, sr, dr, ukey[ka:kb] % self.num_layers, so[a:b], do[a:b], ln[a:b],
-                        cum[ka:kb + 1] - a))
-        return out
+        return [(s, d, sr, dr, lay, so[a:b], do[a:b], ln[a:b], st)
+                for (sr, dr), (a, b, lay, st) in zip(regs, self._shape(i, len(sp)))]
 
 
 def plan_layers(p: TransferPlan, src_ranks: Any, dst_ranks: Any) -> list[ArmBatch]:

@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #define KX_LAT_SAMPLES 8192
+#define KX_RUN_SLOTS 256       /* run_end's slots: threshold mod 256 */
 
 
 struct kx_watch {
@@ -48,6 +49,7 @@ struct kx_watch {
     size_t n;
     int has_imm;
     uint32_t imm;
+    int leaving;               /* kx_watch_disarm_many: unlink it on this walk (under the lock) */
     size_t iov;
     uint64_t max_write, pack_min;
 };
@@ -66,6 +68,11 @@ struct kx_watcher {
     int pin;
     kx_watch *armed;           /* sorted by threshold */
     size_t narmed;
+    /* a cache of where each threshold's run ends: slot t % 256 is NULL or the entry last
+     * armed at a threshold t of that slot, still on the list (its run's end: later arms of t
+     * go after it); cleared when that entry leaves the list. A request arms each layer's
+     * threshold once per region pair, so without it each batch walked the whole list */
+    kx_watch *run_end[KX_RUN_SLOTS];
     uint64_t seen;             /* last value acted on */
     int64_t bump_ns;           /* time of the last CPU bump not yet followed by a post */
     int64_t lat_call[KX_LAT_SAMPLES], lat_post[KX_LAT_SAMPLES];
@@ -74,6 +81,13 @@ struct kx_watcher {
     int rt;                    /* SCHED_FIFO priority it runs at, 0 if none */
     int rt_wanted;             /* ... the priority asked for (set before the thread starts) */
 };
+
+/* under the lock: e leaves the armed list (run_end must not point at it) */
+static void leave_run_locked(kx_watcher *w, const kx_watch *e)
+{
+    if (w->run_end[e->threshold % KX_RUN_SLOTS] == e)
+        w->run_end[e->threshold % KX_RUN_SLOTS] = NULL;
+}
 
 static void watch_release_locked(kx_watcher *w, kx_watch *e, int *free_it)
 {
@@ -141,8 +155,9 @@ static void *watcher_main(void *arg)
             w->wakeups++;
             continue;
         }
-        /* read under the lock: a bump adds before it takes the lock to signal, so either this
-         * read sees its value or the signal comes after this thread waits (none is lost) */
+        /* read under the lock: an advance adds before it takes the lock to signal (a bump adds
+         * under it), so either this read sees its value or the signal comes after this thread
+         * waits (none is lost) */
         uint64_t v = __atomic_load_n(w->word, __ATOMIC_ACQUIRE);
         if (w->armed->threshold > v) {
             if (w->poll_ns) {
@@ -158,10 +173,12 @@ static void *watcher_main(void *arg)
         /* take every due entry, in order; they stay referenced by the list's reference */
         kx_watch *head = w->armed, *tail = w->armed;
         head->state = KX_WATCH_POSTING;
+        leave_run_locked(w, head);
         w->narmed--;
         while (tail->next && tail->next->threshold <= v) {
             tail = tail->next;
             tail->state = KX_WATCH_POSTING;
+            leave_run_locked(w, tail);
             w->narmed--;
         }
         w->armed = tail->next;
@@ -261,8 +278,10 @@ uint64_t kx_watcher_value(const kx_watcher *w)
 uint64_t kx_watcher_bump(kx_watcher *w, uint64_t n)
 {
     int64_t now = kx_now_ns();
-    uint64_t v = __atomic_add_fetch(w->word, n, __ATOMIC_ACQ_REL);
+    /* add under the lock: the thread reads the word under it too, so it cannot take the entry
+     * this bump made due before bump_ns is set (that lost the bump's latency sample) */
     pthread_mutex_lock(&w->lock);
+    uint64_t v = __atomic_add_fetch(w->word, n, __ATOMIC_ACQ_REL);
     if (w->armed && w->armed->threshold <= v && !w->bump_ns)
         w->bump_ns = now;
     pthread_cond_signal(&w->wake);
@@ -356,19 +375,25 @@ int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, co
             watch_free_new(out[g]);
         return -FI_ECANCELED;
     }
-    /* after every entry of a lower or equal threshold (arming order within a threshold); the
-     * walk goes on from the last insertion while thresholds do not go down (a rank pair's
-     * layers), so a batch costs one pass over the list, not one per entry */
+    /* after every entry of a lower or equal threshold (arming order within a threshold):
+     * right after its run's end where run_end knows it, else a walk that goes on from the
+     * last insertion while thresholds do not go down (a rank pair's layers) */
     kx_watch **p = &w->armed;
     for (size_t g = 0; g < ng; g++) {
         kx_watch *e = out[g];
-        if (g && e->threshold < out[g - 1]->threshold)
-            p = &w->armed;
-        while (*p && (*p)->threshold <= e->threshold)
-            p = &(*p)->next;
+        kx_watch *end = w->run_end[e->threshold % KX_RUN_SLOTS];
+        if (end && end->threshold == e->threshold) {
+            p = &end->next;
+        } else {
+            if (g && e->threshold < out[g - 1]->threshold)
+                p = &w->armed;
+            while (*p && (*p)->threshold <= e->threshold)
+                p = &(*p)->next;
+        }
         e->next = *p;
         *p = e;
         p = &e->next;
+        w->run_end[e->threshold % KX_RUN_SLOTS] = e;
         w->narmed++;
     }
     if (ng)
@@ -411,6 +436,7 @@ static int unlink_locked(kx_watcher *w, kx_watch *e)
         if (*p == e) {
             *p = e->next;
             e->next = NULL;
+            leave_run_locked(w, e);
             w->narmed--;
             return 1;
         }
@@ -435,6 +461,57 @@ int kx_watch_disarm(kx_watcher *w, kx_watch *e)
     return disarmed;
 }
 
+size_t kx_watch_disarm_many(kx_watcher *w, kx_watch *const *es, size_t n, int *disarmed)
+{
+    size_t marked = 0, done = 0;
+    pthread_mutex_lock(&w->lock);
+    /* until none of the set is posting (the thread may take more while we wait) */
+    for (size_t i = 0; i < n;) {
+        if (es[i]->state == KX_WATCH_POSTING) {
+            pthread_cond_wait(&w->cond, &w->lock);
+            i = 0;
+        } else {
+            i++;
+        }
+    }
+    /* and none can start while we hold the lock */
+    for (size_t i = 0; i < n; i++) {
+        disarmed[i] = es[i]->state == KX_WATCH_ARMED && !es[i]->leaving;
+        if (disarmed[i]) {
+            es[i]->leaving = 1;
+            marked++;
+        }
+    }
+    for (kx_watch **p = &w->armed; *p && done < marked;) {
+        kx_watch *e = *p;
+        if (!e->leaving) {
+            p = &e->next;
+            continue;
+        }
+        *p = e->next;
+        e->next = NULL;
+        e->leaving = 0;
+        leave_run_locked(w, e);
+        w->narmed--;
+        e->state = KX_WATCH_DISARMED;
+        int f;
+        watch_release_locked(w, e, &f);   /* the list's reference; the owner still holds its own */
+        (void)f;
+        done++;
+    }
+    for (size_t i = 0; i < n && done < marked; i++) {
+        if (es[i]->leaving) {             /* armed but not on the list: never the case; say so */
+            es[i]->leaving = 0;
+            disarmed[i] = 0;
+            marked--;
+        }
+    }
+    if (marked)
+        pthread_cond_broadcast(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+    return done;
+}
+
 size_t kx_watcher_disarm_tag(kx_watcher *w, uint64_t tag)
 {
     size_t n = 0;
@@ -445,6 +522,7 @@ size_t kx_watcher_disarm_tag(kx_watcher *w, uint64_t tag)
         kx_watch *e = *p;
         if (e->tag == tag) {
             *p = e->next;
+            leave_run_locked(w, e);
             w->narmed--;
             e->state = KX_WATCH_DISARMED;
             int f;
@@ -567,6 +645,7 @@ void kx_watcher_free(kx_watcher *w)
     while (w->armed) {
         kx_watch *e = w->armed;
         w->armed = e->next;
+        leave_run_locked(w, e);
         e->state = KX_WATCH_DISARMED;
         int f;
         watch_release_locked(w, e, &f);

@@ -359,6 +359,9 @@ void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out);
 /* 1 if the entry was still armed and now never posts; 0 if it was posted (waits for a post
  * in progress to return, so the answer is exact). */
 int kx_watch_disarm(kx_watcher *w, kx_watch *e);
+/* kx_watch_disarm of n entries at once (one lock, one walk of the armed list); disarmed[i]
+ * is its answer for es[i]; returns how many were disarmed. */
+size_t kx_watch_disarm_many(kx_watcher *w, kx_watch *const *es, size_t n, int *disarmed);
 /* Disarm every armed entry with this tag; returns how many. */
 size_t kx_watcher_disarm_tag(kx_watcher *w, uint64_t tag);
 /* Blocks up to slice_ns; 1 once the entry is no longer armed (posted, failed or disarmed),

@@ -10,7 +10,7 @@ layer then posts whole batches with the GIL released. Its rooms, each one idea:
 - ``regions``: ``MemoryRegion``, ``RemoteRegion``, ``RegionPairs``, the buffer door
   (``_resolve_buffer``) and the direct-copy permit slots (``_PermitSlot``);
 - ``transfer``: ``Transfer``, ``Counter`` and the callback dispatcher;
-- ``watcher``: ``Watcher`` and ``WatchEntry``;
+- ``watcher``: ``Watcher``, ``WatchEntry`` and ``WatchBatch``;
 - ``rails``: opening rails (provider preference, the native module) and ``Peer``;
   ``_args``: the engine's argument checks.
 
@@ -46,10 +46,10 @@ from kvxfer.engine.regions import (
     _resolve_buffer,
 )
 from kvxfer.engine.transfer import Counter, Transfer
-from kvxfer.engine.watcher import MAX_POLL_US, Watcher, WatchEntry, _check_watch, _check_word, check_watch
+from kvxfer.engine.watcher import MAX_POLL_US, Watcher, WatchBatch, WatchEntry, _check_watch, _check_word, check_watch
 
 __all__ = ["Engine", "Peer", "MemoryRegion", "RemoteRegion", "RegionPairs", "Transfer", "ReadTransfer", "Counter",
-           "Watcher", "WatchEntry", "providers"]
+           "Watcher", "WatchBatch", "WatchEntry", "providers"]
 
 
 # >>> issue 22: deprecated names: FENCE_SLOTS -> PERMIT_SLOTS, FENCE_WAIT -> PERMIT_WAIT.

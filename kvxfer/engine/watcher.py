@@ -1,12 +1,14 @@
 """The watcher: a native thread that posts armed writes when a 64-bit counter reaches their threshold.
 
 ``Watcher`` owns the thread (``_fabric.WatcherHandle``); ``WatchEntry`` is one armed group of
-writes, which quacks like a ``Transfer``. Armed writes are checked like ``write_batch`` when
+writes, which quacks like a ``Transfer``; ``WatchBatch`` the entries of one ``arm_groups`` call,
+which quacks like one over all of them. Armed writes are checked like ``write_batch`` when
 armed, then posted natively with no Python per layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import numpy as np
@@ -69,11 +71,13 @@ class WatchEntry:
     posting what was posted), ``wait()``. ``state``: "armed", "posting", "posted",
     "disarmed" or "failed". It keeps its source region alive."""
 
-    __slots__ = ("_h", "_src", "nbytes", "imm", "tag", "__weakref__")
+    __slots__ = ("_h", "_src", "_batch", "nbytes", "imm", "tag", "__weakref__")
 
-    def __init__(self, h: Any, src: "MemoryRegion", nbytes: int, imm: Optional[int], tag: int) -> None:
+    def __init__(self, h: Any, src: "MemoryRegion", nbytes: int, imm: Optional[int], tag: int,
+                 batch: Any = None) -> None:
         self._h = h
         self._src = src
+        self._batch = batch     # a batch's entry keeps its batch (the region tracks the batch)
         self.nbytes = nbytes
         self.imm = imm
         self.tag = tag
@@ -94,6 +98,13 @@ class WatchEntry:
     def error(self) -> Optional[KvxferError]:
         return self._h.error
 
+    def entries_in(self, state: str, above: int = 0, upto: int = 2**64 - 1) -> int:
+        """1 if it is in ``state`` with its threshold in ``(above, upto]``, else 0 (as
+        ``WatchBatch.entries_in`` over one entry)."""
+        if state not in _STATES:
+            raise InvalidArgumentError(f"state must be one of {', '.join(_STATES)}, got {state!r}")
+        return int(self._h.state == state and _u64(above, "above") < self._h.threshold <= _u64(upto, "upto"))
+
     def disarm(self) -> bool:
         """True if it was still armed and now never posts; False if it was already posted."""
         return self._h.disarm()
@@ -112,6 +123,73 @@ class WatchEntry:
 
     def __repr__(self) -> str:
         return f"<WatchEntry at {self.threshold}: {self.num_writes} writes, {self.state}>"
+
+
+class WatchBatch(Sequence[WatchEntry]):
+    """The entries of one ``Watcher.arm_groups`` call, one per group in group order
+    (``batch[g]`` is a ``WatchEntry``, made on first use), and also, over all of them, what a
+    ``Transfer`` answers: ``num_writes``, ``nbytes``, ``posted``, ``done``, ``error``,
+    ``cancel()``, ``wait()``, each one native loop. A request's streamed writes are one batch
+    per region pair, so the messenger asks a batch, not each of its thousands of entries;
+    ``entries_in(state, above, upto)`` counts the entries in a state with thresholds in
+    ``(above, upto]``."""
+
+    __slots__ = ("_h", "_src", "_sums", "_entries", "nbytes", "imm", "tag")
+
+    def __init__(self, h: Any, src: "MemoryRegion", nbytes: int, sums: Any, imm: Optional[int], tag: int) -> None:
+        self._h = h
+        self._src = src
+        self._sums = sums
+        self._entries: Optional[list[WatchEntry]] = None
+        self.nbytes = nbytes
+        self.imm = imm
+        self.tag = tag
+
+    num_writes = property(lambda self: self._h.num_writes, doc="Messages its entries post (the message rule).")
+    posted = property(lambda self: self._h.posted, doc="Messages handed to the provider so far.")
+    done = property(lambda self: self._h.done, doc="Every entry disarmed, failed, or posted and complete.")
+    error = property(lambda self: self._h.error, doc="The first entry's error, in group order, or None.")
+
+    def _all(self) -> list[WatchEntry]:
+        if self._entries is None:
+            sums = self._sums.tolist()
+            self._entries = [WatchEntry(h, self._src, sums[g], self.imm, self.tag, self._h)
+                             for g, h in enumerate(self._h.entries)]
+        return self._entries
+
+    def __len__(self) -> int:
+        return len(self._h)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[WatchEntry]:
+        return iter(self._all())
+
+    def entries_in(self, state: str, above: int = 0, upto: int = 2**64 - 1) -> int:
+        """Entries in ``state`` (armed, posting, posted, disarmed, failed) whose threshold is
+        in ``(above, upto]``."""
+        if state not in _STATES:
+            raise InvalidArgumentError(f"state must be one of {', '.join(_STATES)}, got {state!r}")
+        return self._h.count(state, _u64(above, "above"), _u64(upto, "upto"))
+
+    def cancel(self) -> None:
+        """Cancel every entry (``WatchEntry.cancel``)."""
+        self._h.cancel()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until ``done``; raise the first error, or TimeoutError."""
+        if not self._h.wait(_timeout(timeout)):
+            raise TimeoutError(f"{len(self)} watch entries not all done after {timeout} s")
+        err = self.error
+        if err is not None:
+            raise err
+
+    def __repr__(self) -> str:
+        return f"<WatchBatch of {len(self)} entries: {self.num_writes} writes>"
+
+
+_STATES = ("armed", "posting", "posted", "disarmed", "failed")
 
 
 class Watcher:
@@ -175,36 +253,50 @@ class Watcher:
 
     def arm_groups(self, thresholds, src: "MemoryRegion", peer: "Peer", dst: "RemoteRegion", src_offsets,
                    dst_offsets, lengths, starts, *, imm: Optional[int] = None, tag: int = 0,
-                   rail: int = 0) -> list[WatchEntry]:
+                   rail: int = 0) -> "WatchBatch":
         """``arm`` for many groups of one region pair at once (e.g. every layer of a rank
         pair): group g is triples ``[starts[g], starts[g + 1])`` armed at ``thresholds[g]``.
-        Checked once, armed in one native loop."""
+        Checked once (one native pass, ``_fabric.prepare_arm_groups``, for uint64 thresholds
+        and triples and int64 starts; numpy's checks for anything else), armed in one native
+        loop; the entries come back as one ``WatchBatch``."""
         eng = self.engine
         eng._endpoints(src, peer, dst)
+        tag = _u64(tag, "tag")
+        imm = _check_imm(imm)
+        rail = _check_rail(rail, len(eng._rails))
+        fast = _fabric.prepare_arm_groups(thresholds, src_offsets, dst_offsets, lengths, starts, src.nbytes,
+                                          dst.nbytes)
+        if fast is not None:
+            th, so, do, ln, st, nbytes, sums = fast
+        else:
+            th, so, do, ln, st = self._group_args(thresholds, src, dst, src_offsets, dst_offsets, lengths, starts)
+            cs = np.concatenate([[0], np.cumsum(ln, dtype=np.uint64)]).astype(np.uint64)
+            sums = cs[st[1:]] - cs[st[:-1]]
+            nbytes = int(cs[-1])
+        handles = src._live()
+        hb = self._h.arm_groups(th, tag, eng._rails[rail], peer.fi_addrs[rail], peer.gens[rail], src.ptr,
+                                handles[rail], dst.base, dst.keys[rail], dst._direct_from(src), so, do, ln, st, imm,
+                                eng.iov, eng.max_write, dst._pack_min)
+        return WatchBatch(hb, src, int(nbytes), sums, imm, int(tag))
+
+    @staticmethod
+    def _group_args(thresholds, src: "MemoryRegion", dst: "RemoteRegion", src_offsets, dst_offsets, lengths,
+                    starts) -> tuple:
+        """``arm_groups``' checks of anything ``prepare_arm_groups`` does not take: the
+        arguments as contiguous arrays, or the precise error."""
         so = _as_offsets(src_offsets, "src_offsets")
         do = _as_offsets(dst_offsets, "dst_offsets")
         ln = _as_offsets(lengths, "lengths")
         th = _as_offsets(thresholds, "thresholds")
         st = _as_offsets(starts, "starts").astype(np.int64)
-        tag = _u64(tag, "tag")
         if not (len(so) == len(do) == len(ln)):
             raise InvalidArgumentError(f"triples differ in length: {len(so)}, {len(do)}, {len(ln)}")
         if (st.ndim != 1 or len(st) != len(th) + 1 or st[0] != 0 or st[-1] != len(ln)
                 or (np.diff(st) < 0).any()):
             raise InvalidArgumentError("starts must run from 0 to the number of triples, one more than thresholds")
         check_triples(so, do, ln, src.nbytes, dst.nbytes)
-        imm = _check_imm(imm)
-        rail = _check_rail(rail, len(eng._rails))
-        handles = src._live()
-        hs = self._h.arm_groups(np.ascontiguousarray(th, np.uint64), tag, eng._rails[rail], peer.fi_addrs[rail],
-                                peer.gens[rail],
-                                src.ptr, handles[rail], dst.base, dst.keys[rail], dst._direct_from(src),
-                                np.ascontiguousarray(so, np.uint64),
-                                np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), st, imm,
-                                eng.iov, eng.max_write, dst._pack_min)
-        cs = np.concatenate([[0], np.cumsum(ln, dtype=np.uint64)]).astype(np.uint64)
-        sums = (cs[st[1:]] - cs[st[:-1]]).tolist()
-        return [WatchEntry(h, src, int(sums[g]), imm, int(tag)) for g, h in enumerate(hs)]
+        return (np.ascontiguousarray(th, np.uint64), np.ascontiguousarray(so, np.uint64),
+                np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), st)
 
     def disarm_tag(self, tag: int) -> int:
         """Disarm every still-armed entry of ``tag``; returns how many."""

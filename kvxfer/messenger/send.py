@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from kvxfer._templates import request_seed
+from kvxfer.engine.watcher import WatchBatch
 from kvxfer.errors import InvalidArgumentError, KvxferError, PeerError, TimeoutError
 from kvxfer.messenger import _args
 from kvxfer.messenger import _codec as C
@@ -170,8 +171,27 @@ class Send:
     @property
     def entries(self) -> list:
         """A streaming Send's armed writes (``kvxfer.engine.WatchEntry``: ``threshold``,
-        ``nbytes``, ``num_writes``, ``state``, ``fired_ns``), in arming order; the context's last."""
-        return list(self._transfers) if self._stream is not None else []
+        ``nbytes``, ``num_writes``, ``state``, ``fired_ns``), in arming order; the context's last.
+        (``transfers`` holds them as armed: a ``WatchBatch`` per region pair and chunk.)"""
+        if self._stream is None:
+            return []
+        out: list = []
+        for t in self._transfers:
+            if isinstance(t, WatchBatch):
+                out.extend(t)
+            else:
+                out.append(t)
+        return out
+
+    def count_entries(self, *states: str) -> int:
+        """A streaming Send's ``entries`` in any of ``states`` (armed, posting, posted,
+        disarmed, failed), or all of them with none named; one native loop per batch, no
+        object per entry."""
+        if self._stream is None:
+            return 0
+        if not states:
+            return sum(len(t) if isinstance(t, WatchBatch) else 1 for t in self._transfers)
+        return sum(t.entries_in(st) for t in self._transfers for st in states)
 
     @property
     def next_token(self) -> int:
@@ -453,7 +473,7 @@ class Send:
             err = self.error or next((t.error for t in self._transfers if t.error is not None), None)
             # engine Transfers and WatchEntries: both count what they handed to the provider
             posted = sum(int(t.posted) for t in self._transfers)
-            if self._stream is not None and not self._abort_req and any(t.state == "disarmed"
+            if self._stream is not None and not self._abort_req and any(t.entries_in("disarmed")
                                                                         for t in self._transfers):
                 # a write that never posts (its pass was abandoned): the decoder must fence
                 self._abort_req = self._reply = True
@@ -578,4 +598,4 @@ class Send:
 
     def armed_in(self, base: int, end: int) -> int:
         """Entries still armed with thresholds in ``(base, end]`` (a pass being abandoned)."""
-        return sum(1 for t in self._transfers if base < t.threshold <= end and t.state == "armed")
+        return sum(t.entries_in("armed", base, end) for t in self._transfers)

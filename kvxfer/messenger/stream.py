@@ -66,9 +66,12 @@ def pages_completed(num_tokens: int, page_size: int, start: int, end: int) -> np
                                    f"(at most {MAX_PAGES} pages)")
     npages = -(-num_tokens // page_size)
     start, end = (min(max(int(x), 0), num_tokens) for x in (start, end))     # int64-safe, same pages
-    last = np.full(npages, num_tokens - 1, np.int64)        # the last page ends at the last token
-    last[:-1] = np.arange(1, npages, dtype=np.int64) * page_size - 1   # the others: below num_tokens
-    return np.flatnonzero((last >= start) & (last < end))
+
+    def first(t: int) -> int:
+        # the first page whose last token is at or after t (last tokens ascend with the page)
+        return npages if t >= num_tokens else min(-(-(t + 1) // page_size) - 1, npages - 1)
+
+    return np.arange(first(start), max(first(start), first(end)), dtype=np.int64)
 
 
 class LayerCounter:
@@ -343,15 +346,16 @@ class Streamer:
         return p
 
     def _arm(self, p: Pass, s: Send, batches: Optional[list]) -> list:
-        """The watch entries of one chunk: one native arming loop per region pair, its layers
-        as groups (``Prefiller.arm_batches``; under the Send's lock, from ``Send.arm_chunk``)."""
+        """The watch entries of one chunk, one ``WatchBatch`` per region pair: one native
+        arming loop each, its layers as groups (``Prefiller.arm_batches``; under the Send's
+        lock, from ``Send.arm_chunk``)."""
         if not batches:
             return []
         pf, pg, w = self.prefill, s.request.peer, self.watcher
         nrails = self.node.engine.rails
         out: list = []
         for src, dst, sr, dr, lay, so, do, ln, starts in batches:
-            out.extend(w.arm_groups(lay.astype(np.uint64) + np.uint64(p.base + 1), pf.local[src][sr], pg.peer,
+            out.append(w.arm_groups(lay.astype(np.uint64) + np.uint64(p.base + 1), pf.local[src][sr], pg.peer,
                                     pg.remote[dst][dr], so, do, ln, starts, imm=s.request.imm, tag=p.id,
                                     rail=pf.rails.get(src, src % nrails)))
         return out

@@ -310,6 +310,78 @@ def test_arm_groups_matches_arm(pair):
         w.arm_groups([1], ms, peer, rd, [0], [len(dst)], [1], [0, 1])
 
 
+def test_batches_of_the_same_thresholds_keep_arming_order_through_disarms(pair):
+    """Batches arming the same thresholds (a request's region pairs: one layer's threshold
+    per batch) post in arming order within each threshold, whatever was disarmed between
+    them and where thresholds share the native run cache's slot (1 and 257)."""
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher(poll_us=0)
+    th = [1, 2, 3, 257]
+    slot = iter(range(64))
+
+    def batch():
+        o = np.array([next(slot) * 512 for _ in th], np.uint64)
+        return w.arm_groups(th, ms, peer, rd, o, o, np.full(len(th), 64, np.uint64), np.arange(len(th) + 1), imm=9)
+
+    A, B = batch(), batch()
+    assert B[1].disarm()                                   # B's 2: the end of threshold 2's run
+    C = batch()
+    assert A[3].disarm()                                   # A's 257, under B's and C's
+    E = w.arm(257, ms, peer, rd, [60 * 512], [60 * 512], [64], imm=9)
+    D = batch()
+    assert isinstance(A, kvxfer.engine.WatchBatch) and len(A) == 4 and A.entries_in("disarmed") == 1
+    assert A.entries_in("armed", 0, 3) == 3 and D.entries_in("armed", 1, 257) == 3
+    want = ([A[0], B[0], C[0], D[0]], [A[1], C[1], D[1]], [A[2], B[2], C[2], D[2]], [B[3], C[3], E, D[3]])
+    w.bump(257)
+    for bt in (A, B, C, D, E):
+        bt.wait(10)
+    fired = [e.fired_ns for run in want for e in run]
+    assert all(e.state == "posted" for run in want for e in run)
+    assert fired == sorted(fired)                          # one batch of posts, in list order
+    assert A.num_writes == sum(e.num_writes for e in A) and A.posted == 3 and A.done and A.error is None
+    b.expect(9, sum(len(run) for run in want)).wait(10)
+
+
+def test_a_watch_batch_answers_for_all_its_entries(pair):
+    """WatchBatch: a Sequence of its entries, and one Transfer-like object over them."""
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher(poll_us=0)
+    parts = [_layer(l) for l in range(3)]
+    starts = np.cumsum([0] + [len(p[0]) for p in parts])
+    bt = w.arm_groups([1, 2, 3], ms, peer, rd, *(np.concatenate([p[i] for p in parts]) for i in range(3)), starts,
+                      imm=12, tag=5)
+    assert len(bt) == 3 and [e.threshold for e in bt] == [1, 2, 3] and bt[-1] is list(bt)[2]
+    assert bt.count(bt[0]) == 1 and bt.index(bt[2]) == 2          # a Sequence's own methods
+    assert bt.nbytes == 3 * 4 * 1024 == sum(e.nbytes for e in bt)
+    assert bt.num_writes == sum(kvxfer.wire.count_writes(*p, a.iov, a.max_write, a.pack_min) for p in parts)
+    assert not bt.done and bt.posted == 0 and bt.entries_in("armed") == 3 and bt.entries_in("armed", 1) == 2
+    with pytest.raises(InvalidArgumentError):
+        bt.entries_in("sleeping")
+    with pytest.raises(kvxfer.errors.TimeoutError):
+        bt.wait(0.05)
+    w.bump(1)
+    bt[0].wait(10)
+    bt.cancel()                                            # 2 and 3 disarm; 1 was posted
+    assert [e.state for e in bt] == ["posted", "disarmed", "disarmed"] and bt.done
+    assert bt.posted == bt[0].num_writes and bt.entries_in("disarmed", 1, 3) == 2
+    b.expect(12, bt[0].num_writes).wait(10)
+    # the region tracks the batch: an entry taken from it keeps it (and the refusal) alive
+    e = w.arm_groups([9, 10], ms, peer, rd, [0, 8], [0, 8], [8, 8], [0, 1, 2])[1]
+    import gc
+    gc.collect()
+    with pytest.raises(InvalidArgumentError, match="watch entries armed"):
+        ms.close()
+    assert e.disarm() and e._batch is not None
+    with pytest.raises(InvalidArgumentError, match="watch entries armed"):
+        ms.close()                                         # its batch's entry at 9 is armed still
+    del e
+    gc.collect()                                           # the batch is gone: its entries disarmed
+    ms.close()                                             # every batch final or gone
+    assert ms.closed
+
+
 def _slice_ns(tid):
     """The thread's EEVDF slice from /proc (se.slice), or None where the kernel shows none."""
     try:

@@ -1,7 +1,8 @@
 /* The layer watcher (src/watcher.c) without a rail: entries whose threshold is never reached
  * stay armed; disarm (one, by tag) and free in every order; bump/advance are monotonic; the
- * thread sleeps when nothing is armed; close joins it with entries still armed. Under ASan
- * and UBSan, so every path frees exactly once. */
+ * thread sleeps when nothing is armed; close joins it with entries still armed; the cache of
+ * where each threshold's run ends never keeps an entry that left the list. Under ASan and
+ * UBSan, so every path frees exactly once and no freed entry is read. */
 #include "internal.h"
 #include "check.h"
 
@@ -73,9 +74,81 @@ static void test_idle_sleeps(void)
     kx_watcher_free(w);
 }
 
+/* thresholds that share run_end's slot (t % 256), armed in batches, with entries freed,
+ * disarmed one by one and by tag between the batches: an arm after each reads the slot,
+ * which must never hold an entry already freed (ASan would see the read) */
+static void test_run_ends_forget_entries_that_leave(void)
+{
+    kx_watcher *w = NULL;
+    CHECK_EQ(kx_watcher_open(NULL, 0, NULL, 0, 0, &w), 0);
+    uint64_t th[4] = {1, 257, 513, 2};
+    kx_watch *e[6][4];
+    for (int b = 0; b < 6; b++) {
+        for (int g = 0; g < 4; g++)
+            e[b][g] = arm(w, th[g] + ((uint64_t)1 << 20), (uint64_t)b);
+        if (b == 1)
+            kx_watch_free(w, e[1][3]);              /* armed, the slot's run end: unlinked and freed */
+        if (b == 2)
+            CHECK_EQ(kx_watch_disarm(w, e[2][1]), 1);
+        if (b == 3)
+            CHECK_EQ(kx_watcher_disarm_tag(w, 3), 4);
+    }
+    kx_watcher_stats st;
+    kx_watcher_get_stats(w, &st);
+    CHECK_EQ(st.armed, 6 * 4 - 1 - 1 - 4);
+    kx_watch *late = arm(w, 2 + ((uint64_t)1 << 20), 9);     /* after e[5][3], read from the slot */
+    kx_watch_state s;
+    kx_watch_get_state(w, late, &s);
+    CHECK_EQ(s.state, KX_WATCH_ARMED);
+    CHECK_EQ(kx_watcher_close(w, 1000000000LL), 0);
+    for (int b = 0; b < 6; b++)
+        for (int g = 0; g < 4; g++)
+            if (!(b == 1 && g == 3))
+                kx_watch_free(w, e[b][g]);
+    kx_watch_free(w, late);
+    kx_watcher_free(w);
+}
+
+/* kx_watch_disarm_many: the armed ones of a set disarmed in one walk, each answer exact (an
+ * entry named twice or already disarmed says 0), the others untouched */
+static void test_disarm_many(void)
+{
+    kx_watcher *w = NULL;
+    CHECK_EQ(kx_watcher_open(NULL, 0, NULL, 0, 0, &w), 0);
+    kx_watch *e[8];
+    for (int i = 0; i < 8; i++)
+        e[i] = arm(w, 100 + (uint64_t)(i % 3), 1);
+    CHECK_EQ(kx_watch_disarm(w, e[5]), 1);
+    kx_watch *set[5] = {e[0], e[2], e[5], e[2], e[7]};
+    int gone[5] = {-1, -1, -1, -1, -1};
+    CHECK_EQ(kx_watch_disarm_many(w, set, 5, gone), 3);
+    CHECK_EQ(gone[0], 1);
+    CHECK_EQ(gone[1], 1);
+    CHECK_EQ(gone[2], 0);                           /* disarmed before */
+    CHECK_EQ(gone[3], 0);                           /* named twice: once */
+    CHECK_EQ(gone[4], 1);
+    kx_watcher_stats st;
+    kx_watcher_get_stats(w, &st);
+    CHECK_EQ(st.armed, 4);                          /* 1, 3, 4, 6 */
+    kx_watch_state s;
+    for (int i = 0; i < 8; i++) {
+        kx_watch_get_state(w, e[i], &s);
+        CHECK_EQ(s.state, (i == 0 || i == 2 || i == 5 || i == 7) ? KX_WATCH_DISARMED : KX_WATCH_ARMED);
+    }
+    CHECK_EQ(kx_watch_disarm_many(w, set, 0, gone), 0);
+    kx_watch *again = arm(w, 102, 1);               /* after e[4] (e[7], its run's end, left) */
+    CHECK_EQ(kx_watcher_disarm_tag(w, 1), 5);
+    for (int i = 0; i < 8; i++)
+        kx_watch_free(w, e[i]);
+    kx_watch_free(w, again);
+    kx_watcher_free(w);
+}
+
 int main(void)
 {
     test_arm_disarm_free();
+    test_run_ends_forget_entries_that_leave();
+    test_disarm_many();
     test_idle_sleeps();
     return kx_test_report("test_watcher");
 }

@@ -322,8 +322,8 @@ class Sender:
             self._layer += 1
             if self._layer == self.num_layers:
                 # streaming visible: the writes already posted before the last layer is released
-                posted = sum(1 for snd in self._pass_sends for e in snd.entries if e.fired_ns)
-                self.stats.data["stream_entries"] += sum(len(snd.entries) for snd in self._pass_sends)
+                posted = sum(snd.count_entries("posted", "failed") for snd in self._pass_sends)
+                self.stats.data["stream_entries"] += sum(snd.count_entries() for snd in self._pass_sends)
                 self.stats.data["stream_entries_early"] += posted
             self.messenger.layer_counter.bump()
 
