@@ -212,7 +212,7 @@ class WatchHandle:
     def wait(self, timeout: Optional[float] = ...) -> bool: ...
 
 class WatchBatchHandle:
-    entries: list[WatchHandle]
+    entries: tuple[WatchHandle, ...]
     num_writes: int
     def __len__(self) -> int: ...
     posted: int

@@ -141,7 +141,7 @@ cdef class WatcherHandle:
             planned += kx_watch_planned(h.e)
             out.append(h)
         cdef WatchBatchHandle b = WatchBatchHandle.__new__(WatchBatchHandle)
-        b.entries = out
+        b.entries = tuple(out)
         b.num_writes = planned
         _track_watches(region, b)      # one reference for the batch, not one per entry
         return b
@@ -388,12 +388,14 @@ cdef object _watch_error(WatchHandle h):
 
 
 @cython.final
+@cython.no_gc_clear  # __dealloc__ needs its entries
 cdef class WatchBatchHandle:
     """The entries (WatchHandle) of one WatcherHandle.arm_groups call, in group order, with
     what the messenger asks of them all (done, posted, error, cancel, wait, how many are in a
-    state) answered in one native loop instead of a Python call per entry."""
+    state) answered in one native loop instead of a Python call per entry. Its entries live
+    as long as it does: dropping it disarms every one still armed."""
 
-    cdef readonly list entries
+    cdef readonly tuple entries
     cdef readonly int64_t num_writes    # the messages they post once fired (fixed at arming)
     cdef object __weakref__             # RegionHandle.watches
 
@@ -406,6 +408,13 @@ cdef class WatchBatchHandle:
             if _watch_busy(h):
                 return True
         return False
+
+    def __dealloc__(self):
+        # the region's weak reference to this batch is already gone: disarm what is still
+        # armed now, with the GIL held (the watcher thread never takes it), so no close of the
+        # region can run before the entries are safe; their handles free them after
+        if self.entries:
+            _disarm_all(self.entries, NULL)
 
     def __len__(self):
         return len(self.entries)
@@ -453,27 +462,17 @@ cdef class WatchBatchHandle:
         walk of the armed list, not one per entry), then what the posted ones still post
         stopped."""
         cdef Py_ssize_t n = len(self.entries), i
-        cdef WatchHandle h
         if n == 0:
             return
-        cdef kx_watch **es = <kx_watch **>malloc(n * sizeof(kx_watch *))
         cdef int *gone = <int *>malloc(n * sizeof(int))
-        if es == NULL or gone == NULL:
-            free(es)
-            free(gone)
+        if gone == NULL:
             raise MemoryError()
-        h = self.entries[0]
-        cdef kx_watcher *w = h.watcher.w
-        for i in range(n):
-            es[i] = (<WatchHandle>self.entries[i]).e
-        with nogil:
-            kx_watch_disarm_many(w, es, <size_t>n, gone)
         try:
+            _disarm_all(self.entries, gone)
             for i in range(n):
                 if not gone[i]:
                     (<WatchHandle>self.entries[i]).cancel()     # posted: stop what it still posts
         finally:
-            free(es)
             free(gone)
 
     def wait(self, timeout=None):
@@ -493,3 +492,28 @@ cdef bint _watch_busy(WatchHandle h):
         kx_transfer_get_state(s.transfer, &t)
         return bool(not t.done or t.linked)
     return s.state == KX_WATCH_ARMED or s.state == KX_WATCH_POSTING
+
+
+cdef int _disarm_all(tuple entries, int *gone) except -1:
+    """kx_watch_disarm_many over a batch's entries (one watcher's); ``gone`` (n ints, or NULL)
+    gets each answer. Holds the GIL when ``gone`` is NULL (the batch's __dealloc__)."""
+    cdef Py_ssize_t n = len(entries), i
+    cdef kx_watch **es = <kx_watch **>malloc(n * sizeof(kx_watch *))
+    cdef int *own = gone if gone != NULL else <int *>malloc(n * sizeof(int))
+    if es == NULL or own == NULL:
+        free(es)
+        if gone == NULL:
+            free(own)
+        raise MemoryError()
+    cdef kx_watcher *w = (<WatchHandle>entries[0]).watcher.w
+    for i in range(n):
+        es[i] = (<WatchHandle>entries[i]).e
+    if gone == NULL:
+        kx_watch_disarm_many(w, es, <size_t>n, own)
+    else:
+        with nogil:
+            kx_watch_disarm_many(w, es, <size_t>n, own)
+    free(es)
+    if gone == NULL:
+        free(own)
+    return 0

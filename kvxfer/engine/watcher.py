@@ -271,6 +271,8 @@ class Watcher:
         else:
             th, so, do, ln, st = self._group_args(thresholds, src, dst, src_offsets, dst_offsets, lengths, starts)
             cs = np.concatenate([[0], np.cumsum(ln, dtype=np.uint64)]).astype(np.uint64)
+            if (cs[1:] < cs[:-1]).any():         # each length is below 2**62: a wrap shows
+                raise InvalidArgumentError("the lengths add up past 2**64 bytes")
             sums = cs[st[1:]] - cs[st[:-1]]
             nbytes = int(cs[-1])
         handles = src._live()

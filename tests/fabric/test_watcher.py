@@ -131,6 +131,32 @@ def test_a_dropped_armed_entry_no_longer_holds_its_region(pair):
     w.close()
 
 
+def test_a_dropped_batch_disarms_its_entries_before_its_region_may_close(pair):
+    """A batch is remembered by its region weakly, as one: dropping it disarms every entry
+    still armed (with the GIL held, before the region could see it gone), so none posts from
+    a region closed after; a bare handle taken from it is disarmed too."""
+    import gc
+
+    a, b = pair
+    src, dst, ms, peer, rd, _ = _setup(a, b)
+    w = a.watcher(poll_us=0)
+    parts = [_layer(l) for l in range(3)]
+    starts = np.cumsum([0] + [len(p[0]) for p in parts])
+    bt = w.arm_groups([1, 2, 3], ms, peer, rd, *(np.concatenate([p[i] for p in parts]) for i in range(3)), starts,
+                      imm=16)
+    bare = bt._h.entries[2]                    # a native handle, without its batch
+    with pytest.raises(InvalidArgumentError):
+        ms.close()
+    del bt
+    gc.collect()
+    assert bare.state == "disarmed"
+    ms.close()
+    w.bump(5)
+    time.sleep(0.05)
+    assert b.banked(16) == 0 and not dst.any()
+    w.close()
+
+
 def test_disarm_and_cancel_tell_what_was_posted(pair):
     a, b = pair
     src, dst, ms, peer, rd, _ = _setup(a, b)
