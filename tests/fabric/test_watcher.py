@@ -31,6 +31,14 @@ def _layer(i, pages=4, page=1024):
     return off, off, np.full(pages, page, np.uint64)
 
 
+def _arm_layers(w, ms, peer, rd, n, **kw):
+    """Layers 0..n-1 (``_layer``) armed in one ``arm_groups`` at thresholds 1..n: (batch, parts)."""
+    parts = [_layer(l) for l in range(n)]
+    starts = np.cumsum([0] + [len(p[0]) for p in parts])
+    return w.arm_groups(list(range(1, n + 1)), ms, peer, rd, *(np.concatenate([p[i] for p in parts]) for i in range(3)),
+                        starts, **kw), parts
+
+
 def test_fires_in_order_with_exact_counts(pair):
     a, b = pair
     src, dst, ms, peer, rd, _ = _setup(a, b)
@@ -140,10 +148,7 @@ def test_a_dropped_batch_disarms_its_entries_before_its_region_may_close(pair):
     a, b = pair
     src, dst, ms, peer, rd, _ = _setup(a, b)
     w = a.watcher(poll_us=0)
-    parts = [_layer(l) for l in range(3)]
-    starts = np.cumsum([0] + [len(p[0]) for p in parts])
-    bt = w.arm_groups([1, 2, 3], ms, peer, rd, *(np.concatenate([p[i] for p in parts]) for i in range(3)), starts,
-                      imm=16)
+    bt, _ = _arm_layers(w, ms, peer, rd, 3, imm=16)
     bare = bt._h.entries[2]                    # a native handle, without its batch
     with pytest.raises(InvalidArgumentError):
         ms.close()
@@ -374,10 +379,7 @@ def test_a_watch_batch_answers_for_all_its_entries(pair):
     a, b = pair
     src, dst, ms, peer, rd, _ = _setup(a, b)
     w = a.watcher(poll_us=0)
-    parts = [_layer(l) for l in range(3)]
-    starts = np.cumsum([0] + [len(p[0]) for p in parts])
-    bt = w.arm_groups([1, 2, 3], ms, peer, rd, *(np.concatenate([p[i] for p in parts]) for i in range(3)), starts,
-                      imm=12, tag=5)
+    bt, parts = _arm_layers(w, ms, peer, rd, 3, imm=12, tag=5)
     assert len(bt) == 3 and [e.threshold for e in bt] == [1, 2, 3] and bt[-1] is list(bt)[2]
     assert bt.count(bt[0]) == 1 and bt.index(bt[2]) == 2          # a Sequence's own methods
     assert bt.nbytes == 3 * 4 * 1024 == sum(e.nbytes for e in bt)
