@@ -203,17 +203,23 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     uint64_t kx_watcher_value(const kx_watcher *w)
     uint64_t kx_watcher_bump(kx_watcher *w, uint64_t n)
     uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to)
+    ctypedef struct kx_watch_bounds:
+        uint64_t base
+        uint64_t src_size
+        uint64_t dst_size
+        size_t n
     int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen,
                      char *src_base,
                      void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct, const uint64_t *src_off,
-                     const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm, uint32_t imm,
-                     size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out)
+                     const uint64_t *dst_off, const uint64_t *length, size_t n, const kx_watch_bounds *b,
+                     int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out)
     int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, const int64_t *starts,
                             uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *desc,
                             uint64_t dst_base, uint64_t key, kx_direct *direct, const uint64_t *src_off,
-                            const uint64_t *dst_off, const uint64_t *length, int has_imm, uint32_t imm, size_t iov,
-                            uint64_t max_write, uint64_t pack_min, kx_watch **out)
+                            const uint64_t *dst_off, const uint64_t *length, const kx_watch_bounds *b, int has_imm,
+                            uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out)
     int64_t kx_watch_planned(const kx_watch *e)
+    uint64_t kx_watch_bytes(const kx_watch *e)
     void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out)
     int kx_watch_disarm(kx_watcher *w, kx_watch *e)
     size_t kx_watch_disarm_many(kx_watcher *w, kx_watch **es, size_t n, int *disarmed)

@@ -26,6 +26,7 @@ from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
 from libc.string cimport memset, strcpy
 from libc.stdlib cimport malloc, calloc, free
+from libc.errno cimport ERANGE
 from kvxfer._core cimport *
 
 import errno as _errno

@@ -225,41 +225,57 @@ def prepare_pairs(src_off, dst_off, length, counts):
     cdef int64_t acc = 0
     if s.shape[0] != m or d.shape[0] != m:
         return None
-    for i in range(m):
-        if s[i] >= lim or d[i] >= lim or n[i] >= lim or total + n[i] < total:
-            return None
-        total += n[i]
-    for g in range(ng):
-        if c[g] < 0 or c[g] > m:
-            return None
-        acc += c[g]
-        if c[g]:
-            k += 1
-    if acc != m:
-        return None
     if _np is None:
         import numpy
         _np = numpy
     so = _np.empty(m, _np.uint64)
     do = _np.empty(m, _np.uint64)
     ln = _np.empty(m, _np.uint64)
+    cnt = _np.empty(ng, _np.int64)
+    cdef uint64_t[::1] so_, do_, ln_
+    cdef int64_t[::1] st_, wh_, c_
+    so_, do_, ln_, c_ = so, do, ln, cnt
+    # checked as copied (each value read once): no other thread can change what was checked
+    for i in range(m):
+        so_[i], do_[i], ln_[i] = s[i], d[i], n[i]
+        if so_[i] >= lim or do_[i] >= lim or ln_[i] >= lim or total + ln_[i] < total:
+            return None
+        total += ln_[i]
+    for g in range(ng):
+        c_[g] = c[g]
+        if c_[g] < 0 or c_[g] > m:
+            return None
+        acc += c_[g]
+        if c_[g]:
+            k += 1
+    if acc != m:
+        return None
     starts = _np.empty(k + 1, _np.int64)
     which = _np.empty(k, _np.int64)
-    cdef uint64_t[::1] so_, do_, ln_
-    cdef int64_t[::1] st_, wh_
-    so_, do_, ln_, st_, wh_ = so, do, ln, starts, which
-    for i in range(m):
-        so_[i] = s[i]
-        do_[i] = d[i]
-        ln_[i] = n[i]
+    st_, wh_ = starts, which
     st_[0] = 0
     k = 0
     for g in range(ng):
-        if c[g]:
+        if c_[g]:
             wh_[k] = g
-            st_[k + 1] = st_[k] + c[g]
+            st_[k + 1] = st_[k] + c_[g]
             k += 1
     return so, do, ln, starts, which, total
+
+
+def pages_ascending(pages):
+    """Whether 1-D contiguous int64 ``pages`` never go down (True, False), None for anything
+    else: ``PageTemplate.by_source``'s question, in one call instead of three of numpy's."""
+    cdef const int64_t[::1] p
+    try:
+        p = pages
+    except (TypeError, ValueError, BufferError):
+        return None
+    cdef Py_ssize_t i
+    for i in range(1, p.shape[0]):
+        if p[i] < p[i - 1]:
+            return False
+    return True
 
 
 def shift_pages(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, src_pages, dst_pages,

@@ -67,8 +67,9 @@ cdef class WatcherHandle:
     def arm(self, uint64_t threshold, uint64_t tag, Rail rail, fi_addr_t peer, uint32_t gen, uintptr_t src_base,
             RegionHandle region, uint64_t dst_base, uint64_t key, DirectMap direct, const uint64_t[::1] src_off,
             const uint64_t[::1] dst_off, const uint64_t[::1] length, imm, size_t iov, uint64_t max_write,
-            uint64_t pack_min):
-        """Arm the triples' writes (copied) for when the counter reaches ``threshold``."""
+            uint64_t pack_min, uint64_t src_size, uint64_t dst_size):
+        """Arm the triples' writes (copied, and checked on the copy as ``arm_groups`` checks
+        them) for when the counter reaches ``threshold``."""
         cdef kx_watcher *w = self._w()
         cdef kx_rail *r = rail._rail()
         cdef size_t n = length.shape[0]
@@ -80,6 +81,10 @@ cdef class WatcherHandle:
         cdef kx_watch *e = NULL
         cdef kx_direct *d = _direct(direct)
         cdef int ret
+        cdef kx_watch_bounds b
+        b.base, b.src_size, b.dst_size, b.n = 0, src_size, dst_size, n
+        if src_off.shape[0] != <Py_ssize_t>n or dst_off.shape[0] != <Py_ssize_t>n:
+            raise InvalidArgumentError(f"triples differ in length: {src_off.shape[0]}, {dst_off.shape[0]}, {n}")
         if n:
             so = &src_off[0]
             do_ = &dst_off[0]
@@ -88,7 +93,9 @@ cdef class WatcherHandle:
             raise ClosedError("source registration is closed or belongs to another rail")
         with nogil:
             ret = kx_watch_arm(w, threshold, tag, r, peer, gen, <char *>src_base, region.desc, dst_base, key, d,
-                               so, do_, ln, n, has_imm, imm_value, iov, max_write, pack_min, &e)
+                               so, do_, ln, n, &b, has_imm, imm_value, iov, max_write, pack_min, &e)
+        if ret == -ERANGE:
+            raise InvalidArgumentError("a triple or the threshold is outside its bounds (changed while being armed?)")
         check(ret, "kx_watch_arm")
         cdef WatchHandle h = WatchHandle.__new__(WatchHandle)
         h.watcher = self
@@ -98,51 +105,64 @@ cdef class WatcherHandle:
         _track_watches(region, h)
         return h
 
-    def arm_groups(self, const uint64_t[::1] thresholds, uint64_t tag, Rail rail, fi_addr_t peer, uint32_t gen,
-                   uintptr_t src_base,
-                   RegionHandle region, uint64_t dst_base, uint64_t key, DirectMap direct, const uint64_t[::1] src_off,
-                   const uint64_t[::1] dst_off, const uint64_t[::1] length, const int64_t[::1] starts, imm,
-                   size_t iov, uint64_t max_write, uint64_t pack_min):
-        """Arm group g (triples ``[starts[g], starts[g+1])``) at ``thresholds[g]``, in one native
-        call without the GIL, all or nothing (the caller checked the triples and ``starts``)."""
+    def arm_groups(self, const uint64_t[::1] thresholds, uint64_t base, uint64_t tag, Rail rail, fi_addr_t peer,
+                   uint32_t gen, uintptr_t src_base, RegionHandle region, uint64_t dst_base, uint64_t key,
+                   DirectMap direct, const uint64_t[::1] src_off, const uint64_t[::1] dst_off,
+                   const uint64_t[::1] length, const int64_t[::1] starts, imm, size_t iov, uint64_t max_write,
+                   uint64_t pack_min, uint64_t src_size, uint64_t dst_size):
+        """Arm group g (triples ``[starts[g], starts[g+1])``) at ``base + thresholds[g]``, in one
+        native call without the GIL, all or nothing. The arguments are checked there, on the
+        entries' own copies (``kx_watch_bounds``: thresholds, offsets and lengths below 2**62,
+        ranges within ``src_size`` / ``dst_size``, ``starts`` from 0 to the triples, not
+        decreasing): a WatchBatchHandle, or None where a check failed (nothing armed; the
+        caller's own checks then name the defect)."""
         cdef kx_watcher *w = self._w()
         cdef kx_rail *r = rail._rail()
-        cdef Py_ssize_t g, ng = thresholds.shape[0]
+        cdef Py_ssize_t g, ng = thresholds.shape[0], m = length.shape[0]
         cdef int has_imm = imm is not None
         cdef uint32_t imm_value = imm if has_imm else 0
         cdef int ret = 0
         cdef uint64_t zero = 0
         cdef kx_direct *d = _direct(direct)
-        if starts.shape[0] != ng + 1:
-            raise InvalidArgumentError("starts must have one more entry than thresholds")
+        cdef kx_watch_bounds bounds
+        bounds.base, bounds.src_size, bounds.dst_size, bounds.n = base, src_size, dst_size, <size_t>m
+        if starts.shape[0] != ng + 1 or src_off.shape[0] != m or dst_off.shape[0] != m:
+            return None
         if region.rail is not rail or region.mr == NULL:
             raise ClosedError("source registration is closed or belongs to another rail")
-        import numpy
-        ptrs = numpy.zeros(max(ng, 1), dtype=numpy.uintp)
-        cdef size_t[::1] pv = ptrs
+        cdef kx_watch **pv = <kx_watch **>malloc(max(ng, 1) * sizeof(kx_watch *))
+        if pv == NULL:
+            raise MemoryError()
         cdef const uint64_t *th = &thresholds[0] if ng else &zero
-        with nogil:
-            if ng:
-                ret = kx_watch_arm_groups(w, <size_t>ng, th, &starts[0], tag, r, peer, gen, <char *>src_base,
-                                          region.desc, dst_base, key, d, &src_off[0] if src_off.shape[0] else &zero,
-                                          &dst_off[0] if dst_off.shape[0] else &zero,
-                                          &length[0] if length.shape[0] else &zero, has_imm, imm_value, iov,
-                                          max_write, pack_min, <kx_watch **>&pv[0])
-        check(ret, "kx_watch_arm_groups")      # all or nothing: no entry armed on an error
-        out = []
         cdef WatchHandle h
+        cdef WatchBatchHandle b
         cdef int64_t planned = 0
-        for g in range(ng):
-            h = WatchHandle.__new__(WatchHandle)
-            h.watcher = self
-            h.e = <kx_watch *>pv[g]
-            h.rail = rail
-            h.region = region
-            planned += kx_watch_planned(h.e)
-            out.append(h)
-        cdef WatchBatchHandle b = WatchBatchHandle.__new__(WatchBatchHandle)
+        cdef uint64_t nbytes = 0
+        try:
+            with nogil:
+                ret = kx_watch_arm_groups(w, <size_t>ng, th, &starts[0], tag, r, peer, gen, <char *>src_base,
+                                          region.desc, dst_base, key, d, &src_off[0] if m else &zero,
+                                          &dst_off[0] if m else &zero, &length[0] if m else &zero, &bounds,
+                                          has_imm, imm_value, iov, max_write, pack_min, pv)
+            if ret == -ERANGE:
+                return None
+            check(ret, "kx_watch_arm_groups")      # all or nothing: no entry armed on an error
+            out = []
+            for g in range(ng):
+                h = WatchHandle.__new__(WatchHandle)
+                h.watcher = self
+                h.e = pv[g]
+                h.rail = rail
+                h.region = region
+                planned += kx_watch_planned(h.e)
+                nbytes += kx_watch_bytes(h.e)
+                out.append(h)
+        finally:
+            free(pv)
+        b = WatchBatchHandle.__new__(WatchBatchHandle)
         b.entries = tuple(out)
         b.num_writes = planned
+        b.nbytes = nbytes
         _track_watches(region, b)      # one reference for the batch, not one per entry
         return b
 
@@ -178,54 +198,6 @@ cdef class WatcherHandle:
         with nogil:
             ret = kx_watcher_close(self.w, ns)
         return ret == 0
-
-
-def prepare_arm_groups(thresholds, src_off, dst_off, length, starts, uint64_t src_size, uint64_t dst_size):
-    """Watcher.arm_groups' fast path, one pass: for 1-D contiguous uint64 thresholds and
-    triples (each threshold, offset and length below 2**62, every range inside its region) and int64
-    starts (0, not decreasing, to the triples, one more than the thresholds), ``(th, so, do,
-    ln, starts, total, sums)``: private copies of the five (checked as copied, so no other
-    thread can change them between the check and the arming), the bytes in all and each
-    group's; None for anything else (the caller's own checks then name the defect)."""
-    global _np
-    cdef const uint64_t[::1] th, s, d, n
-    cdef const int64_t[::1] st
-    try:
-        th, s, d, n, st = thresholds, src_off, dst_off, length, starts
-    except (TypeError, ValueError, BufferError):
-        return None
-    cdef Py_ssize_t m = n.shape[0], ng = th.shape[0], i, g
-    if s.shape[0] != m or d.shape[0] != m or st.shape[0] != ng + 1:
-        return None
-    if _np is None:
-        import numpy
-        _np = numpy
-    th_c, so, do, ln = _np.empty(ng, _np.uint64), _np.empty(m, _np.uint64), _np.empty(m, _np.uint64), _np.empty(m, _np.uint64)
-    st_c, sums = _np.empty(ng + 1, _np.int64), _np.empty(ng, _np.uint64)
-    cdef uint64_t[::1] tv = th_c, sv = so, dv = do, lv = ln, uv = sums
-    cdef int64_t[::1] gv = st_c
-    cdef uint64_t lim = 1ULL << 62, total = 0, acc
-    for g in range(ng + 1):
-        gv[g] = st[g]
-    if gv[0] != 0 or gv[ng] != m:
-        return None
-    for g in range(ng):
-        tv[g] = th[g]
-        if tv[g] >= lim or gv[g + 1] < gv[g]:      # thresholds as the Python checks bound them
-            return None
-    for i in range(m):
-        sv[i], dv[i], lv[i] = s[i], d[i], n[i]
-        if sv[i] >= lim or dv[i] >= lim or lv[i] >= lim:
-            return None
-        if sv[i] + lv[i] > src_size or dv[i] + lv[i] > dst_size or total + lv[i] < total:
-            return None
-        total += lv[i]
-    for g in range(ng):
-        acc = 0
-        for i in range(gv[g], gv[g + 1]):
-            acc += lv[i]
-        uv[g] = acc
-    return th_c, so, do, ln, st_c, total, sums
 
 
 def _track_watches(RegionHandle region, armed):
@@ -287,6 +259,11 @@ cdef class WatchHandle:
     @property
     def threshold(self):
         return self._state().threshold
+
+    @property
+    def nbytes(self):
+        """The bytes it writes (its lengths' sum, fixed at arming)."""
+        return kx_watch_bytes(self.e)
 
     @property
     def fired_ns(self):
@@ -397,6 +374,7 @@ cdef class WatchBatchHandle:
 
     cdef readonly tuple entries
     cdef readonly int64_t num_writes    # the messages they post once fired (fixed at arming)
+    cdef readonly uint64_t nbytes       # the bytes they write
     cdef object __weakref__             # RegionHandle.watches
 
     @property

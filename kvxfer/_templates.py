@@ -40,7 +40,8 @@ __all__ = ["PageTemplate", "chooses_replicas", "plan_layers", "request_seed", "w
 
 #: one region pair's writes of several layers, for ``Watcher.arm_groups``: ``(src rank, dst
 #: rank, src region, dst region, layers, so, do, ln, starts)``, layer ``layers[g]``'s triples
-#: at ``[starts[g], starts[g + 1])``
+#: at ``[starts[g], starts[g + 1])``; layers and triples uint64, starts int64 (the arrays the
+#: watcher's native pass takes as they are)
 ArmBatch = tuple
 
 
@@ -176,8 +177,9 @@ class PageTemplate:
 
     @staticmethod
     def by_source(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Both page lists ordered by source page (as ``plan`` orders them)."""
-        if len(src_pages) > 1:
+        """Both page lists ordered by source page (as ``plan`` orders them): the same arrays
+        where the source pages already ascend."""
+        if len(src_pages) > 1 and not (_fabric is not None and _fabric.pages_ascending(src_pages)):
             order = np.argsort(src_pages, kind="stable")
             return src_pages[order], dst_pages[order]
         return src_pages, dst_pages
@@ -202,7 +204,7 @@ class PageTemplate:
         sp = np.asarray(src_pages, np.int64)
         if len(part) == 0:
             return []
-        dp = dp_all[part]
+        dp = dp_all if len(part) == len(dp_all) else dp_all[part]      # every page: part is 0..n-1
         if not self.replicas:
             a, b = self.by_source(sp, dp)
             return [(i, a, b) for i in range(len(self.pairs))]
@@ -238,17 +240,17 @@ class PageTemplate:
             if hit is None:
                 m = len(so)
                 idx = np.lexsort((np.tile(np.arange(m), n), np.repeat(np.arange(n), m), np.tile(key, n)))
-                hit = self._keep(self._orders, (i, n), (idx, np.tile(ln, n)[idx]), 2 * len(idx))
-            idx, ln_n = hit
+                hit = self._keep(self._orders, (i, n), (idx, np.tile(ln, n)[idx], counts * n), 2 * len(idx))
+            idx, ln_n, counts_n = hit
             # page p's entry e is (page, entry) pair p * m + e: shifted and ordered in one pass
             ab = None if _fabric is None else _fabric.shift_pages(so, do, sp, dp, self.src_stride, self.dst_stride,
                                                                   idx)
             if ab is not None:
-                return ab[0], ab[1], ln_n, counts * n
+                return ab[0], ab[1], ln_n, counts_n
         a = (so[None, :] + (sp * self.src_stride)[:, None].astype(np.uint64)).ravel()
         b = (do[None, :] + (dp * self.dst_stride)[:, None].astype(np.uint64)).ravel()
         if self._keys[i][3]:
-            return a[idx], b[idx], ln_n, counts * n
+            return a[idx], b[idx], ln_n, counts_n
         idx = np.lexsort((a, np.tile(key, n)))       # stable: ties keep (page, entry) order
         return a[idx], b[idx], np.tile(ln, n)[idx], counts * n
 
@@ -277,7 +279,7 @@ class PageTemplate:
             for r in range(len(bounds) - 1):
                 ka, kb = bounds[r], bounds[r + 1]
                 a, b = int(cum[ka]), int(cum[kb])
-                lay, st = ukey[ka:kb] % self.num_layers, cum[ka:kb + 1] - a
+                lay, st = (ukey[ka:kb] % self.num_layers).astype(np.uint64), cum[ka:kb + 1] - a
                 lay.setflags(write=False)
                 st.setflags(write=False)
                 hit.append((a, b, lay, st))
@@ -299,6 +301,7 @@ def plan_layers(p: TransferPlan, src_ranks: Any, dst_ranks: Any) -> list[ArmBatc
     else one batch per (group, layer) (then every layer is its own region pair)."""
     sg, dg = p.src_geometry, p.dst_geometry
     lay = np.asarray(p.layers, np.int64)
+    lay_u = lay.astype(np.uint64)
     nl = len(lay)
     out = []
     for s, d in p.pairs:
@@ -311,11 +314,11 @@ def plan_layers(p: TransferPlan, src_ranks: Any, dst_ranks: Any) -> list[ArmBatc
             do = (t.dst_offset[a:b][None, :] + (lay * dg.layer_stride)[:, None]).ravel()
             ln = np.tile(t.length[a:b], nl)
             if sg.regions_per_layer == 0 and dg.regions_per_layer == 0:
-                out.append((s, d, sr, dr, lay, so, do, ln, np.arange(nl + 1, dtype=np.int64) * m))
+                out.append((s, d, sr, dr, lay_u, so, do, ln, np.arange(nl + 1, dtype=np.int64) * m))
                 continue
             for k, layer in enumerate(p.layers):
                 out.append((s, d, sr + layer * sg.regions_per_layer, dr + layer * dg.regions_per_layer,
-                            lay[k:k + 1], so[k * m:(k + 1) * m], do[k * m:(k + 1) * m], ln[k * m:(k + 1) * m],
+                            lay_u[k:k + 1], so[k * m:(k + 1) * m], do[k * m:(k + 1) * m], ln[k * m:(k + 1) * m],
                             np.array([0, m], np.int64)))
     return out
 

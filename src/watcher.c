@@ -47,6 +47,7 @@ struct kx_watch {
     kx_direct *direct;         /* one reference, or NULL (RMA) */
     uint64_t *triples;         /* 3 n words: src, dst, length */
     size_t n;
+    uint64_t bytes;            /* the lengths' sum */
     int has_imm;
     uint32_t imm;
     int leaving;               /* kx_watch_disarm_many: unlink it on this walk (under the lock) */
@@ -300,27 +301,45 @@ uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to)
     return v < to ? to : v;
 }
 
-/* one entry, not yet on the list (NULL on ENOMEM) */
-static kx_watch *watch_new(uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen,
-                           char *src_base, void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct,
-                           const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
-                           int has_imm, uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min)
+/* an offset, a length or a threshold the Python checks would refuse (each below 2**62) */
+#define KX_WATCH_LIMIT (1ULL << 62)
+
+/* one entry, not yet on the list: 0, -FI_ENOMEM, or -ERANGE where a triple of its copy is
+ * outside its bounds (src_size, dst_size, each value below KX_WATCH_LIMIT) */
+static int watch_new(uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen,
+                     char *src_base, void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct,
+                     const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
+                     const kx_watch_bounds *b, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
+                     uint64_t pack_min, kx_watch **out)
 {
     kx_watch *e = calloc(1, sizeof(*e));
     if (!e)
-        return NULL;
+        return -FI_ENOMEM;
     if (n) {
         e->triples = malloc(3 * n * sizeof(uint64_t));
         if (!e->triples) {
             free(e);
-            return NULL;
+            return -FI_ENOMEM;
         }
         memcpy(e->triples, src_off, n * sizeof(uint64_t));
         memcpy(e->triples + n, dst_off, n * sizeof(uint64_t));
         memcpy(e->triples + 2 * n, length, n * sizeof(uint64_t));
     }
+    /* checked on the copy: another thread may change the caller's arrays meanwhile */
+    const uint64_t *so = e->triples, *dof = e->triples + n, *ln = e->triples + 2 * n;
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (so[i] >= KX_WATCH_LIMIT || dof[i] >= KX_WATCH_LIMIT || ln[i] >= KX_WATCH_LIMIT
+            || so[i] + ln[i] > b->src_size || dof[i] + ln[i] > b->dst_size || bytes + ln[i] < bytes) {
+            free(e->triples);
+            free(e);
+            return -ERANGE;
+        }
+        bytes += ln[i];
+    }
     e->n = n;
-    e->planned = kx_count_messages(src_off, dst_off, length, n, iov, max_write, pack_min);
+    e->bytes = bytes;
+    e->planned = kx_count_messages(so, dof, ln, n, iov, max_write, pack_min);
     e->threshold = threshold;
     e->tag = tag;
     e->rail = r;
@@ -339,7 +358,8 @@ static kx_watch *watch_new(uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr
     e->pack_min = pack_min;
     e->refs = 2;
     e->state = KX_WATCH_ARMED;
-    return e;
+    *out = e;
+    return 0;
 }
 
 static void watch_free_new(kx_watch *e)
@@ -352,21 +372,46 @@ static void watch_free_new(kx_watch *e)
 int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, const int64_t *starts, uint64_t tag,
                         kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *desc, uint64_t dst_base,
                         uint64_t key, kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off,
-                        const uint64_t *length, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
-                        uint64_t pack_min, kx_watch **out)
+                        const uint64_t *length, const kx_watch_bounds *b, int has_imm, uint32_t imm, size_t iov,
+                        uint64_t max_write, uint64_t pack_min, kx_watch **out)
 {
     /* what kx_write would refuse when the entry fires: refused now, so the entry's count is real */
     if (!kx_limits_ok(r, iov, max_write, pack_min))
         return -FI_EINVAL;
-    for (size_t g = 0; g < ng; g++) {
-        size_t a = (size_t)starts[g], n = (size_t)(starts[g + 1] - starts[g]);
-        out[g] = watch_new(thresholds[g], tag, r, peer, gen, src_base, desc, dst_base, key, direct,
-                           src_off + a, dst_off + a, length + a, n, has_imm, imm, iov, max_write, pack_min);
-        if (!out[g]) {
-            while (g--)
-                watch_free_new(out[g]);
-            return -FI_ENOMEM;
+    if (b->base >= KX_WATCH_LIMIT)
+        return -ERANGE;
+    /* each start and threshold read once, so a caller's array changed meanwhile cannot make
+     * a group's bounds disagree with what was checked */
+    int64_t a = starts[0], total_n = (int64_t)b->n;
+    uint64_t total = 0;
+    int ret = a == 0 ? 0 : -ERANGE;
+    size_t g = 0;
+    for (; g < ng && !ret; g++) {
+        int64_t e_ = starts[g + 1];
+        uint64_t th = thresholds[g];
+        if (e_ < a || e_ > total_n || th >= KX_WATCH_LIMIT - b->base) {
+            ret = -ERANGE;
+            break;
         }
+        ret = watch_new(b->base + th, tag, r, peer, gen, src_base, desc, dst_base, key, direct, src_off + a,
+                        dst_off + a, length + a, (size_t)(e_ - a), b, has_imm, imm, iov, max_write, pack_min,
+                        &out[g]);
+        if (ret)
+            break;
+        if (total + out[g]->bytes < total) {
+            watch_free_new(out[g]);
+            ret = -ERANGE;
+            break;
+        }
+        total += out[g]->bytes;
+        a = e_;
+    }
+    if (!ret && a != total_n)
+        ret = -ERANGE;
+    if (ret) {
+        while (g--)
+            watch_free_new(out[g]);
+        return ret;
     }
     pthread_mutex_lock(&w->lock);
     if (w->stop) {
@@ -378,6 +423,7 @@ int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, co
     /* after every entry of a lower or equal threshold (arming order within a threshold):
      * right after its run's end where run_end knows it, else a walk that goes on from the
      * last insertion while thresholds do not go down (a rank pair's layers) */
+    int was_empty = w->armed == NULL;
     kx_watch **p = &w->armed;
     for (size_t g = 0; g < ng; g++) {
         kx_watch *e = out[g];
@@ -396,7 +442,10 @@ int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, co
         w->run_end[e->threshold % KX_RUN_SLOTS] = e;
         w->narmed++;
     }
-    if (ng)
+    /* the thread needs waking only for an entry due now, or to start polling (it waits
+     * without a deadline while nothing is armed): waking it for anything else would cost
+     * the armer a wake-up, and often its core, per call (a bump or an advance signals anyway) */
+    if (ng && (w->armed->threshold <= __atomic_load_n(w->word, __ATOMIC_ACQUIRE) || (w->poll_ns && was_empty)))
         pthread_cond_signal(&w->wake);
     pthread_mutex_unlock(&w->lock);
     return 0;
@@ -404,17 +453,25 @@ int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, co
 
 int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen,
                  char *src_base, void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct,
-                 const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm,
-                 uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out)
+                 const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
+                 const kx_watch_bounds *b, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
+                 uint64_t pack_min, kx_watch **out)
 {
     int64_t starts[2] = {0, (int64_t)n};
+    kx_watch_bounds one = *b;
+    one.n = n;
     return kx_watch_arm_groups(w, 1, &threshold, starts, tag, r, peer, gen, src_base, desc, dst_base, key, direct,
-                               src_off, dst_off, length, has_imm, imm, iov, max_write, pack_min, out);
+                               src_off, dst_off, length, &one, has_imm, imm, iov, max_write, pack_min, out);
 }
 
 int64_t kx_watch_planned(const kx_watch *e)
 {
     return e->planned;
+}
+
+uint64_t kx_watch_bytes(const kx_watch *e)
+{
+    return e->bytes;
 }
 
 void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out)

@@ -340,21 +340,35 @@ uint64_t kx_watcher_value(const kx_watcher *w);
 uint64_t kx_watcher_bump(kx_watcher *w, uint64_t n);
 /* Raise the word to at least `to` (an abandoned pass); returns the value after. */
 uint64_t kx_watcher_advance(kx_watcher *w, uint64_t to);
+/* What arming checks on its own copy of the caller's arrays (another thread may change them
+ * meanwhile), before anything is armed: every offset, length and threshold (base + the given
+ * one) below 2**62, each triple's source range within src_size and destination range within
+ * dst_size, no sum of lengths past 2**64, and starts from 0 to n (the triples' number), not
+ * decreasing. A failed check returns -ERANGE. */
+typedef struct kx_watch_bounds {
+    uint64_t base;         /* added to every threshold */
+    uint64_t src_size, dst_size;
+    size_t n;              /* triples in the arrays (kx_watch_arm: its n) */
+} kx_watch_bounds;
+
 /* Arm the triples' writes for when the word reaches `threshold` (copies the triples). The
  * rail, source registration and peer must outlive the entry. *out: the owner's reference. */
 int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi_addr_t peer, uint32_t gen,
                  char *src_base, void *desc, uint64_t dst_base, uint64_t key, kx_direct *direct,
-                 const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n, int has_imm,
-                 uint32_t imm, size_t iov, uint64_t max_write, uint64_t pack_min, kx_watch **out);
+                 const uint64_t *src_off, const uint64_t *dst_off, const uint64_t *length, size_t n,
+                 const kx_watch_bounds *b, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
+                 uint64_t pack_min, kx_watch **out);
 /* kx_watch_arm for ng groups at once: group g is triples [starts[g], starts[g+1]) armed at
- * thresholds[g]; out[g] its entry. All or nothing (nothing armed on an error), one lock and
- * one wake-up for the batch. */
+ * b->base + thresholds[g]; out[g] its entry. All or nothing (nothing armed on an error), one
+ * lock and one wake-up for the batch. */
 int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, const int64_t *starts, uint64_t tag,
                         kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *desc, uint64_t dst_base,
                         uint64_t key, kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off,
-                        const uint64_t *length, int has_imm, uint32_t imm, size_t iov, uint64_t max_write,
-                        uint64_t pack_min, kx_watch **out);
+                        const uint64_t *length, const kx_watch_bounds *b, int has_imm, uint32_t imm, size_t iov,
+                        uint64_t max_write, uint64_t pack_min, kx_watch **out);
 int64_t kx_watch_planned(const kx_watch *e);
+/* The sum of the entry's lengths. */
+uint64_t kx_watch_bytes(const kx_watch *e);
 void kx_watch_get_state(kx_watcher *w, const kx_watch *e, kx_watch_state *out);
 /* 1 if the entry was still armed and now never posts; 0 if it was posted (waits for a post
  * in progress to return, so the answer is exact). */

@@ -134,27 +134,25 @@ class WatchBatch(Sequence[WatchEntry]):
     ``entries_in(state, above, upto)`` counts the entries in a state with thresholds in
     ``(above, upto]``."""
 
-    __slots__ = ("_h", "_src", "_sums", "_entries", "nbytes", "imm", "tag")
+    __slots__ = ("_h", "_src", "_entries", "imm", "tag")
 
-    def __init__(self, h: Any, src: "MemoryRegion", nbytes: int, sums: Any, imm: Optional[int], tag: int) -> None:
+    def __init__(self, h: Any, src: "MemoryRegion", imm: Optional[int], tag: int) -> None:
         self._h = h
         self._src = src
-        self._sums = sums
         self._entries: Optional[list[WatchEntry]] = None
-        self.nbytes = nbytes
         self.imm = imm
         self.tag = tag
 
     num_writes = property(lambda self: self._h.num_writes, doc="Messages its entries post (the message rule).")
+    nbytes = property(lambda self: self._h.nbytes, doc="Bytes its entries write.")
     posted = property(lambda self: self._h.posted, doc="Messages handed to the provider so far.")
     done = property(lambda self: self._h.done, doc="Every entry disarmed, failed, or posted and complete.")
     error = property(lambda self: self._h.error, doc="The first entry's error, in group order, or None.")
 
     def _all(self) -> list[WatchEntry]:
         if self._entries is None:
-            sums = self._sums.tolist()
-            self._entries = [WatchEntry(h, self._src, sums[g], self.imm, self.tag, self._h)
-                             for g, h in enumerate(self._h.entries)]
+            self._entries = [WatchEntry(h, self._src, h.nbytes, self.imm, self.tag, self._h)
+                             for h in self._h.entries]
         return self._entries
 
     def __len__(self) -> int:
@@ -248,44 +246,44 @@ class Watcher:
         h = self._h.arm(threshold, tag, r, peer.fi_addrs[rail], peer.gens[rail], src.ptr, handles[rail], dst.base, dst.keys[rail],
                         dst._direct_from(src), np.ascontiguousarray(so, np.uint64),
                         np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), imm, eng.iov,
-                        eng.max_write, dst._pack_min)
+                        eng.max_write, dst._pack_min, src.nbytes, dst.nbytes)
         return WatchEntry(h, src, int(ln.sum()) if len(ln) else 0, imm, int(tag))
 
     def arm_groups(self, thresholds, src: "MemoryRegion", peer: "Peer", dst: "RemoteRegion", src_offsets,
-                   dst_offsets, lengths, starts, *, imm: Optional[int] = None, tag: int = 0,
+                   dst_offsets, lengths, starts, *, base: int = 0, imm: Optional[int] = None, tag: int = 0,
                    rail: int = 0) -> "WatchBatch":
         """``arm`` for many groups of one region pair at once (e.g. every layer of a rank
-        pair): group g is triples ``[starts[g], starts[g + 1])`` armed at ``thresholds[g]``.
-        Checked once (one native pass, ``_fabric.prepare_arm_groups``, for uint64 thresholds
-        and triples and int64 starts; numpy's checks for anything else), armed in one native
-        loop; the entries come back as one ``WatchBatch``."""
+        pair): group g is triples ``[starts[g], starts[g + 1])`` armed at ``base +
+        thresholds[g]``. Armed in one native loop that checks uint64 thresholds and triples and
+        int64 starts on its own copies (any other form, or a failed check, goes through
+        numpy's checks, which name the defect); the entries come back as one ``WatchBatch``."""
         eng = self.engine
         eng._endpoints(src, peer, dst)
         tag = _u64(tag, "tag")
+        base = _u64(base, "base")
         imm = _check_imm(imm)
         rail = _check_rail(rail, len(eng._rails))
-        fast = _fabric.prepare_arm_groups(thresholds, src_offsets, dst_offsets, lengths, starts, src.nbytes,
-                                          dst.nbytes)
-        if fast is not None:
-            th, so, do, ln, st, nbytes, sums = fast
-        else:
-            th, so, do, ln, st = self._group_args(thresholds, src, dst, src_offsets, dst_offsets, lengths, starts)
-            cs = np.concatenate([[0], np.cumsum(ln, dtype=np.uint64)]).astype(np.uint64)
-            if (cs[1:] < cs[:-1]).any():         # each length is below 2**62: a wrap shows
-                raise InvalidArgumentError("the lengths add up past 2**64 bytes")
-            sums = cs[st[1:]] - cs[st[:-1]]
-            nbytes = int(cs[-1])
         handles = src._live()
-        hb = self._h.arm_groups(th, tag, eng._rails[rail], peer.fi_addrs[rail], peer.gens[rail], src.ptr,
-                                handles[rail], dst.base, dst.keys[rail], dst._direct_from(src), so, do, ln, st, imm,
-                                eng.iov, eng.max_write, dst._pack_min)
-        return WatchBatch(hb, src, int(nbytes), sums, imm, int(tag))
+        args = (base, tag, eng._rails[rail], peer.fi_addrs[rail], peer.gens[rail], src.ptr, handles[rail], dst.base,
+                dst.keys[rail], dst._direct_from(src))
+        limits = (imm, eng.iov, eng.max_write, dst._pack_min, src.nbytes, dst.nbytes)
+        try:
+            hb = self._h.arm_groups(thresholds, *args, src_offsets, dst_offsets, lengths, starts, *limits)
+        except (TypeError, ValueError, BufferError):       # not the arrays the native pass takes
+            hb = None
+        if hb is None:
+            th, so, do, ln, st = self._group_args(thresholds, base, src, dst, src_offsets, dst_offsets, lengths,
+                                                  starts)
+            hb = self._h.arm_groups(th, *args, so, do, ln, st, *limits)
+            if hb is None:                # checked above: only another thread's change gets here
+                raise InvalidArgumentError("arm_groups' arguments changed while being armed")
+        return WatchBatch(hb, src, imm, int(tag))
 
     @staticmethod
-    def _group_args(thresholds, src: "MemoryRegion", dst: "RemoteRegion", src_offsets, dst_offsets, lengths,
-                    starts) -> tuple:
-        """``arm_groups``' checks of anything ``prepare_arm_groups`` does not take: the
-        arguments as contiguous arrays, or the precise error."""
+    def _group_args(thresholds, base: int, src: "MemoryRegion", dst: "RemoteRegion", src_offsets, dst_offsets,
+                    lengths, starts) -> tuple:
+        """``arm_groups``' checks of what the native pass refused or does not take: the
+        arguments as private contiguous arrays (uint64, starts int64), or the precise error."""
         so = _as_offsets(src_offsets, "src_offsets")
         do = _as_offsets(dst_offsets, "dst_offsets")
         ln = _as_offsets(lengths, "lengths")
@@ -297,8 +295,11 @@ class Watcher:
                 or (np.diff(st) < 0).any()):
             raise InvalidArgumentError("starts must run from 0 to the number of triples, one more than thresholds")
         check_triples(so, do, ln, src.nbytes, dst.nbytes)
-        return (np.ascontiguousarray(th, np.uint64), np.ascontiguousarray(so, np.uint64),
-                np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), st)
+        if len(th) and int(th.max()) + base >= 2**62:
+            raise InvalidArgumentError(f"base + thresholds must be below 2**62, got {base} + {int(th.max())}")
+        if len(ln) and (np.cumsum(ln, dtype=np.uint64) < ln).any():    # each below 2**62: a wrap shows
+            raise InvalidArgumentError("the lengths add up past 2**64 bytes")
+        return th, so, do, ln, st          # private copies (_as_offsets)
 
     def disarm_tag(self, tag: int) -> int:
         """Disarm every still-armed entry of ``tag``; returns how many."""

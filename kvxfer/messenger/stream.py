@@ -64,14 +64,17 @@ def pages_completed(num_tokens: int, page_size: int, start: int, end: int) -> np
     if not 1 <= page_size < 2**63 or not 0 <= num_tokens < 2**63 or -(-num_tokens // page_size) > MAX_PAGES:
         raise InvalidArgumentError(f"{num_tokens} tokens in pages of {page_size} are not a request's "
                                    f"(at most {MAX_PAGES} pages)")
+    return _pages_completed(num_tokens, page_size, int(start), int(end))
+
+
+def _pages_completed(num_tokens: int, page_size: int, start: int, end: int) -> np.ndarray:
+    """``pages_completed`` of values already checked (ints; a request's tokens and pages)."""
     npages = -(-num_tokens // page_size)
-    start, end = (min(max(int(x), 0), num_tokens) for x in (start, end))     # int64-safe, same pages
-
-    def first(t: int) -> int:
-        # the first page whose last token is at or after t (last tokens ascend with the page)
-        return npages if t >= num_tokens else min(-(-(t + 1) // page_size) - 1, npages - 1)
-
-    return np.arange(first(start), max(first(start), first(end)), dtype=np.int64)
+    start, end = min(max(start, 0), num_tokens), min(max(end, 0), num_tokens)     # int64-safe, same pages
+    # the first page whose last token is at or after t (last tokens ascend with the page)
+    a = npages if start >= num_tokens else min(-(-(start + 1) // page_size) - 1, npages - 1)
+    b = npages if end >= num_tokens else min(-(-(end + 1) // page_size) - 1, npages - 1)
+    return np.arange(a, max(a, b), dtype=np.int64)
 
 
 class LayerCounter:
@@ -333,11 +336,13 @@ class Streamer:
                 layers = self.prefill.token_arm_batches(req.peer, req, sp, start, end)
                 work.append((send, end, sp, layers))
                 continue
-            idx = pages_completed(req.num_tokens, self.page_size, start, end)
-            if len(idx) and (sp is None or int(idx[-1]) >= len(sp)):
+            idx = _pages_completed(req.num_tokens, self.page_size, start, end)
+            n = len(idx)
+            if n and (sp is None or int(idx[-1]) >= len(sp)):
                 raise PlanError(f"chunk [{start}, {end}) of request {req.request_id!r} completes page "
                                 f"{int(idx[-1])} but only {0 if sp is None else len(sp)} source pages are known")
-            layers = self.prefill.arm_batches(req.peer, req, idx, sp[idx]) if len(idx) else None
+            # idx ascends by one from idx[0]: all of sp when it has as many pages
+            layers = None if not n else self.prefill.arm_batches(req.peer, req, idx, sp if n == len(sp) else sp[idx])
             work.append((send, end, sp, layers))
         base, end_ = lc._take_pass()
         p = Pass(self, base, end_, [w[0] for w in work])
@@ -355,8 +360,8 @@ class Streamer:
         nrails = self.node.engine.rails
         out: list = []
         for src, dst, sr, dr, lay, so, do, ln, starts in batches:
-            out.append(w.arm_groups(lay.astype(np.uint64) + np.uint64(p.base + 1), pf.local[src][sr], pg.peer,
-                                    pg.remote[dst][dr], so, do, ln, starts, imm=s.request.imm, tag=p.id,
+            out.append(w.arm_groups(lay, pf.local[src][sr], pg.peer, pg.remote[dst][dr], so, do, ln, starts,
+                                    base=p.base + 1, imm=s.request.imm, tag=p.id,
                                     rail=pf.rails.get(src, src % nrails)))
         return out
 

@@ -1,8 +1,9 @@
 /* The layer watcher (src/watcher.c) without a rail: entries whose threshold is never reached
  * stay armed; disarm (one, by tag) and free in every order; bump/advance are monotonic; the
  * thread sleeps when nothing is armed; close joins it with entries still armed; the cache of
- * where each threshold's run ends never keeps an entry that left the list. Under ASan and
- * UBSan, so every path frees exactly once and no freed entry is read. */
+ * where each threshold's run ends never keeps an entry that left the list; arming refuses
+ * what is outside its bounds (kx_watch_bounds) with nothing armed. Under ASan and UBSan, so
+ * every path frees exactly once and no freed entry is read. */
 #include "internal.h"
 #include "check.h"
 
@@ -10,7 +11,9 @@ static kx_watch *arm(kx_watcher *w, uint64_t threshold, uint64_t tag)
 {
     uint64_t so[3] = {0, 4096, 8192}, dof[3] = {0, 4096, 8192}, ln[3] = {4096, 4096, 100};
     kx_watch *e = NULL;
-    CHECK_EQ(kx_watch_arm(w, threshold, tag, NULL, 0, 0, NULL, NULL, 0, 0, NULL, so, dof, ln, 3, 1, 7, 4, 1 << 20, 65, &e), 0);
+    kx_watch_bounds b = {0, 1 << 20, 1 << 20, 3};
+    CHECK_EQ(kx_watch_arm(w, threshold, tag, NULL, 0, 0, NULL, NULL, 0, 0, NULL, so, dof, ln, 3, &b, 1, 7, 4, 1 << 20,
+                          65, &e), 0);
     return e;
 }
 
@@ -144,8 +147,52 @@ static void test_disarm_many(void)
     kx_watcher_free(w);
 }
 
+/* groups at base + thresholds; any triple, start or threshold outside its bounds refuses
+ * the whole batch (-ERANGE) and arms nothing */
+static void test_bounds(void)
+{
+    kx_watcher *w = NULL;
+    CHECK_EQ(kx_watcher_open(NULL, 0, NULL, 0, 0, &w), 0);
+    uint64_t so[4] = {0, 64, 128, 192}, dof[4] = {0, 64, 128, 192}, ln[4] = {64, 64, 64, 64};
+    uint64_t th[2] = {1, 2};
+    int64_t st[3] = {0, 2, 4};
+    kx_watch *out[2] = {NULL, NULL};
+    kx_watch_bounds b = {10, 256, 256, 4};
+#define ARM(bb, starts) kx_watch_arm_groups(w, 2, th, starts, 1, NULL, 0, 0, NULL, NULL, 0, 0, NULL, so, dof, ln, \
+                                            &(bb), 0, 0, 4, 1 << 20, 65, out)
+    CHECK_EQ(ARM(b, st), 0);
+    kx_watch_state s;
+    kx_watch_get_state(w, out[1], &s);
+    CHECK_EQ(s.threshold, 12);
+    CHECK_EQ(kx_watch_bytes(out[0]), 128);
+    for (int g = 0; g < 2; g++) {
+        CHECK_EQ(kx_watch_disarm(w, out[g]), 1);
+        kx_watch_free(w, out[g]);
+    }
+    kx_watch_bounds small = {10, 255, 256, 4}, small_dst = {10, 256, 200, 4}, high = {(1ULL << 62) - 2, 256, 256, 4},
+                    fewer = {10, 256, 256, 3};
+    int64_t down[3] = {0, 3, 2}, late[3] = {1, 2, 4}, short_[3] = {0, 2, 3};
+    CHECK_EQ(ARM(small, st), -ERANGE);        /* the last source range ends at 256 */
+    CHECK_EQ(ARM(small_dst, st), -ERANGE);
+    CHECK_EQ(ARM(high, st), -ERANGE);         /* base + 2 reaches 2**62 */
+    CHECK_EQ(ARM(fewer, st), -ERANGE);        /* starts end past the triples */
+    CHECK_EQ(ARM(b, down), -ERANGE);
+    CHECK_EQ(ARM(b, late), -ERANGE);
+    CHECK_EQ(ARM(b, short_), -ERANGE);        /* a triple left out */
+    ln[3] = 1ULL << 62;
+    CHECK_EQ(ARM(b, st), -ERANGE);
+    ln[3] = 64;
+#undef ARM
+    kx_watcher_stats ws;
+    kx_watcher_get_stats(w, &ws);
+    CHECK_EQ(ws.armed, 0);
+    CHECK_EQ(kx_watcher_close(w, 1000000000LL), 0);
+    kx_watcher_free(w);
+}
+
 int main(void)
 {
+    test_bounds();
     test_arm_disarm_free();
     test_run_ends_forget_entries_that_leave();
     test_disarm_many();
