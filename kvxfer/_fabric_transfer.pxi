@@ -231,35 +231,40 @@ def prepare_pairs(src_off, dst_off, length, counts):
     so = _np.empty(m, _np.uint64)
     do = _np.empty(m, _np.uint64)
     ln = _np.empty(m, _np.uint64)
-    cnt = _np.empty(ng, _np.int64)
     cdef uint64_t[::1] so_, do_, ln_
-    cdef int64_t[::1] st_, wh_, c_
-    so_, do_, ln_, c_ = so, do, ln, cnt
+    cdef int64_t[::1] st_, wh_
+    so_, do_, ln_ = so, do, ln
     # checked as copied (each value read once): no other thread can change what was checked
     for i in range(m):
         so_[i], do_[i], ln_[i] = s[i], d[i], n[i]
         if so_[i] >= lim or do_[i] >= lim or ln_[i] >= lim or total + ln_[i] < total:
             return None
         total += ln_[i]
-    for g in range(ng):
-        c_[g] = c[g]
-        if c_[g] < 0 or c_[g] > m:
+    cdef int64_t *c_ = <int64_t *>malloc(max(ng, 1) * sizeof(int64_t))
+    if c_ == NULL:
+        raise MemoryError()
+    try:
+        for g in range(ng):
+            c_[g] = c[g]
+            if c_[g] < 0 or c_[g] > m:
+                return None
+            acc += c_[g]
+            if c_[g]:
+                k += 1
+        if acc != m:
             return None
-        acc += c_[g]
-        if c_[g]:
-            k += 1
-    if acc != m:
-        return None
-    starts = _np.empty(k + 1, _np.int64)
-    which = _np.empty(k, _np.int64)
-    st_, wh_ = starts, which
-    st_[0] = 0
-    k = 0
-    for g in range(ng):
-        if c_[g]:
-            wh_[k] = g
-            st_[k + 1] = st_[k] + c_[g]
-            k += 1
+        starts = _np.empty(k + 1, _np.int64)
+        which = _np.empty(k, _np.int64)
+        st_, wh_ = starts, which
+        st_[0] = 0
+        k = 0
+        for g in range(ng):
+            if c_[g]:
+                wh_[k] = g
+                st_[k + 1] = st_[k] + c_[g]
+                k += 1
+    finally:
+        free(c_)
     return so, do, ln, starts, which, total
 
 
