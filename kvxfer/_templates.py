@@ -310,9 +310,10 @@ def plan_layers(p: TransferPlan, src_ranks: Any, dst_ranks: Any) -> list[ArmBatc
         t = p._t[(s, d)]
         for sr, dr, a, b in t.groups:
             m = b - a
-            so = (t.src_offset[a:b][None, :] + (lay * sg.layer_stride)[:, None]).ravel()
-            do = (t.dst_offset[a:b][None, :] + (lay * dg.layer_stride)[:, None]).ravel()
-            ln = np.tile(t.length[a:b], nl)
+            # offsets are never negative: as uint64, the form the watcher's native pass takes
+            so = (t.src_offset[a:b][None, :] + (lay * sg.layer_stride)[:, None]).ravel().astype(np.uint64)
+            do = (t.dst_offset[a:b][None, :] + (lay * dg.layer_stride)[:, None]).ravel().astype(np.uint64)
+            ln = np.tile(t.length[a:b], nl).astype(np.uint64)
             if sg.regions_per_layer == 0 and dg.regions_per_layer == 0:
                 out.append((s, d, sr, dr, lay_u, so, do, ln, np.arange(nl + 1, dtype=np.int64) * m))
                 continue

@@ -11,8 +11,8 @@
  * The thread never busy-spins: with nothing armed it sleeps on its own condition variable
  * (wake); with entries armed it waits on it with a short timeout (poll_ns, timer slack lowered
  * to 1 us so a 10 us wait is one), and kx_watcher_bump (a CPU model) signals it at once. With
- * poll_ns 0 it never polls: armed or not it sleeps until a bump, an advance, an arm or the
- * close signals wake (a counter only this process's CPU changes, through kx_watcher_bump and
+ * poll_ns 0 it never polls: armed or not it sleeps until a bump, an advance, an arm of an
+ * entry due now or the close signals wake (a counter only this process's CPU changes, through kx_watcher_bump and
  * kx_watcher_advance; a word a kernel or another process writes needs the poll). wake is the
  * thread's alone (the waiters on entries sleep on cond), so no signal meant for it can wake
  * a waiter instead. Disarming an
@@ -64,7 +64,7 @@ struct kx_watcher {
     pid_t tid;
     volatile uint64_t *word;
     uint64_t *own_word;
-    int64_t poll_ns;           /* 0: never polls (woken by bump, advance, arm, close) */
+    int64_t poll_ns;           /* 0: never polls (woken by bump, advance, a due arm, close) */
     cpu_set_t cpus;
     int pin;
     kx_watch *armed;           /* sorted by threshold */

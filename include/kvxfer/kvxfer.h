@@ -360,7 +360,7 @@ int kx_watch_arm(kx_watcher *w, uint64_t threshold, uint64_t tag, kx_rail *r, fi
                  uint64_t pack_min, kx_watch **out);
 /* kx_watch_arm for ng groups at once: group g is triples [starts[g], starts[g+1]) armed at
  * b->base + thresholds[g]; out[g] its entry. All or nothing (nothing armed on an error), one
- * lock and one wake-up for the batch. */
+ * lock; the thread is woken (once) only for an entry due now or, polling, a list that was empty. */
 int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, const int64_t *starts, uint64_t tag,
                         kx_rail *r, fi_addr_t peer, uint32_t gen, char *src_base, void *desc, uint64_t dst_base,
                         uint64_t key, kx_direct *direct, const uint64_t *src_off, const uint64_t *dst_off,

@@ -31,7 +31,7 @@ MAX_POLL_US = 1e9
 
 def check_watch(poll_us, rt_priority, prefix: str = "", *, polled: bool = False) -> None:
     """A watcher's poll interval (µs, at most ``MAX_POLL_US``; 0: it never polls, only a
-    ``bump()``, ``advance()`` or arming wakes it) and SCHED_FIFO priority (0..99); ``prefix``
+    ``bump()``, ``advance()`` or arming an entry due now wakes it) and SCHED_FIFO priority (0..99); ``prefix``
     names them as the caller's options do (the messenger's ``watch_``). ``polled``: the counter
     is written where no bump is seen (a caller's own word, a CUDA-mapped one), so 0 is refused:
     the thread would never see it move."""
@@ -198,7 +198,7 @@ class Watcher:
     ``word``: the counter's address; 0 lets the watcher allocate it (``ptr``). ``keep``: the
     owner of external memory, kept alive. The thread blocks when nothing is armed, polls every
     ``poll_us`` while something is, and ``bump()`` wakes it at once. ``poll_us=0`` (its own
-    word only): it never polls, armed or not; ``bump()``, ``advance()`` and arming wake it, and
+    word only): it never polls, armed or not; ``bump()``, ``advance()`` and arming a due entry wake it, and
     a write to ``ptr`` by any other means is not seen until one of them. ``rt_priority`` > 0 asks
     for SCHED_FIFO (it sleeps between polls; ``stats()["rt"]`` says whether it was granted)."""
 
@@ -239,6 +239,8 @@ class Watcher:
         check_triples(so, do, ln, src.nbytes, dst.nbytes)
         imm = _check_imm(imm)
         threshold = _u64(threshold, "threshold")
+        if threshold >= 2**62:             # as arm_groups bounds its thresholds (kx_watch_bounds)
+            raise InvalidArgumentError(f"threshold must be below 2**62, got {threshold}")
         tag = _u64(tag, "tag")
         rail = _check_rail(rail, len(eng._rails))
         handles = src._live()
@@ -295,8 +297,9 @@ class Watcher:
                 or (np.diff(st) < 0).any()):
             raise InvalidArgumentError("starts must run from 0 to the number of triples, one more than thresholds")
         check_triples(so, do, ln, src.nbytes, dst.nbytes)
-        if len(th) and int(th.max()) + base >= 2**62:
-            raise InvalidArgumentError(f"base + thresholds must be below 2**62, got {base} + {int(th.max())}")
+        top = int(th.max()) if len(th) else 0
+        if base + top >= 2**62:
+            raise InvalidArgumentError(f"base + thresholds must be below 2**62, got {base} + {top}")
         if len(ln) and (np.cumsum(ln, dtype=np.uint64) < ln).any():    # each below 2**62: a wrap shows
             raise InvalidArgumentError("the lengths add up past 2**64 bytes")
         return th, so, do, ln, st          # private copies (_as_offsets)

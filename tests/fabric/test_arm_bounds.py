@@ -45,9 +45,10 @@ _big = st.one_of(st.integers(0, 1 << 12), st.integers((1 << 62) - 2, (1 << 62) +
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(_big, _big, _big), max_size=8), st.lists(st.integers(-1, 10), max_size=6),
-       st.lists(_big, max_size=6), st.sampled_from([0, 5, (1 << 62) - 3]),
+       st.lists(_big, max_size=6), st.sampled_from([1, 5, (1 << 62) - 3, 1 << 62, (1 << 64) - 1]),
        st.sampled_from(["uint64", "int64"]), st.sampled_from(["int64", "uint64"]))
 def test_it_arms_what_the_python_checks_accept(armed_pair, triples, starts, th, base, tdtype, sdtype):
+    # base >= 1 over a counter that stays 0: no entry is ever due, so none fires meanwhile
     w, ms, peer, rd = armed_pair
     so, do, ln = (np.array([t[k] for t in triples], dtype=np.uint64).astype(tdtype) for k in range(3))
     thr = np.array(th[:max(len(starts) - 1, 0)], np.uint64).astype(tdtype)
@@ -109,4 +110,9 @@ def test_the_native_pass_refuses_with_nothing_armed(armed_pair):
         w.arm_groups(th, ms, peer, rd, so, np.array([0, DST - 63], np.uint64), ln, st_)
     with pytest.raises(kvxfer.errors.InvalidArgumentError, match="base"):
         w.arm_groups(th, ms, peer, rd, so, so, ln, st_, base=(1 << 62) - 2)
+    e = np.zeros(0, np.uint64)
+    with pytest.raises(kvxfer.errors.InvalidArgumentError, match="base"):     # no group: base alone
+        w.arm_groups(e, ms, peer, rd, e, e, e, np.zeros(1, np.int64), base=1 << 62)
+    with pytest.raises(kvxfer.errors.InvalidArgumentError, match="below 2\\*\\*62"):
+        w.arm(1 << 62, ms, peer, rd, [0], [0], [1])
     assert w.stats()["armed"] == before

@@ -7,6 +7,8 @@
 #include "internal.h"
 #include "check.h"
 
+#include <unistd.h>
+
 static kx_watch *arm(kx_watcher *w, uint64_t threshold, uint64_t tag)
 {
     uint64_t so[3] = {0, 4096, 8192}, dof[3] = {0, 4096, 8192}, ln[3] = {4096, 4096, 100};
@@ -190,9 +192,51 @@ static void test_bounds(void)
     kx_watcher_free(w);
 }
 
+/* an arming wakes the thread only when it must: not for an entry above the counter (without
+ * polling the thread sleeps until a bump), but polling, for the first entry of an empty list */
+static void test_wakes_only_when_due(void)
+{
+    kx_watcher *w = NULL;
+    kx_watcher_stats st;
+    CHECK_EQ(kx_watcher_open(NULL, 0, NULL, 0, 0, &w), 0);
+    usleep(20000);
+    kx_watcher_get_stats(w, &st);
+    uint64_t before = st.wakeups;
+    kx_watch *a = arm(w, 1000, 1), *b = arm(w, 2000, 1);
+    usleep(20000);
+    kx_watcher_get_stats(w, &st);
+    CHECK_EQ(st.wakeups, before);               /* nothing due: no wake-up */
+    kx_watcher_bump(w, 1);                      /* a bump wakes it (nothing due still) */
+    usleep(20000);
+    kx_watcher_get_stats(w, &st);
+    CHECK(st.wakeups > before);
+    kx_watch *all[2] = {a, b};
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(kx_watch_disarm(w, all[i]), 1);
+        kx_watch_free(w, all[i]);
+    }
+    CHECK_EQ(kx_watcher_close(w, 1000000000LL), 0);
+    kx_watcher_free(w);
+
+    /* polling every 10 ms: the first arming of an empty list starts the polls */
+    CHECK_EQ(kx_watcher_open(NULL, 10000000, NULL, 0, 0, &w), 0);
+    usleep(20000);
+    kx_watcher_get_stats(w, &st);
+    before = st.wakeups;
+    a = arm(w, 1000, 1);
+    usleep(55000);
+    kx_watcher_get_stats(w, &st);
+    CHECK(st.wakeups >= before + 3);            /* woken, then polling */
+    CHECK_EQ(kx_watch_disarm(w, a), 1);
+    kx_watch_free(w, a);
+    CHECK_EQ(kx_watcher_close(w, 1000000000LL), 0);
+    kx_watcher_free(w);
+}
+
 int main(void)
 {
     test_bounds();
+    test_wakes_only_when_due();
     test_arm_disarm_free();
     test_run_ends_forget_entries_that_leave();
     test_disarm_many();
