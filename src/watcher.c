@@ -12,8 +12,9 @@
  * (wake); with entries armed it waits on it with a short timeout (poll_ns, timer slack lowered
  * to 1 us so a 10 us wait is one), and kx_watcher_bump (a CPU model) signals it at once. With
  * poll_ns 0 it never polls: armed or not it sleeps until a bump, an advance, an arm of an
- * entry due now or the close signals wake (a counter only this process's CPU changes, through kx_watcher_bump and
- * kx_watcher_advance; a word a kernel or another process writes needs the poll). wake is the
+ * entry due now or the close signals wake (a counter only this process's CPU changes,
+ * through kx_watcher_bump and kx_watcher_advance; a word a kernel or another process writes
+ * needs the poll). wake is the
  * thread's alone (the waiters on entries sleep on cond), so no signal meant for it can wake
  * a waiter instead. Disarming an
  * entry that the thread is posting right now waits until that post returned, so the caller
@@ -383,10 +384,12 @@ int kx_watch_arm_groups(kx_watcher *w, size_t ng, const uint64_t *thresholds, co
     /* each start and threshold read once, so a caller's array changed meanwhile cannot make
      * a group's bounds disagree with what was checked */
     int64_t a = starts[0], total_n = (int64_t)b->n;
+    if (a != 0)
+        return -ERANGE;
     uint64_t total = 0;
-    int ret = a == 0 ? 0 : -ERANGE;
-    size_t g = 0;
-    for (; g < ng && !ret; g++) {
+    int ret = 0;
+    size_t g;
+    for (g = 0; g < ng; g++) {
         int64_t e_ = starts[g + 1];
         uint64_t th = thresholds[g];
         if (e_ < a || e_ > total_n || th >= KX_WATCH_LIMIT - b->base) {

@@ -249,7 +249,7 @@ class Watcher:
                         dst._direct_from(src), np.ascontiguousarray(so, np.uint64),
                         np.ascontiguousarray(do, np.uint64), np.ascontiguousarray(ln, np.uint64), imm, eng.iov,
                         eng.max_write, dst._pack_min, src.nbytes, dst.nbytes)
-        return WatchEntry(h, src, int(ln.sum()) if len(ln) else 0, imm, int(tag))
+        return WatchEntry(h, src, h.nbytes, imm, int(tag))
 
     def arm_groups(self, thresholds, src: "MemoryRegion", peer: "Peer", dst: "RemoteRegion", src_offsets,
                    dst_offsets, lengths, starts, *, base: int = 0, imm: Optional[int] = None, tag: int = 0,
