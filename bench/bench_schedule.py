@@ -87,7 +87,7 @@ def _batches(p, req, src) -> list:
     (so the same script measures a checkout from before the change)."""
     pf = p._prefill
     if hasattr(pf, "arm_batches"):
-        return [(b[0], b[1], b[2], b[3], b[5], b[6], b[7]) for b in pf.arm_batches(req.peer, req, req.dst_pages, src)]
+        return [(b[0], b[1], b[2], b[3], b[5], b[6], b[7]) for b in pf.arm_batches(req.peer, req, np.arange(len(req.dst_pages)), src)]
     return [b for lay in pf.layer_batches(req.peer, req, req.dst_pages, src) for b in lay]
 
 

@@ -138,6 +138,8 @@ cdef class WatcherHandle:
         cdef WatchBatchHandle b
         cdef int64_t planned = 0
         cdef uint64_t nbytes = 0
+        cdef Py_ssize_t wrapped = 0          # entries pv[:wrapped] belong to a WatchHandle
+        cdef bint armed = False
         try:
             with nogil:
                 ret = kx_watch_arm_groups(w, <size_t>ng, th, &starts[0], tag, r, peer, gen, <char *>src_base,
@@ -147,17 +149,27 @@ cdef class WatcherHandle:
             if ret == -ERANGE:
                 return None
             check(ret, "kx_watch_arm_groups")      # all or nothing: no entry armed on an error
+            armed = True
             out = []
             for g in range(ng):
                 h = WatchHandle.__new__(WatchHandle)
                 h.watcher = self
                 h.e = pv[g]
+                wrapped = g + 1
                 h.rail = rail
                 h.region = region
                 planned += kx_watch_planned(h.e)
                 nbytes += kx_watch_bytes(h.e)
                 out.append(h)
         finally:
+            if armed:
+                # an exception (MemoryError) before every entry had its handle: the rest would
+                # stay armed with nobody to disarm them, and post after their region closed.
+                # kx_watch_free disarms (waiting out a post in progress) and frees; the handles
+                # made so far do the same for theirs when they go.
+                for g in range(wrapped, ng):
+                    with nogil:
+                        kx_watch_free(w, pv[g])
             free(pv)
         b = WatchBatchHandle.__new__(WatchBatchHandle)
         b.entries = tuple(out)
