@@ -79,6 +79,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
         uint32_t imm
         uint64_t count
         uint64_t arrived
+        int64_t done_ns
         int done
         int error
 

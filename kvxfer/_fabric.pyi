@@ -169,6 +169,7 @@ class CounterHandle:
     arrived: int
     done: bool
     errno: int
+    done_ns: int
     def wait(self, timeout: Optional[float] = ...) -> bool: ...
 
 class WatcherHandle:

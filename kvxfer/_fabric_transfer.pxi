@@ -171,6 +171,12 @@ cdef class CounterHandle:
     def errno(self):
         return self._state().error
 
+    @property
+    def done_ns(self):
+        """CLOCK_MONOTONIC ns at which the last arrival was credited; 0 until then, and for
+        an expectation that ended otherwise (discarded, engine closed)."""
+        return self._state().done_ns
+
     def wait(self, timeout=None):
         """True once all arrivals were credited; False if `timeout` seconds pass first."""
         return _wait(self.rail.r, WAIT_COUNTER, self.c, timeout)

@@ -146,7 +146,8 @@ void kx_counter_release_locked(kx_counter *c)
 
 static void kx_counter_finish_locked(kx_hub *h, kx_counter *c)
 {
-    c->done = 1;
+    __atomic_store_n(&c->done_ns, kx_now_ns(), __ATOMIC_RELAXED);
+    __atomic_store_n(&c->done, 1, __ATOMIC_RELEASE);   /* done_ns is read after done */
     c->arrived = c->count;
     if (c->want_callback) {
         c->refs++;  /* the dispatcher queue holds it until popped */
@@ -331,6 +332,7 @@ void kx_counter_get_state(const kx_counter *c, kx_counter_state *out)
     out->imm = c->imm;
     out->count = c->count;
     out->done = __atomic_load_n(&c->done, __ATOMIC_ACQUIRE);
+    out->done_ns = out->done ? __atomic_load_n(&c->done_ns, __ATOMIC_RELAXED) : 0;
     out->arrived = __atomic_load_n(&c->arrived, __ATOMIC_RELAXED);
     out->error = __atomic_load_n(&c->error, __ATOMIC_RELAXED);
 }

@@ -105,6 +105,14 @@ class Counter:
         return self._handle.arrived
 
     @property
+    def done_ns(self) -> int:
+        """When the last of the ``count`` writes was credited, in ``time.monotonic_ns()``'s
+        clock (CLOCK_MONOTONIC, comparable across processes of one host): the progress thread's
+        stamp, before any waiter or callback runs. 0 while pending, and for an expectation
+        that was discarded or outlived by its engine."""
+        return self._handle.done_ns
+
+    @property
     def state(self) -> str:
         """``"pending"``, ``"done"`` (all arrived), ``"discarded"`` (withdrawn by
         ``Engine.discard``) or ``"closed"`` (the engine closed first)."""

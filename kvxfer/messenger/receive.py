@@ -90,7 +90,8 @@ class Receive:
     ``meta`` (as given to ``receive``), ``peer``/``peers`` (the first leg's / every leg's
     PeerGroup), ``imm`` (the first leg's), ``error`` (why it failed: ``RejectedError`` =
     recompute, ``PeerError`` = the peer is gone, ``TimeoutError``, ``ClosedError``),
-    ``t_start``, ``t_done``, ``t_fenced`` (monotonic seconds), ``arrived``, ``expected``,
+    ``t_start``, ``t_landed`` (the engine's stamp of the last write), ``t_done``, ``t_fenced`` (monotonic
+    seconds), ``arrived``, ``expected``,
     ``context``.
 
     Threads: every method and property may be called from any thread, concurrently.
@@ -161,6 +162,25 @@ class Receive:
             if c is not None:
                 n += c.count if c.done else c.arrived
         return n
+
+    @property
+    def t_landed(self) -> Optional[float]:
+        """When every leg's announced writes (the context too) had landed, in
+        ``time.monotonic()`` seconds: the engine's progress thread's stamp (``Counter.done_ns``;
+        for writes that overtook their ANNOUNCE, the moment it armed the count), before any
+        thread of this messenger or the caller saw it, so ``t_done - t_landed`` is the
+        decoder's own share of a request's latency. None until then, and on the pull road
+        (its reads complete in the caller's engine, ``t_done``)."""
+        if self.pull:
+            return None
+        ns = 0
+        for leg in self.legs:
+            c = leg.counter
+            d = 0 if c is None else c.done_ns
+            if not d:
+                return None
+            ns = max(ns, d)
+        return ns / 1e9
 
     @property
     def expected(self) -> Optional[int]:

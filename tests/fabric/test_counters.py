@@ -130,3 +130,35 @@ def test_counter_across_processes_with_many_writers(provider):
             t.wait(20)
         tgt.expect(7, 64)           # every arrival happened (or happens) before: banked
         assert tgt.wait(7) == ("ok", 64)
+
+
+def test_done_ns_is_the_last_arrivals_stamp(linked):
+    """``Counter.done_ns``: 0 while pending; once done, a CLOCK_MONOTONIC stamp (time.monotonic_ns's
+    clock) after the last write was posted and no later than the waiter's return; for arrivals
+    banked before the expectation, the moment it was made; 0 for a discarded expectation."""
+    import time
+
+    a, b, ms, peer, rr, src, dst = linked
+    c = b.expect(7, 3)
+    assert not c.done and c.done_ns == 0
+    for i in range(2):
+        a.write(ms, i * 64, peer, rr, i * 64, 64, imm=7).wait(10)
+    assert c.done_ns == 0                          # two of three: still pending
+    t0 = time.monotonic_ns()
+    a.write(ms, 128, peer, rr, 128, 64, imm=7).wait(10)
+    c.wait(10)
+    t1 = time.monotonic_ns()
+    assert c.state == "done" and t0 <= c.done_ns <= t1
+
+    a.write(ms, 0, peer, rr, 0, 64, imm=8).wait(10)
+    for _ in range(500):                           # banked before anyone expects imm 8
+        if b.banked(8) == 1:
+            break
+        threading.Event().wait(0.01)
+    t2 = time.monotonic_ns()
+    early = b.expect(8, 1)
+    assert early.done and t2 <= early.done_ns <= time.monotonic_ns()
+
+    gone = b.expect(9, 2)
+    b.discard(9)
+    assert gone.state == "discarded" and gone.done_ns == 0

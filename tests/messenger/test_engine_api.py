@@ -34,6 +34,7 @@ def test_poll_reports_receives_and_sends_once_final(cl):
     assert d.poll() == [] and all(p.poll() == [] for p in cl.pre)
     dsts = {f"r{i}": np.array([2 * i, 2 * i + 1]) for i in range(6)}
     recvs = {rid: d.receive(cl.peer, rid, pages, 8) for rid, pages in dsts.items()}
+    assert all(r.t_landed is None for r in recvs.values())       # nothing sent yet
     sends = []
     for rid, qs in cl.by_id().items():
         for p, q in zip(cl.pre, qs):
@@ -44,6 +45,9 @@ def test_poll_reports_receives_and_sends_once_final(cl):
     assert len(seen) == len({id(x) for x in seen}) == len(recvs)      # final and fenced at once: once each
     for r in seen:
         assert r.state == "done" and r.t_fenced is not None and r.t_fenced >= r.t_done
+        # the engine's stamp of the last leg's last write: after the request began, before
+        # the messenger saw it done
+        assert r.t_landed is not None and r.t_start <= r.t_landed <= r.t_done
     for rid, r in recvs.items():
         i = int(rid[1:])
         cl.check(dsts[rid], [20 + i, 30 - i])
