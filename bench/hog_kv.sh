@@ -22,9 +22,10 @@ for i in $(seq 1 "$N"); do
         for _ in 1 2; do python3 -c "while 1: pass" & pids+=($!); done
         sleep 0.5
         line=$(timeout 300 "$PY" -m kvxfer.cli.bench kv --preset stream-tp2-tp1 --tokens 384 --layer-ms 20 \
-               --repeat 5 --provider "$p" "$@" 2>&1 | tail -1)
+               --repeat 5 --provider "$p" "$@" 2>&1 | grep '^stream-tp2-tp1 ' | tail -1)
         kill "${pids[@]}" 2>/dev/null
         wait "${pids[@]}" 2>/dev/null
+        if [ -z "$line" ]; then echo "$p failed (no result row)"; continue; fi
         echo "$p $(echo "$line" | awk '{print "layer", $7, "tail", $8, "tail/layer", $9, "landed", $10}')"
     done
 done

@@ -173,8 +173,9 @@ cdef class CounterHandle:
 
     @property
     def done_ns(self):
-        """CLOCK_MONOTONIC ns at which the last arrival was credited; 0 until then, and for
-        an expectation that ended otherwise (discarded, engine closed)."""
+        """CLOCK_MONOTONIC ns at which the expectation was met (its last arrival credited, or
+        expect() for banked ones); 0 until then, and for one that ended otherwise (discarded,
+        engine closed)."""
         return self._state().done_ns
 
     def wait(self, timeout=None):

@@ -332,9 +332,11 @@ void kx_counter_get_state(const kx_counter *c, kx_counter_state *out)
     out->imm = c->imm;
     out->count = c->count;
     out->done = __atomic_load_n(&c->done, __ATOMIC_ACQUIRE);
-    out->done_ns = out->done ? __atomic_load_n(&c->done_ns, __ATOMIC_RELAXED) : 0;
     out->arrived = __atomic_load_n(&c->arrived, __ATOMIC_RELAXED);
     out->error = __atomic_load_n(&c->error, __ATOMIC_RELAXED);
+    /* met by its arrivals only: after the engine closed first (FI_ECANCELED), a leaked
+     * progress thread may still credit, and stamp, a counter that already ended */
+    out->done_ns = out->done && !out->error ? __atomic_load_n(&c->done_ns, __ATOMIC_RELAXED) : 0;
 }
 
 int kx_counter_wait(kx_rail *r, kx_counter *c, int64_t slice_ns)

@@ -91,7 +91,7 @@ struct kx_counter {
     uint32_t imm;
     uint64_t count;
     uint64_t arrived;      /* arrivals credited to this expectation */
-    int64_t done_ns;       /* CLOCK_MONOTONIC when its last arrival was credited (0: not by arrivals) */
+    int64_t done_ns;       /* CLOCK_MONOTONIC when it was met (kx_counter_finish_locked) */
     int done;
     int error;
     int want_callback;

@@ -78,8 +78,9 @@ typedef struct kx_counter_state {
     uint32_t imm;
     uint64_t count;
     uint64_t arrived;      /* arrivals credited */
-    int64_t done_ns;       /* CLOCK_MONOTONIC ns when the last arrival was credited (at kx_expect,
-                            * if they were banked already); 0 if not done, or ended otherwise */
+    int64_t done_ns;       /* CLOCK_MONOTONIC ns when the expectation was met: by the thread that
+                            * credited the last arrival, or by kx_expect if they were banked
+                            * already; 0 if not done, or ended otherwise (error != 0) */
     int done;
     int error;             /* 0; EIDRM: discarded; FI_ECANCELED: the engine closed first */
 } kx_counter_state;

@@ -282,14 +282,15 @@ def _latency(m: Any, pg: Any, iters: int, pres: Optional[list] = None, cpu: Opti
     """Seconds per minimal request, one at a time (200 warm-up ones first). With ``pres``
     (the prefill processes) and ``cpu``: each side's CPU per request over the measured ones
     goes into ``cpu`` (us, ``decoder_cpu_us`` and so on, as ``_throughput``'s). With ``split``:
-    per request, seconds from ``receive()`` to the engine's stamp of the last write
-    (``Receive.t_landed``), from there to done, and from done to ``wait()`` returning."""
+    per request, seconds from calling ``receive()`` to the Receive made (``t_start``), to the
+    engine's count (``Receive.t_landed``), to done, and to ``wait()`` returning."""
     out = []
     c0 = p0 = None
     for i in range(200 + iters):
         if i == 200 and cpu is not None:
             c0, p0 = _cpu(), _prefill_cpu(pres)
         t0 = time.perf_counter()
+        called = time.monotonic()
         r = m.receive(pg, f"l{i}", [i % min(64, m.layout.num_pages)], 1)
         r.wait(30)
         t1 = time.perf_counter()
@@ -298,10 +299,12 @@ def _latency(m: Any, pg: Any, iters: int, pres: Optional[list] = None, cpu: Opti
         if i >= 200:
             out.append(t1 - t0)
             if split is not None and r.t_landed is not None:
-                # receive() -> the engine credited the last write (the REQUEST's way, the
-                # prefiller, the writes and the ANNOUNCE back), -> the messenger made it done,
-                # -> the caller's wait() returned
-                split.append((r.t_landed - r.t_start, r.t_done - r.t_landed, back - r.t_done))
+                # receive() called -> the Receive made (its checks and legs) -> counted (the
+                # engine's stamp: the later of the last write's crediting and the ANNOUNCE's
+                # arming; the REQUEST's way, the prefiller, the ANNOUNCE back and its
+                # decoding) -> the messenger made it done -> the caller's wait() returned
+                split.append((r.t_start - called, r.t_landed - r.t_start, r.t_done - r.t_landed,
+                              back - r.t_done))
     if cpu is not None:
         c1, p1 = _cpu(), _prefill_cpu(pres)
         for key, a, b, k in (("decoder_cpu_us", c0, c1, "python"), ("decoder_progress_cpu_us", c0, c1, "progress"),
@@ -402,8 +405,8 @@ def run_msg(args: argparse.Namespace) -> int:
                     res["minimal_cpu"] = {}
                     split: list = []
                     lat = _latency(m, pg, args.latency_iters, [pre], res["minimal_cpu"], split)
-                    for k, key in enumerate(("minimal_to_landed_p50_us", "minimal_landed_to_done_p50_us",
-                                             "minimal_done_to_return_p50_us")):
+                    for k, key in enumerate(("minimal_to_made_p50_us", "minimal_to_landed_p50_us",
+                                             "minimal_landed_to_done_p50_us", "minimal_done_to_return_p50_us")):
                         res[key] = _pct([x[k] for x in split], 50) * 1e6
                     rtt = _write_rtt(e, pre, args.latency_iters)
                     res["minimal_p50_us"] = _pct(lat, 50) * 1e6
@@ -421,8 +424,9 @@ def run_msg(args: argparse.Namespace) -> int:
                   f"write round trip p50 {res['write_rtt_p50_us']:.0f} us, p99 {res['write_rtt_p99_us']:.0f} us "
                   f"(ratio {res['minimal_p50_us'] / res['write_rtt_p50_us']:.2f})")
             print(f"{prov:<12} minimal request CPU us/request: {_cpu_line(res['minimal_cpu'])}")
-            print(f"{prov:<12} minimal request p50 split: receive() -> last write landed (engine's stamp) "
-                  f"{res['minimal_to_landed_p50_us']:.0f} us, -> done (decoder's messenger) "
+            print(f"{prov:<12} minimal request, the p50 of each step (apart): receive() -> Receive made "
+                  f"{res['minimal_to_made_p50_us']:.0f} us, -> counted (engine's stamp: last write, or "
+                  f"ANNOUNCE armed) {res['minimal_to_landed_p50_us']:.0f} us, -> done (decoder's messenger) "
                   f"{res['minimal_landed_to_done_p50_us']:.0f} us, -> wait() returned "
                   f"{res['minimal_done_to_return_p50_us']:.0f} us")
             results.append(res)

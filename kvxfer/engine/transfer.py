@@ -106,10 +106,11 @@ class Counter:
 
     @property
     def done_ns(self) -> int:
-        """When the last of the ``count`` writes was credited, in ``time.monotonic_ns()``'s
-        clock (CLOCK_MONOTONIC, comparable across processes of one host): the progress thread's
-        stamp, before any waiter or callback runs. 0 while pending, and for an expectation
-        that was discarded or outlived by its engine."""
+        """When the expectation was met, in ``time.monotonic_ns()``'s clock (CLOCK_MONOTONIC,
+        comparable across processes of one host): stamped by the thread that credited the last
+        of the ``count`` writes (the progress thread, or a waiter driving the CQ), before any
+        callback runs; for writes banked before ``expect``, by ``expect``. 0 while pending,
+        and for an expectation that was discarded or outlived by its engine."""
         return self._handle.done_ns
 
     @property

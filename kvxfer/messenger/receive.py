@@ -165,12 +165,14 @@ class Receive:
 
     @property
     def t_landed(self) -> Optional[float]:
-        """When every leg's announced writes (the context too) had landed, in
-        ``time.monotonic()`` seconds: the engine's progress thread's stamp (``Counter.done_ns``;
-        for writes that overtook their ANNOUNCE, the moment it armed the count), before any
-        thread of this messenger or the caller saw it, so ``t_done - t_landed`` is the
-        decoder's own share of a request's latency. None until then, and on the pull road
-        (its reads complete in the caller's engine, ``t_done``)."""
+        """When the last leg was counted, in ``time.monotonic()`` seconds: the latest of its legs'
+        ``Counter.done_ns``, each the later of its last write's crediting (by whichever thread
+        read the CQ: the progress thread, or a waiter driving it) and the arming of its
+        announced count (writes that overtook their ANNOUNCE are counted when the messenger
+        thread arms it). For a request that became ``"done"``, ``t_done - t_landed`` is what
+        this messenger took after the engine had counted everything. None until every leg is
+        counted, for good once a leg's count was withdrawn (abort, failure), and on the pull
+        road (its reads complete in this engine: ``t_done``)."""
         if self.pull:
             return None
         ns = 0
