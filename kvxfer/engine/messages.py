@@ -11,8 +11,6 @@ from __future__ import annotations
 import errno as _errno
 from typing import Optional
 
-import numpy as np
-
 from kvxfer.engine._args import _timeout
 from kvxfer.engine.rails import Peer, _fabric
 from kvxfer.errors import InvalidArgumentError, PeerError, TimeoutError
@@ -32,12 +30,13 @@ class _Messages:
             raise InvalidArgumentError("peer must come from this engine's connect()")
         if peer.closed:
             raise PeerError(_errno.ENOTCONN, "peer was disconnected")
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise InvalidArgumentError(f"a control message is bytes, not {type(data).__name__}")
-        buf = np.frombuffer(bytes(data), dtype=np.uint8)
-        if len(buf) > _fabric.MSG_MAX:
-            raise InvalidArgumentError(f"control message of {len(buf)} bytes exceeds {_fabric.MSG_MAX}")
-        if not self._rails[0].send(peer.fi_addrs[0], peer.gens[0], buf, timeout):
+        if type(data) is not bytes:        # bytes go as they are (the native send copies them)
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise InvalidArgumentError(f"a control message is bytes, not {type(data).__name__}")
+            data = bytes(data)             # a snapshot the caller cannot change meanwhile
+        if len(data) > _fabric.MSG_MAX:
+            raise InvalidArgumentError(f"control message of {len(data)} bytes exceeds {_fabric.MSG_MAX}")
+        if not self._rails[0].send(peer.fi_addrs[0], peer.gens[0], data, timeout):
             raise TimeoutError(f"control message not accepted by the provider within {timeout} s")
 
     def recv(self, timeout: Optional[float] = None) -> bytes:

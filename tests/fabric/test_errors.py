@@ -9,6 +9,7 @@ import pytest
 
 import kvxfer
 from kvxfer import errors
+from kvxfer import _fabric
 from _target import Target
 
 
@@ -207,6 +208,29 @@ def test_control_messages(provider):
             a.send(p, m)
         got = [b.recv(10) for _ in msgs]
         assert sorted(got) == sorted(msgs)
+        with pytest.raises(errors.TimeoutError):
+            b.recv(0.1)
+
+
+def test_control_message_forms(provider):
+    """``send`` takes bytes as they are, a bytearray or memoryview (any format) as a snapshot of
+    its bytes, and refuses anything else or more than ``MSG_MAX`` bytes with nothing sent."""
+    with kvxfer.Engine(provider, "127.0.0.1") as a, kvxfer.Engine(provider, "127.0.0.1") as b:
+        p = a.connect(b.address)
+        words = np.arange(4, dtype=np.int32)
+        forms = [b"", b"bytes", bytearray(b"array"), memoryview(b"view"), memoryview(words)]
+        for m in forms:
+            a.send(p, m)
+        got = [b.recv(10) for _ in forms]
+        assert sorted(got) == sorted([b"", b"bytes", b"array", b"view", words.tobytes()])
+        assert all(type(x) is bytes for x in got)
+        for bad in ("text", 7, None, words):
+            with pytest.raises(errors.InvalidArgumentError):
+                a.send(p, bad)
+        with pytest.raises(errors.InvalidArgumentError, match="exceeds"):
+            a.send(p, bytes(_fabric.MSG_MAX + 1))
+        a.send(p, b"last")
+        assert b.recv(10) == b"last"                  # nothing of the refused ones arrived
         with pytest.raises(errors.TimeoutError):
             b.recv(0.1)
 
