@@ -317,11 +317,6 @@ class _Prefill:
             self.p.wait()
 
 
-def _median_nan(a: list) -> float:
-    """The median, or NaN for no samples (a stamp the engine did not give)."""
-    return float(np.median(a)) if len(a) else float("nan")
-
-
 def _pct(a: list, q: float) -> float:
     return float(np.percentile(np.asarray(a, dtype=float), q)) if len(a) else float("nan")
 
@@ -377,8 +372,8 @@ def run_case(m: Any, pg: Any, pre: _Prefill, preset: str, tokens: int, layer_ms:
     bulk = [_one(m, pg, pre, "bulk", 0.0, tokens, i, hot) for i in range(repeat)]
     t_all = [(b["done_ns"] - b["bump_ns"][0]) / 1e6 for b in bulk]
     t_layer = float(np.median(t_all)) / L
-    t_layer_landed = _median_nan([(b["landed_native_ns"] - b["bump_ns"][0]) / 1e6 for b in bulk
-                                  if b["landed_native_ns"] is not None]) / L
+    t_layer_landed = _pct([(b["landed_native_ns"] - b["bump_ns"][0]) / 1e6 for b in bulk
+                           if b["landed_native_ns"] is not None], 50) / L        # NaN without stamps
     scaled = False
     if layer_ms is None:
         layer_ms = model_ms
@@ -391,7 +386,8 @@ def run_case(m: Any, pg: Any, pre: _Prefill, preset: str, tokens: int, layer_ms:
     # the same tail to the engine's own stamp (Receive.t_landed: the thread that read the CQ
     # credited the last write; the ANNOUNCE goes with the last chunk, so it is armed by then),
     # before the decoder's messenger made the request done
-    landed = [(s["landed_native_ns"] - s["bump_ns"][-1]) / 1e6 for s in stream if s["landed_native_ns"] is not None]
+    landed = _pct([(s["landed_native_ns"] - s["bump_ns"][-1]) / 1e6 for s in stream
+                   if s["landed_native_ns"] is not None], 50)
     call = [x for s in stream for x in s["lat_call_ns"]]
     post = [x for s in stream for x in s["lat_post_ns"]]
     s0 = stream[int(np.argsort(tails)[len(tails) // 2])]     # the timeline of the median-tail run
@@ -403,8 +399,8 @@ def run_case(m: Any, pg: Any, pre: _Prefill, preset: str, tokens: int, layer_ms:
         "stream_tail_ms": float(np.median(tails)), "stream_tail_max_ms": float(max(tails)),
         "tail_over_layer": float(np.median(tails)) / t_layer if t_layer else float("nan"),
         "after_tail_ms": float(np.median(tails_after)),
-        "layer_transfer_landed_ms": t_layer_landed, "stream_landed_tail_ms": _median_nan(landed),
-        "landed_over_layer": _median_nan(landed) / t_layer_landed if t_layer_landed > 0 else float("nan"),
+        "layer_transfer_landed_ms": t_layer_landed, "stream_landed_tail_ms": landed,
+        "landed_over_layer": landed / t_layer_landed if t_layer_landed > 0 else float("nan"),
         "ttft_colocated_ms": L * layer_ms,
         "ttft_overhead_stream_ms": float(np.median(tails)), "ttft_overhead_after_ms": float(np.median(tails_after)),
         "bump_to_post_call_p50_us": _pct(call, 50) / 1e3, "bump_to_post_call_p99_us": _pct(call, 99) / 1e3,

@@ -90,9 +90,8 @@ class Receive:
     ``meta`` (as given to ``receive``), ``peer``/``peers`` (the first leg's / every leg's
     PeerGroup), ``imm`` (the first leg's), ``error`` (why it failed: ``RejectedError`` =
     recompute, ``PeerError`` = the peer is gone, ``TimeoutError``, ``ClosedError``),
-    ``t_start``, ``t_landed`` (the engine's stamp of the last write), ``t_done``, ``t_fenced`` (monotonic
-    seconds), ``arrived``, ``expected``,
-    ``context``.
+    ``t_start``, ``t_landed`` (the engine's stamp of the last write), ``t_done``, ``t_fenced``
+    (monotonic seconds), ``arrived``, ``expected``, ``context``.
 
     Threads: every method and property may be called from any thread, concurrently.
     ``wait`` blocks the caller; ``abort(timeout=0)`` never does (it sends the ABORTs and
