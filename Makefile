@@ -12,10 +12,11 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3 $$HOME/.pyenv/versions/
 all: build
 
 sysdeps:
-	@if ! pkg-config --exists libfabric 2>/dev/null || ! command -v fi_info >/dev/null || ! command -v gcc >/dev/null; then \
-	  echo "installing libfabric-dev libfabric-bin gcc"; \
+	@if ! pkg-config --exists libfabric 2>/dev/null || ! command -v fi_info >/dev/null || ! command -v gcc >/dev/null \
+	    || ! test -f /usr/include/openssl/hmac.h; then \
+	  echo "installing libfabric-dev libfabric-bin libssl-dev gcc"; \
 	  SUDO=$$( [ $$(id -u) -eq 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libfabric-dev libfabric-bin pkg-config iproute2 gcc; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libfabric-dev libfabric-bin libssl-dev pkg-config iproute2 gcc; \
 	fi
 	@# the real store servers of tests/rendezvous (issue 27)
 	@if ! command -v etcd >/dev/null || ! command -v redis-server >/dev/null; then \

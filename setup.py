@@ -54,7 +54,7 @@ def extensions():
         sources=["kvxfer/_fabric.pyx"],
         include_dirs=["include"] + [f[2:] for f in cflags if f.startswith("-I")],
         library_dirs=[f[2:] for f in libs if f.startswith("-L")],
-        libraries=[f[2:] for f in libs if f.startswith("-l")],
+        libraries=[f[2:] for f in libs if f.startswith("-l")] + ["crypto"],   # src/announce.c: HMAC-SHA256
         extra_compile_args=["-O1" if san else "-O2", "-g", "-std=gnu11"] + san
         + [f for f in cflags if not f.startswith("-I")],
         extra_link_args=san,

@@ -65,6 +65,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
         uint64_t drives
         uint64_t drives_got
         uint64_t naps
+        uint64_t armed
 
     ctypedef struct kx_transfer_state:
         int64_t planned
@@ -160,12 +161,28 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     int kx_expect(kx_rail *r, uint32_t imm, uint64_t count, int want_callback, kx_counter **out)
     void kx_counter_get_state(const kx_counter *c, kx_counter_state *out)
     int kx_counter_wait(kx_rail *r, kx_counter *c, int64_t slice_ns)
+    int kx_counter_set_callback(kx_rail *r, kx_counter *c)
     void kx_counter_drop(kx_rail *r, kx_counter *c)
     void kx_counter_release(kx_rail *r, kx_counter *c)
     uint64_t kx_banked(kx_rail *r, uint32_t imm)
     uint64_t kx_discard(kx_rail *r, uint32_t imm, kx_counter **withdrawn)
     int kx_next_done(kx_rail *r, int64_t slice_ns, kx_counter **out)
     void kx_dispatch_stop(kx_rail *r)
+
+    # the decoder's ANNOUNCE, armed natively
+    ctypedef struct kx_arm:
+        pass
+    int KX_ARM_OPEN, KX_ARM_ARMED, KX_ARM_CLOSED
+    int kx_arm_key(kx_rail *r, const uint8_t *key, size_t len)
+    int kx_arm_open(kx_rail *r, uint32_t imm, uint64_t src, uint64_t dst, uint64_t floor, uint64_t least,
+                    uint64_t most, kx_arm **out)
+    int kx_arm_wait(kx_rail *r, kx_arm *a, int64_t slice_ns)
+    int kx_arm_close(kx_rail *r, kx_arm *a, uint64_t max_seq, uint64_t *count, uint64_t *seq, kx_counter **counter)
+    void kx_arm_free(kx_rail *r, kx_arm *a)
+    int kx_arm_state(const kx_arm *a)
+    int kx_arm_waiters(const kx_arm *a)
+    int64_t kx_announce_count(const char *data, size_t len, const uint8_t *key, size_t keylen, uint32_t imm,
+                              uint64_t src, uint64_t dst, uint64_t floor, uint64_t least, uint64_t most)
 
     # control messages
     int kx_send(kx_rail *r, fi_addr_t peer, uint32_t gen, const char *data, size_t len)

@@ -89,6 +89,9 @@ def error_from(str call, int err):
         return PeerError(err, "peer not connected: that engine of this process has closed")
     elif call == "kx_expect" and err == _errno.EBUSY:
         return InvalidArgumentError("this imm already has an unfinished expectation")
+    elif call == "kx_arm_open" and err in (_errno.EBUSY, _errno.EINVAL):
+        return InvalidArgumentError("this imm already has an open arm" if err == _errno.EBUSY else
+                                    "an arm's least count is above its most")
     elif err == _errno.ECANCELED:
         return ClosedError(f"{call}: the engine is closing")
     return FabricError(call, err, text)
@@ -119,10 +122,12 @@ cdef inline int64_t _slice_ns(deadline):
 cdef enum WaitKind:
     WAIT_TRANSFER
     WAIT_COUNTER
+    WAIT_ARM
 
 
 cdef bint _wait(kx_rail *r, WaitKind kind, void *obj, timeout) except -1:
-    """Block in GIL-free slices until a transfer or counter is done, or `timeout` passes."""
+    """Block in GIL-free slices until a transfer or counter is done (an arm settled), or
+    `timeout` passes."""
     cdef int done = 0
     cdef int64_t slice_ns
     deadline = None if timeout is None else _time.monotonic() + timeout
@@ -131,6 +136,8 @@ cdef bint _wait(kx_rail *r, WaitKind kind, void *obj, timeout) except -1:
         with nogil:
             if kind == WAIT_TRANSFER:
                 done = kx_transfer_wait(r, <kx_transfer *>obj, slice_ns)
+            elif kind == WAIT_ARM:
+                done = kx_arm_wait(r, <kx_arm *>obj, slice_ns)
             else:
                 done = kx_counter_wait(r, <kx_counter *>obj, slice_ns)
         if done:

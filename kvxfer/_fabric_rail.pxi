@@ -174,7 +174,7 @@ cdef class Rail:
                 "direct_revoked": s.direct_revoked, "errors": s.errors,
                 "outstanding": s.outstanding, "bell_rings": s.bell_rings, "bell_wakes": s.bell_wakes,
                 "dead_answered": s.dead_answered, "drives": s.drives, "drives_got": s.drives_got,
-                "naps": s.naps}
+                "naps": s.naps, "armed": s.armed}
 
     # -- addresses -------------------------------------------------------------------------
     def getname(self):
@@ -443,6 +443,20 @@ cdef class Rail:
         cdef CounterHandle h = CounterHandle.__new__(CounterHandle)
         h.rail = self
         h.c = c
+        return h
+
+    def arm_key(self, key):
+        """The messenger's secret (bytes, at most 256; empty: ANNOUNCEs carry no tag)."""
+        cdef const uint8_t[::1] k = key
+        check(kx_arm_key(self._rail(), &k[0] if len(key) else NULL, len(key)), "kx_arm_key")
+
+    def arm_open(self, uint32_t imm, uint64_t src, uint64_t dst, uint64_t floor, uint64_t least, uint64_t most):
+        """A decoder leg's arm (src/announce.c): its ANNOUNCE met natively when it arrives."""
+        cdef kx_arm *a = NULL
+        check(kx_arm_open(self._rail(), imm, src, dst, floor, least, most, &a), "kx_arm_open")
+        cdef ArmHandle h = ArmHandle.__new__(ArmHandle)
+        h.rail = self
+        h.a = a
         return h
 
     def banked(self, uint32_t imm):

@@ -182,6 +182,65 @@ cdef class CounterHandle:
         """True once all arrivals were credited; False if `timeout` seconds pass first."""
         return _wait(self.rail.r, WAIT_COUNTER, self.c, timeout)
 
+    def set_callback(self):
+        """Made without a callback: queue it for the dispatcher once met. True if it was met
+        already (nothing queued)."""
+        return bool(kx_counter_set_callback(self.rail.r, self.c))
+
+
+@cython.no_gc_clear  # __dealloc__ needs its Rail
+cdef class ArmHandle:
+    """The native side of a decoder leg's arm (src/announce.c): its ANNOUNCE, checked and met
+    by the thread that reads it when every write it counts has landed."""
+
+    cdef readonly Rail rail
+    cdef kx_arm *a
+
+    def __dealloc__(self):
+        if self.a != NULL:
+            with nogil:
+                kx_arm_free(self.rail.r, self.a)
+            self.a = NULL
+
+    @property
+    def state(self):
+        """0 open, 1 armed (its counter not yet taken), 2 closed."""
+        return kx_arm_state(self.a)
+
+    @property
+    def waiters(self):
+        """Callers inside wait() now."""
+        return kx_arm_waiters(self.a)
+
+    def wait(self, timeout=None):
+        """True once armed or closed; False if `timeout` seconds pass first."""
+        return _wait(self.rail.r, WAIT_ARM, self.a, timeout)
+
+    def close(self, uint64_t max_seq=0xFFFFFFFFFFFFFFFF):
+        """Nothing arms it any more. ``(count, seq, CounterHandle)`` if an ANNOUNCE of seq <=
+        `max_seq` had armed it (once: the expectation is the caller's now), else None (a later
+        one's arming is reverted: its arrivals banked again)."""
+        cdef uint64_t count = 0, seq = 0
+        cdef kx_counter *c = NULL
+        cdef int armed
+        with nogil:
+            armed = kx_arm_close(self.rail.r, self.a, max_seq, &count, &seq, &c)
+        if not armed:
+            return None
+        cdef CounterHandle h = CounterHandle.__new__(CounterHandle)
+        h.rail = self.rail
+        h.c = c
+        return count, seq, h
+
+
+def announce_count(data, key, uint32_t imm, uint64_t src, uint64_t dst, uint64_t floor, uint64_t least,
+                   uint64_t most):
+    """The arm's check of one message alone (kx_announce_count): the count it would arm, or -1."""
+    cdef const uint8_t[::1] d = data
+    cdef const uint8_t[::1] k = key
+    return kx_announce_count(<const char *>&d[0] if len(data) else NULL, len(data),
+                             &k[0] if len(key) else NULL, len(key), imm, src, dst, floor, least, most)
+
 
 def check_groups(const uint64_t[::1] src_off, const uint64_t[::1] dst_off, const uint64_t[::1] length,
                  const int64_t[::1] starts, const int64_t[::1] pair, const uint64_t[::1] src_size,

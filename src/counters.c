@@ -30,6 +30,7 @@ kx_hub *kx_hub_new(void)
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&h->cond, &ca);
+    pthread_cond_init(&h->msg_cond, &ca);
     pthread_condattr_destroy(&ca);
     pthread_mutex_init(&h->lock, NULL);
     h->refs = 1;
@@ -46,6 +47,7 @@ void kx_hub_unref(kx_hub *h)
     kx_ctl_free_locked(h);
     pthread_mutex_destroy(&h->lock);
     pthread_cond_destroy(&h->cond);
+    pthread_cond_destroy(&h->msg_cond);
     free(h->table.slots);
     free(h);
 }
@@ -185,6 +187,30 @@ int kx_hub_arrival_locked(kx_hub *h, uint32_t imm)
     return 0;
 }
 
+/* Under the lock: `c` (imm, count, want_callback set; refs 1, the owner's) becomes imm's
+ * expectation, credited from the banked arrivals first. -FI_EBUSY when imm already has one,
+ * -FI_ENOMEM when the table cannot grow; c is then not referenced by the hub. */
+int kx_hub_expect_locked(kx_hub *h, kx_counter *c)
+{
+    kx_imm_entry *s = kx_imm_table_get(&h->table, c->imm);
+    if (!s)
+        return -FI_ENOMEM;
+    if (s->active)
+        return -FI_EBUSY;
+    uint64_t take = s->banked < c->count ? s->banked : c->count;
+    s->banked -= take;
+    c->arrived = take;
+    if (c->arrived >= c->count) {
+        kx_counter_finish_locked(h, c);
+        if (s->banked == 0)
+            kx_imm_table_del(&h->table, s);
+    } else {
+        c->refs++;  /* the table entry's reference */
+        s->active = c;
+    }
+    return 0;
+}
+
 int kx_hub_expect(kx_hub *h, uint32_t imm, uint64_t count, int want_callback, kx_counter **out)
 {
     kx_counter *c = calloc(1, sizeof(*c));
@@ -195,26 +221,13 @@ int kx_hub_expect(kx_hub *h, uint32_t imm, uint64_t count, int want_callback, kx
     c->want_callback = want_callback;
     c->refs = 1;  /* the owner */
     pthread_mutex_lock(&h->lock);
-    kx_imm_entry *s = kx_imm_table_get(&h->table, imm);
-    int ret = !s ? -FI_ENOMEM : s->active ? -FI_EBUSY : 0;
+    int ret = kx_hub_expect_locked(h, c);
+    pthread_mutex_unlock(&h->lock);
     if (ret) {
-        pthread_mutex_unlock(&h->lock);
         free(c);
         return ret;
     }
-    uint64_t take = s->banked < count ? s->banked : count;
-    s->banked -= take;
-    c->arrived = take;
-    if (c->arrived >= count) {
-        kx_counter_finish_locked(h, c);
-        if (s->banked == 0)
-            kx_imm_table_del(&h->table, s);
-    } else {
-        c->refs++;  /* the table entry's reference */
-        s->active = c;
-    }
     *out = c;
-    pthread_mutex_unlock(&h->lock);
     return 0;
 }
 
@@ -237,11 +250,16 @@ void kx_hub_counter_drop(kx_hub *h, kx_counter *c)
     pthread_mutex_unlock(&h->lock);
 }
 
+uint64_t kx_hub_banked_locked(kx_hub *h, uint32_t imm)
+{
+    kx_imm_entry *s = kx_imm_table_find(&h->table, imm);
+    return s ? s->banked : 0;
+}
+
 uint64_t kx_hub_banked(kx_hub *h, uint32_t imm)
 {
     pthread_mutex_lock(&h->lock);
-    kx_imm_entry *s = kx_imm_table_find(&h->table, imm);
-    uint64_t n = s ? s->banked : 0;
+    uint64_t n = kx_hub_banked_locked(h, imm);
     pthread_mutex_unlock(&h->lock);
     return n;
 }
@@ -310,6 +328,7 @@ void kx_hub_clear_queues_locked(kx_hub *h)
     }
     h->msg_tail = NULL;
     h->nmsgs = 0;
+    h->nloud = 0;
     while (h->done_head) {
         kx_counter *c = h->done_head;
         h->done_head = c->next_done;
@@ -318,6 +337,7 @@ void kx_hub_clear_queues_locked(kx_hub *h)
     h->done_tail = NULL;
     h->dispatch_stop = 1;
     pthread_cond_broadcast(&h->cond);
+    pthread_cond_broadcast(&h->msg_cond);
 }
 
 /* ---- the public face, per rail ------------------------------------------------------- */
@@ -337,6 +357,16 @@ void kx_counter_get_state(const kx_counter *c, kx_counter_state *out)
     /* met by its arrivals only: after the engine closed first (FI_ECANCELED), a leaked
      * progress thread may still credit, and stamp, a counter that already ended */
     out->done_ns = out->done && !out->error ? __atomic_load_n(&c->done_ns, __ATOMIC_RELAXED) : 0;
+}
+
+int kx_counter_set_callback(kx_rail *r, kx_counter *c)
+{
+    pthread_mutex_lock(&r->hub->lock);
+    int done = c->done;
+    if (!done)
+        c->want_callback = 1;      /* kx_counter_finish_locked queues it for the dispatcher */
+    pthread_mutex_unlock(&r->hub->lock);
+    return done;
 }
 
 int kx_counter_wait(kx_rail *r, kx_counter *c, int64_t slice_ns)

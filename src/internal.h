@@ -117,7 +117,24 @@ typedef struct kx_imm_table {
 struct kx_msg {
     struct kx_msg *next;
     size_t len;
+    int quiet;             /* an ANNOUNCE armed for a waiting caller (announce.c): wakes no reader */
     char data[];
+};
+
+#define KX_ARM_KEY_MAX 256     /* the longest secret an arm checks tags with (kx_arm_key) */
+
+/* one registered leg of the messenger's decoder (announce.c) */
+struct kx_arm {
+    struct kx_arm *next;   /* in its hub bucket, while open */
+    uint32_t imm;
+    uint64_t src, dst;     /* the ANNOUNCE's sender (the peer's uid) and receiver (ours) */
+    uint64_t floor;        /* its seq must be above this */
+    uint64_t least, most;  /* the count it may announce */
+    int settled;           /* futex-free flag the waiter waits on: armed or closed */
+    int state;             /* KX_ARM_OPEN, KX_ARM_ARMED, KX_ARM_CLOSED */
+    int waiters;           /* callers in kx_arm_wait (atomic) */
+    uint64_t count, seq;   /* armed: what the ANNOUNCE said */
+    kx_counter *counter;   /* armed: the met expectation; the arm holds its owner's reference */
 };
 
 typedef struct kx_rxbuf {
@@ -154,6 +171,14 @@ typedef struct kx_hub {
     kx_msg *hello_head, *hello_tail;   /* HELLOs received (peers' addresses), for the engine */
     uint64_t *acks;        /* tokens answered (ACKs in, our own control sends completed) */
     size_t acks_len, acks_cap;
+    struct kx_arm *arms[64];   /* open arms by imm (announce.c), chained */
+    size_t narms;
+    uint8_t arm_key[KX_ARM_KEY_MAX];   /* the messenger's secret: ANNOUNCEs carry an HMAC-SHA256 tag (arm_keylen > 0) */
+    size_t arm_keylen;
+    size_t nloud;          /* queued messages that are not quiet: what wakes kx_recv_wait */
+    pthread_cond_t msg_cond;   /* kx_recv_wait's own: a loud message queued, or closing (no
+                                * other completion wakes a messenger thread) */
+    uint64_t stat_armed;   /* ANNOUNCEs armed natively */
     uint64_t stat_imm;     /* immediates received */
     uint64_t stat_lost;    /* arrivals that could not be banked (out of memory) */
 } kx_hub;
@@ -300,6 +325,18 @@ kx_imm_entry *kx_imm_table_get(kx_imm_table *t, uint32_t imm);    /* NULL: out o
 void kx_imm_table_del(kx_imm_table *t, kx_imm_entry *c);
 int kx_hub_arrival_locked(kx_hub *h, uint32_t imm);     /* -FI_ENOMEM: not banked */
 int kx_hub_expect(kx_hub *h, uint32_t imm, uint64_t count, int want_callback, kx_counter **out);
+int kx_hub_expect_locked(kx_hub *h, kx_counter *c);   /* c: calloc'ed with imm, count, want_callback */
+uint64_t kx_hub_banked_locked(kx_hub *h, uint32_t imm);
+/* announce.c: under the hub lock, for a control message just received: 1 if it was an
+ * ANNOUNCE an open arm took (its count met from banked arrivals), 2 if so and a caller
+ * waits on that arm (the message is queued quiet), else 0 */
+int kx_arm_try_locked(kx_hub *h, const char *data, size_t len);
+void kx_arm_clear_locked(kx_hub *h);
+int kx_hub_arm_key(kx_hub *h, const uint8_t *key, size_t len);
+int kx_hub_arm_open(kx_hub *h, uint32_t imm, uint64_t src, uint64_t dst, uint64_t floor, uint64_t least,
+                    uint64_t most, kx_arm **out);
+int kx_hub_arm_close(kx_hub *h, kx_arm *a, uint64_t max_seq, uint64_t *count, uint64_t *seq, kx_counter **counter);
+void kx_hub_arm_free(kx_hub *h, kx_arm *a);
 void kx_hub_counter_drop(kx_hub *h, kx_counter *c);
 void kx_counter_release_locked(kx_counter *c);
 uint64_t kx_hub_banked(kx_hub *h, uint32_t imm);

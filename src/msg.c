@@ -101,8 +101,10 @@ int kx_recv_wait(kx_rail *r, int64_t slice_ns, kx_msg **out)
     slice_ns = kx_drive_for_message(r, (void *const *)&h->msg_head, slice_ns);
     kx_deadline(&ts, slice_ns);
     pthread_mutex_lock(&h->lock);
-    while (!h->msg_head && !r->stop) {
-        if (pthread_cond_timedwait(&h->cond, &h->lock, &ts) == ETIMEDOUT)
+    /* quiet messages (announce.c: armed for a waiting caller) wake nobody: they go with the
+     * next loud one, or once the slice has passed */
+    while (!h->nloud && !r->stop) {
+        if (pthread_cond_timedwait(&h->msg_cond, &h->lock, &ts) == ETIMEDOUT)
             break;
     }
     kx_msg *m = h->msg_head;
@@ -111,6 +113,8 @@ int kx_recv_wait(kx_rail *r, int64_t slice_ns, kx_msg **out)
         if (!h->msg_head)
             h->msg_tail = NULL;
         h->nmsgs--;
+        if (!m->quiet)
+            h->nloud--;
     }
     pthread_mutex_unlock(&h->lock);
     *out = m;

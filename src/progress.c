@@ -227,13 +227,18 @@ static void kx_complete_recv_locked(kx_rail *r, kx_rxbuf *b, size_t len, int err
             m->next = NULL;
             m->len = len;
             memcpy(m->data, b->data, len);
+            /* an ANNOUNCE a leg waits for: armed here, before the messenger thread reads it */
+            m->quiet = kx_arm_try_locked(h, m->data, len) == 2;
             if (h->msg_tail)
                 h->msg_tail->next = m;
             else
                 h->msg_head = m;
             h->msg_tail = m;
             h->nmsgs++;
-            pthread_cond_broadcast(&h->cond);
+            if (!m->quiet) {
+                h->nloud++;
+                pthread_cond_broadcast(&h->msg_cond);     /* only kx_recv_wait waits for messages */
+            }
         }
     } else {
         r->stat_rx_err++;

@@ -257,6 +257,7 @@ void kx_rail_quiesce(kx_rail *r)
     kx_bell_poke(r->bell);
     pthread_mutex_lock(&r->hub->lock);
     pthread_cond_broadcast(&r->hub->cond);
+    pthread_cond_broadcast(&r->hub->msg_cond);     /* a reader of messages sees stop */
     pthread_mutex_unlock(&r->hub->lock);
     /* join within 5 s; a thread spinning in shm on the lock of a peer that died holding it is
      * freed by releasing that lock (shmlock.c, kx_peers_unstick) */
@@ -290,10 +291,13 @@ static void kx_rail_abandon(kx_rail *r)
             x->error = FI_ECANCELED;
         x->done = 1;
     }
-    if (--h->open == 0)
+    if (--h->open == 0) {
         kx_hub_fail_counters_locked(h, FI_ECANCELED, 0);
+        kx_arm_clear_locked(h);
+    }
     h->dispatch_stop = 1;
     pthread_cond_broadcast(&h->cond);
+    pthread_cond_broadcast(&h->msg_cond);
     pthread_mutex_unlock(&h->lock);
 }
 
@@ -324,9 +328,11 @@ static void kx_rail_settle(kx_rail *r)
     }
     if (--h->open == 0) {            /* the last rail: the shared state goes too */
         kx_hub_fail_counters_locked(h, FI_ECANCELED, 1);
+        kx_arm_clear_locked(h);
         kx_hub_clear_queues_locked(h);
     }
     pthread_cond_broadcast(&h->cond);
+    pthread_cond_broadcast(&h->msg_cond);
     pthread_mutex_unlock(&h->lock);
 }
 
@@ -439,6 +445,7 @@ void kx_rail_get_stats(const kx_rail *r, kx_rail_stats *out)
     out->drives = __atomic_load_n(&r->stat_drives, __ATOMIC_RELAXED);
     out->drives_got = __atomic_load_n(&r->stat_drives_got, __ATOMIC_RELAXED);
     out->naps = __atomic_load_n(&r->stat_naps, __ATOMIC_RELAXED);
+    out->armed = __atomic_load_n(&r->hub->stat_armed, __ATOMIC_RELAXED);
 }
 
 int kx_rail_thread_id(const kx_rail *r) { return (int)r->tid; }

@@ -2,11 +2,12 @@
  *
  * The native engine is the only code that calls libfabric. Its objects:
  *   kx_rail      one RDM endpoint with its fabric, domain, CQ, AV and progress thread (one
- *                per NIC); the rails of one engine share a hub (lock, condition variable,
- *                imm counter table, callback queue, control-message queue)
+ *                per NIC); the rails of one engine share a hub (lock, condition variables,
+ *                imm counter table, arms, callback queue, control-message queue)
  *   kx_transfer  the messages of one write call on one rail: planned, posted, completed
  *   kx_counter   an expectation of `count` arrivals of one imm (immediate data value)
  *   kx_msg       a received control message
+ *   kx_arm       a decoder leg's ANNOUNCE, armed natively when it arrives (src/announce.c)
  *   kx_direct    the sender's own mapping of a shm peer's memfd region (direct writes)
  * A region is a libfabric `struct fid_mr`; a peer is an `fi_addr_t` in a rail's AV.
  *
@@ -30,6 +31,7 @@ typedef struct kx_rail kx_rail;
 typedef struct kx_transfer kx_transfer;
 typedef struct kx_counter kx_counter;
 typedef struct kx_msg kx_msg;
+typedef struct kx_arm kx_arm;
 typedef struct kx_watcher kx_watcher;
 typedef struct kx_watch kx_watch;
 typedef struct kx_direct kx_direct;
@@ -62,6 +64,7 @@ typedef struct kx_rail_stats {
     uint64_t drives;       /* waits in which the waiter read the CQ itself (KVXFER_DRIVE_US, a small transfer on shm) */
     uint64_t drives_got;   /* ... and saw what it waited for before its window passed */
     uint64_t naps;         /* pauses of the progress thread that napped: its core was contended */
+    uint64_t armed;        /* ANNOUNCEs armed natively (the engine's, all rails: src/announce.c) */
 } kx_rail_stats;
 
 typedef struct kx_transfer_state {
@@ -262,6 +265,9 @@ int kx_read(kx_rail *r, fi_addr_t peer, uint32_t gen, char *local_base, void *de
 int kx_expect(kx_rail *r, uint32_t imm, uint64_t count, int want_callback, kx_counter **out);
 void kx_counter_get_state(const kx_counter *c, kx_counter_state *out);
 int kx_counter_wait(kx_rail *r, kx_counter *c, int64_t slice_ns);   /* blocks; 1 once done */
+/* A counter made without a callback (an arm's) wants one now: 0 if it is queued for the
+ * dispatcher once met, 1 if it was met already (nothing is queued). */
+int kx_counter_set_callback(kx_rail *r, kx_counter *c);
 /* The owner drops its counter: an unfinished expectation is withdrawn, its arrivals banked again. */
 void kx_counter_drop(kx_rail *r, kx_counter *c);
 /* Drop one reference without withdrawing (the dispatcher's, from kx_next_done). */
@@ -287,6 +293,32 @@ int kx_recv_wait(kx_rail *r, int64_t slice_ns, kx_msg **out);
 size_t kx_msg_len(const kx_msg *m);
 const char *kx_msg_data(const kx_msg *m);
 void kx_msg_free(kx_msg *m);
+
+/* ---- the decoder's ANNOUNCE, armed natively (src/announce.c: the rule, the format) ---- */
+
+enum { KX_ARM_OPEN = 0, KX_ARM_ARMED = 1, KX_ARM_CLOSED = 2 };
+/* The messenger's secret (at most 256 bytes; 0: ANNOUNCEs carry no tag). Before any arm. */
+int kx_arm_key(kx_rail *r, const uint8_t *key, size_t len);
+/* Register a leg: its imm (one open arm per imm: -FI_EBUSY), the ANNOUNCE's sender and
+ * receiver uids, the seq it must exceed and its count's bounds. -FI_ECANCELED once closed. */
+int kx_arm_open(kx_rail *r, uint32_t imm, uint64_t src, uint64_t dst, uint64_t floor, uint64_t least,
+                uint64_t most, kx_arm **out);
+/* Blocks up to slice_ns; 1 once closed, or armed and its counter met (or ended, or the arm
+ * closed meanwhile: kx_arm_close wakes it). While a
+ * caller waits, an ANNOUNCE arms it even before its writes have all landed, and is queued
+ * quiet (kx_recv_wait returns it with the next loud one, or at its slice's end). */
+int kx_arm_wait(kx_rail *r, kx_arm *a, int64_t slice_ns);
+/* End the arm: nothing arms it any more. 1 if an ANNOUNCE of seq <= max_seq had armed it:
+ * *count, *seq, and *counter (its expectation, met or not, with no callback: the caller's
+ * reference now); once. A later ANNOUNCE's arming is reverted (the expectation withdrawn, its
+ * arrivals banked again): 0. */
+int kx_arm_close(kx_rail *r, kx_arm *a, uint64_t max_seq, uint64_t *count, uint64_t *seq, kx_counter **counter);
+void kx_arm_free(kx_rail *r, kx_arm *a);     /* closes it, reverting what nobody took; frees */
+int kx_arm_state(const kx_arm *a);
+int kx_arm_waiters(const kx_arm *a);         /* callers in kx_arm_wait now */
+/* The arm's check of one message, alone: its count, or -1 if the arm would not take it. */
+int64_t kx_announce_count(const char *data, size_t len, const uint8_t *key, size_t keylen, uint32_t imm,
+                          uint64_t src, uint64_t dst, uint64_t floor, uint64_t least, uint64_t most);
 
 /* ---- the revoke exchange (src/revoke.c): a target closing a region tells its peers ----- */
 

@@ -2,7 +2,9 @@
 
 ``_Counters`` is a base of ``Engine`` holding ``expect``, ``banked`` and ``discard`` (the
 counting rule, docs/architecture.md "Immediates and counters"); the ``Counter`` they return and
-the callback dispatcher live in ``transfer.py``.
+the callback dispatcher live in ``transfer.py``. It also holds the messenger's native arm of an
+ANNOUNCE (``arm_announce``, ``AnnounceArm``; src/announce.c): an expectation the engine makes
+itself, from the control message that announces it, when every write it counts has landed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,48 @@ from kvxfer._check import as_int
 from kvxfer.engine._args import _check_imm
 from kvxfer.engine.transfer import Counter, dispatch
 from kvxfer.errors import InvalidArgumentError
+
+
+class AnnounceArm:
+    """One decoder leg's ANNOUNCE, armed by the engine (``Engine.arm_announce``): when an
+    ANNOUNCE arrives that src/announce.c's check takes (sender, receiver, a seq above the
+    floor, a count within the bounds, its tag), and every write it counts has landed or a
+    caller waits in ``wait``, the thread that read it makes the expectation. The messenger
+    closes the arm before any other transition of the leg; ``close`` hands the ``Counter``
+    (met, or pending with no callback: ``Engine.set_callback``) over once."""
+
+    __slots__ = ("_handle", "imm")
+
+    def __init__(self, handle: Any, imm: int) -> None:
+        self._handle = handle
+        self.imm = imm
+
+    @property
+    def state(self) -> str:
+        """``"open"``, ``"armed"`` (its counter not yet taken) or ``"closed"``."""
+        return ("open", "armed", "closed")[self._handle.state]
+
+    @property
+    def waiting(self) -> int:
+        """Callers inside ``wait`` now."""
+        return self._handle.waiters
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until closed, or armed and its counter met (True), or ``timeout`` seconds
+        pass (False). While a caller waits, an ANNOUNCE arms it before its writes have all
+        landed too, and wakes no reader of ``Engine.recv``."""
+        return self._handle.wait(timeout)
+
+    def close(self, before: Optional[int] = None) -> Optional[tuple[int, int, Counter]]:
+        """Nothing arms it any more. ``(count, seq, counter)`` if an ANNOUNCE had armed it
+        (the first close after that), else None. With ``before``: only an ANNOUNCE of seq <=
+        ``before`` is taken; a later one's arming is undone (its expectation withdrawn, every
+        arrival it had been credited banked again), as is everything at ``before=0``."""
+        got = self._handle.close(2**64 - 1 if before is None else before)
+        if got is None:
+            return None
+        count, seq, handle = got
+        return int(count), int(seq), Counter(handle, self.imm, int(count), None)
 
 
 class _Counters:
@@ -49,6 +93,50 @@ class _Counters:
                                                         args=(self._rails[0], self._lock, self._callbacks))
                     self._dispatcher.start()
         return c
+
+    def set_callback(self, counter: Counter, callback: Callable[[Counter], Any]) -> bool:
+        """``callback(counter)`` on the dispatcher thread once ``counter`` is met, for one made
+        without a callback (an ``AnnounceArm``'s). False, and no callback, if it was met already."""
+        self._check_open()
+        if not callable(callback):
+            raise InvalidArgumentError("callback must be callable")
+        if counter.callback is not None:
+            raise InvalidArgumentError("the counter has a callback already")
+        with self._lock:
+            handle = counter._handle
+            counter.callback = callback
+            self._callbacks[handle.address] = counter
+            if handle.set_callback():
+                del self._callbacks[handle.address]
+                counter.callback = None
+                return False
+            if self._dispatcher is None:
+                self._dispatcher = threading.Thread(target=dispatch, name="kvxfer-dispatch", daemon=True,
+                                                    args=(self._rails[0], self._lock, self._callbacks))
+                self._dispatcher.start()
+        return True
+
+    def announce_key(self, secret: Optional[bytes]) -> None:
+        """The key every ANNOUNCE's tag is checked with by ``arm_announce``'s arms (the
+        messenger's secret, at most 256 bytes; None: they carry none). Before any arm."""
+        self._check_open()
+        key = b"" if secret is None else bytes(secret)
+        if len(key) > 256:
+            raise InvalidArgumentError(f"an ANNOUNCE key is at most 256 bytes, got {len(key)}")
+        self._rails[0].arm_key(key)
+
+    def arm_announce(self, imm: int, src: int, dst: int, floor: int, least: int, most: int) -> AnnounceArm:
+        """Arm ``imm``'s ANNOUNCE (src/announce.c): from peer uid ``src`` to ``dst`` (ours),
+        with a seq above ``floor`` and a count in ``[least, most]``. One open arm per imm."""
+        self._check_open()
+        checked = _check_imm(imm)
+        if checked is None:
+            raise InvalidArgumentError("arm_announce needs an imm")
+        vals = [as_int(v, name, minimum=0) for v, name in ((src, "src"), (dst, "dst"), (floor, "floor"),
+                                                            (least, "least"), (most, "most"))]
+        if any(v >= 2**64 for v in vals) or vals[3] > vals[4]:
+            raise InvalidArgumentError("arm_announce: uids, floor and bounds are u64, least <= most")
+        return AnnounceArm(self._rails[0].arm_open(checked, *vals), checked)
 
     def banked(self, imm: int) -> int:
         """Arrivals of ``imm`` received and not yet consumed by an expectation."""

@@ -7,7 +7,12 @@ holding every source rank) or several (one per prefill rank process): the REQUES
 every peer that has to write (``kvxfer.planner.writing_ranks``), each on its own **leg** with
 its own imm, so every peer's writes are counted apart. Each leg's peer announces its own exact
 count; the Receive is done once every leg's count was credited (the context is one of the
-writes of exactly one leg: the peer holding the lowest writing source rank). Abort, timeout and
+writes of exactly one leg: the peer holding the lowest writing source rank). Each push leg
+also has an **arm** (``Engine.arm_announce``, src/announce.c): when its ANNOUNCE arrives
+after every write it counts has landed, or while a caller waits in ``Receive.wait``, the
+engine's reading thread checks it and arms the count itself, and that caller wakes from the
+engine at the last write, not from the messenger thread; the arm is closed (``_adopt``) before any other transition of its leg, and
+what it armed is taken as if the messenger thread had handled the ANNOUNCE then. Abort, timeout and
 failure span the legs: every leg not yet fenced is sent ABORT and fences on its own ABORTED
 count; a leg whose peer died is fenced once the peer is torn down. The pages are reused only
 when every leg is fenced. The pull road (``receive(..., pull=True)``: each leg's peer exposes
@@ -74,6 +79,10 @@ class Decoder(PullReader):
         self.fencing: set[Receive] = set()
         self.queued: dict[Receive, None] = {}                   # waiting for a connecting peer (in order)
         self._next_imm = 1 + int.from_bytes(os.urandom(3), "little")
+        # the legs' arms (src/announce.c); KVXFER_NATIVE_ANNOUNCE=0 leaves every ANNOUNCE to
+        # the messenger thread (the A/B of docs/benchmarks.md)
+        self.native = os.environ.get("KVXFER_NATIVE_ANNOUNCE", "1") != "0"
+        self.armed_seqs: set[tuple[int, int]] = set()          # (peer uid, seq) adopted, not yet read
 
     # -- asking ---------------------------------------------------------------------------
     def receive(self, peers: Any, request_id: Any, dst_pages: Any, num_tokens: Any, timeout: Any,
@@ -149,6 +158,8 @@ class Decoder(PullReader):
             deadline = None if timeout is None else time.monotonic() + timeout
             r = Receive(self, legs, request_id, pages, int(num_tokens), slot, deadline)
             r.first_token, r.meta, r.pull = first_token, meta, pull
+            if self.native and not pull:
+                self._open_arms(r)
             if hot:
                 node.engine.hold_awake(True)
                 r._hot = True
@@ -173,6 +184,75 @@ class Decoder(PullReader):
             for leg in legs:              # sent from here, no hand-off (or by the sender thread)
                 self.peers.flush(leg.peer)
         return r
+
+    def _open_arms(self, r: Receive) -> None:
+        """Under the lock, before the REQUESTs go: each leg's arm, which takes only an
+        ANNOUNCE from its peer to this messenger, newer than every message of that peer
+        accepted so far (an older one of the same imm is a replay), with the count
+        ``on_announce`` would accept. An arm the engine refuses leaves the leg to the
+        messenger thread."""
+        eng, node = self.node.engine, self.node
+        most = self.most_writes(r)
+        for leg in r.legs:
+            try:
+                leg.arm = eng.arm_announce(leg.imm, leg.peer.uid, node.uid, leg.peer.recv_seq,
+                                           2 if leg.slot >= 0 else 1, most)
+            except KvxferError:
+                leg.arm = None
+
+    def adopt(self, r: Receive, leg: Leg) -> None:
+        """``Receive.wait``: ``leg``'s arm settled (armed, or closed by a transition)."""
+        with self.node.lock:
+            self._adopt(r, leg)
+
+    def drop_arms(self, pg: PeerGroup) -> None:
+        """Under the lock (``Peers.mark_dead``): ``pg`` is dead, its messages are dropped from
+        now on, so nothing its ANNOUNCEs armed counts: each of its legs' arms is closed and
+        what it armed undone (its arrivals banked again, for the teardown's fence)."""
+        for r in dict.fromkeys(self.receives.values()):
+            for leg in r.legs:
+                if leg.peer is pg and leg.arm is not None:
+                    arm, leg.arm = leg.arm, None
+                    arm.close(before=0)
+
+    def _adopt(self, r: Receive, leg: Leg, before: Optional[int] = None) -> None:
+        """Under the lock, first in every transition of ``leg``: close its arm. A transition
+        that handles a message of seq ``before`` takes only an ANNOUNCE that came before it
+        (a later one's arming is undone: the messenger reads that ANNOUNCE itself afterwards). If an ANNOUNCE
+        had armed it, take it now as ``on_announce`` would have then: the count, the counter
+        (its callback asked for if not yet met), the Receive transferring, the leg complete
+        if its writes have all landed. The ANNOUNCE itself still reaches the messenger
+        thread, which then only accepts its seq."""
+        arm = leg.arm
+        if arm is None:
+            return
+        leg.arm = None
+        got = arm.close(before)
+        if got is None:
+            return
+        count, seq, c = got
+        node = self.node
+        leg.announced, leg.arm_seq, leg.counter = count, seq, c
+        self.armed_seqs.add((leg.peer.uid, seq))
+        node.count("announces_armed")
+        if r._state == "pending":
+            r._state = "transferring"
+            node.hist.observe("receive_announce", time.monotonic() - r.t_start)
+        if not c.done:
+            try:
+                if node.engine.set_callback(c, lambda _c, r=r, leg=leg: self.on_counter(r, leg)):
+                    c = None               # completed by the callback (or by a caller's wait)
+            except KvxferError:            # the engine is closing: the messenger's close fails it
+                c = None
+        if c is not None and c.state == "done":
+            self.on_counter(r, leg)        # met already: complete (final: wakes a caller once)
+        if all(x.counter is not None for x in r.legs):
+            r._armed.set()
+
+    def _adopt_all(self, r: Receive) -> None:
+        for leg in r.legs:
+            if leg.arm is not None:
+                self._adopt(r, leg)
 
     def _writers(self, first: PeerGroup, src_n: int, rid_bytes: bytes) -> tuple[int, ...]:
         """The source ranks that write a request of ``src_n`` source pages from ``first``'s
@@ -252,6 +332,7 @@ class Decoder(PullReader):
     def start_abort(self, r: Receive, skip: Optional[Leg] = None) -> list[Leg]:
         """``r`` is aborting: the legs an ABORT must go to now (marked sent), but ``skip``
         (a leg whose peer stopped by itself)."""
+        self._adopt_all(r)
         r._aborting = True
         self._stop_reads(r)
         if self._dequeue(r):
@@ -340,7 +421,8 @@ class Decoder(PullReader):
         leg still open but ``cause`` (the leg whose peer failed it) is aborted with the fence:
         the pages wait for those."""
         with self.node.lock:
-            if r.error is None:
+            self._adopt_all(r)
+            if r.error is None and r._state != "done":    # (the adoption may have completed it)
                 r.error = err
             if r._state not in FINAL:
                 r._fail_now = True
@@ -388,10 +470,20 @@ class Decoder(PullReader):
         return r, leg
 
     def on_announce(self, pg: PeerGroup, m: C.Control) -> None:
-        r, leg = self._leg_of(pg, m.imm)
+        node = self.node
+        key = (pg.uid, m.seq)
+        with node.lock:
+            if key in self.armed_seqs:     # armed by the engine and taken already: its seq counted
+                self.armed_seqs.discard(key)
+                return
+            r, leg = self._leg_of(pg, m.imm)
+            if leg is not None and leg.arm is not None:
+                self._adopt(r, leg, m.seq)
+                if leg.arm_seq == m.seq:   # this message armed it
+                    self.armed_seqs.discard(key)
+                    return
         if leg is None:
             return
-        node = self.node
         with node.lock:
             if leg.pull:
                 node.count("drop_unexpected_announce")     # a pull leg's peer exposes, never writes
@@ -445,10 +537,11 @@ class Decoder(PullReader):
         r, leg = self._leg_of(pg, m.imm)
         if leg is None:
             return
-        target = (leg.announced or 0) if m.flags & C.ABORTED_UNKNOWN else m.count   # UNKNOWN: it forgot it
         node = self.node
         others: list[Leg] = []
         with node.lock:
+            self._adopt(r, leg, m.seq)
+            target = (leg.announced or 0) if m.flags & C.ABORTED_UNKNOWN else m.count   # UNKNOWN: it forgot it
             if leg.fenced or (r._state in FINAL and not r._aborting):
                 return
             if leg.fence_target is not None:      # a repeated ABORTED: the first count stands
@@ -482,7 +575,11 @@ class Decoder(PullReader):
 
     def on_reject(self, pg: PeerGroup, m: C.Control) -> None:
         r, leg = self._leg_of(pg, m.imm)
-        if r is None or r._state in FINAL:
+        if r is None:
+            return
+        with self.node.lock:
+            self._adopt(r, leg, m.seq)
+        if r._state in FINAL:
             return
         # fenced only if nothing was announced or fenced: else writes may land (only an
         # ABORTED's count, or a teardown, fences that leg then)
@@ -526,6 +623,9 @@ class Decoder(PullReader):
             expired = [r for r in live if r._deadline is not None and now >= r._deadline
                        and r._state not in FINAL and not r._aborting]
             for r in expired:
+                self._adopt_all(r)         # what its arms took came before the deadline was seen
+            expired = [r for r in expired if r._state not in FINAL]
+            for r in expired:
                 r.error = TimeoutError(f"request {r.request_id!r} not done within its timeout")
                 aborts += self.start_abort(r)
             fencing = list(self.fencing)
@@ -549,6 +649,7 @@ class Decoder(PullReader):
         failed meanwhile); that leg is fenced, the others are aborted with the fence."""
         with self.node.lock:
             recvs = [r for r in dict.fromkeys(self.receives.values()) if any(leg.peer is pg for leg in r.legs)]
+            self.armed_seqs = {k for k in self.armed_seqs if k[0] != pg.uid}    # its messages are dropped now
         for r in recvs:
             self.fail(r, err, fence=lambda leg: leg.peer is pg)
 

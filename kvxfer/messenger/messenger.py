@@ -213,7 +213,13 @@ class Messenger:
         self._peers_room = Peers(node, layout, sharding, slots, cbytes, lambda: self._blob, self._peer_gone)
         dec = self._decode = Decoder(node, self._peers_room, layout, sharding, self.ranks, slots, cbytes)
         self._peers_room.on_up, self._peers_room.on_failed = dec.peer_up, dec.connect_failed
+        self._peers_room.on_dead = dec.drop_arms
         try:
+            if dec.native:
+                try:
+                    engine.announce_key(secret)        # the legs' arms check the ANNOUNCEs' tags
+                except InvalidArgumentError:           # a secret longer than the engine keeps
+                    dec.native = False
             for r, objs in zip(self.ranks, regions):
                 self._local[r] = register_layout(engine, layout, sharding, objs, readable=offer_pull)
             self._ctx_mr = engine.register(dec.ctx_array) if slots else None

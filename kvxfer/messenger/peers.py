@@ -127,6 +127,7 @@ class Peers:
         # set by the messenger: a group came up / its connect failed (the decoder's queue)
         self.on_up: Callable[[PeerGroup], None] = lambda pg: None
         self.on_failed: Callable[[PeerGroup, KvxferError], None] = lambda pg, err: None
+        self.on_dead: Callable[[PeerGroup], None] = lambda pg: None     # under the lock
         self._wake = threading.Event()                  # something was posted: the sender thread looks
 
     def live(self) -> list[PeerGroup]:
@@ -450,6 +451,7 @@ class Peers:
                 return False
             pg.state = "dead"
             pg.error = err
+            self.on_dead(pg)               # its legs' arms (decode.Decoder.drop_arms)
             if not self.node.closed:       # our close sends what was posted first (teardown)
                 pg.outbox.clear()
             self.dead.add(pg.uid)

@@ -44,7 +44,7 @@ class Leg:
     context slot it writes (-1: none), what it announced, and its fence; on the pull road
     (``pull``) also its reads (kvxfer/messenger/pullrecv.py)."""
 
-    __slots__ = ("peer", "imm", "slot", "announced", "counter", "fence_target", "fence_counter",
+    __slots__ = ("peer", "imm", "slot", "announced", "counter", "arm", "arm_seq", "fence_target", "fence_counter",
                  "fence_since", "fence_ok", "abort_sent", "complete", "fenced",
                  "pull", "exposed", "reads", "drained", "reads_ok", "ctx_done", "fence_pending", "done_sent")
 
@@ -54,6 +54,8 @@ class Leg:
         self.slot = slot
         self.announced: Optional[int] = None
         self.counter: Any = None
+        self.arm: Any = None             # its ANNOUNCE armed by the engine (decode.Decoder._adopt)
+        self.arm_seq = 0                 # the seq of the ANNOUNCE that armed it
         self.fence_target: Optional[int] = None
         self.fence_counter: Any = None
         self.fence_since = 0.0           # when the ABORTED set the fence (monotonic)
@@ -192,8 +194,19 @@ class Receive:
     def _wait_counters(self, deadline: Optional[float]) -> None:
         """The caller's thread waits on the engine's counters itself (native, GIL-free waits
         woken by the progress thread) once the ANNOUNCEs armed them, and completes the
-        request: no hop through the engine's callback dispatcher. That callback still runs
+        request: no hop through the engine's callback dispatcher. First on each leg's arm:
+        an ANNOUNCE that comes after its writes is met by the thread that read it, and this
+        caller completes the request without the messenger thread. That callback still runs
         (for callers that never wait); completing twice is a no-op."""
+        for leg in self.legs:
+            arm = leg.arm               # the engine arms it from the ANNOUNCE (src/announce.c)
+            if arm is not None and not self._event.is_set():
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not arm.wait(left):
+                    return
+                self._dec.adopt(self, leg)
+                if self._event.is_set():    # completed by the adoption: nothing left to wait on
+                    return
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not self._armed.wait(left):
             return
