@@ -125,7 +125,11 @@ int kx_arm_try_locked(kx_hub *h, const char *data, size_t len)
     a->counter = c;
     __atomic_store_n(&a->settled, 1, __ATOMIC_RELEASE);
     h->stat_armed++;
-    pthread_cond_broadcast(&h->cond);
+    /* met now: wake its waiter; not yet: its last arrival's broadcast does (kx_arm_wait looks
+     * on to the counter), so the waiter does not wake twice and take a core from the
+     * progress thread meanwhile */
+    if (c->done)
+        pthread_cond_broadcast(&h->cond);
     return waited ? 2 : 1;
 }
 
