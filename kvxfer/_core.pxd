@@ -181,6 +181,7 @@ cdef extern from "kvxfer/kvxfer.h" nogil:
     void kx_arm_free(kx_rail *r, kx_arm *a)
     int kx_arm_state(const kx_arm *a)
     int kx_arm_waiters(const kx_arm *a)
+    void kx_arm_hold(kx_arm *a, int delta)
     int64_t kx_announce_count(const char *data, size_t len, const uint8_t *key, size_t keylen, uint32_t imm,
                               uint64_t src, uint64_t dst, uint64_t floor, uint64_t least, uint64_t most)
 

@@ -209,8 +209,12 @@ cdef class ArmHandle:
 
     @property
     def waiters(self):
-        """Callers inside wait() now."""
+        """Callers inside wait() now, and holds."""
         return kx_arm_waiters(self.a)
+
+    def hold(self, int delta):
+        """A caller that will wait next counts as waiting (+1), until it no longer will (-1)."""
+        kx_arm_hold(self.a, delta)
 
     def wait(self, timeout=None):
         """True once armed or closed; False if `timeout` seconds pass first."""

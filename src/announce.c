@@ -293,3 +293,5 @@ void kx_arm_free(kx_rail *r, kx_arm *a) { kx_hub_arm_free(r->hub, a); }
 int kx_arm_state(const kx_arm *a) { return __atomic_load_n(&a->state, __ATOMIC_ACQUIRE); }
 
 int kx_arm_waiters(const kx_arm *a) { return __atomic_load_n(&a->waiters, __ATOMIC_ACQUIRE); }
+
+void kx_arm_hold(kx_arm *a, int delta) { __atomic_add_fetch(&a->waiters, delta, __ATOMIC_SEQ_CST); }

@@ -315,7 +315,10 @@ int kx_arm_wait(kx_rail *r, kx_arm *a, int64_t slice_ns);
 int kx_arm_close(kx_rail *r, kx_arm *a, uint64_t max_seq, uint64_t *count, uint64_t *seq, kx_counter **counter);
 void kx_arm_free(kx_rail *r, kx_arm *a);     /* closes it, reverting what nobody took; frees */
 int kx_arm_state(const kx_arm *a);
-int kx_arm_waiters(const kx_arm *a);         /* callers in kx_arm_wait now */
+int kx_arm_waiters(const kx_arm *a);         /* callers in kx_arm_wait now, and holds */
+/* A caller that will wait on the arm next (a Receive's later legs, while it waits on the
+ * first) counts as waiting meanwhile: +1, then -1 once it no longer will. */
+void kx_arm_hold(kx_arm *a, int delta);
 /* The arm's check of one message, alone: its count, or -1 if the arm would not take it. */
 int64_t kx_announce_count(const char *data, size_t len, const uint8_t *key, size_t keylen, uint32_t imm,
                           uint64_t src, uint64_t dst, uint64_t floor, uint64_t least, uint64_t most);

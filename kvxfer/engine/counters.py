@@ -39,8 +39,15 @@ class AnnounceArm:
 
     @property
     def waiting(self) -> int:
-        """Callers inside ``wait`` now."""
+        """Callers inside ``wait`` now, and holds."""
         return self._handle.waiters
+
+    def hold(self, delta: int) -> None:
+        """A caller that will ``wait`` next (a Receive's later legs, while it waits on the
+        first) counts as waiting meanwhile: ``hold(1)``, then ``hold(-1)``."""
+        if delta not in (1, -1):
+            raise InvalidArgumentError("hold takes 1 or -1")
+        self._handle.hold(delta)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until closed, or armed and its counter met (True), or ``timeout`` seconds

@@ -198,15 +198,22 @@ class Receive:
         an ANNOUNCE that comes after its writes is met by the thread that read it, and this
         caller completes the request without the messenger thread. That callback still runs
         (for callers that never wait); completing twice is a no-op."""
-        for leg in self.legs:
-            arm = leg.arm               # the engine arms it from the ANNOUNCE (src/announce.c)
-            if arm is not None and not self._event.is_set():
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not arm.wait(left):
-                    return
-                self._dec.adopt(self, leg)
-                if self._event.is_set():    # completed by the adoption: nothing left to wait on
-                    return
+        arms = [leg.arm for leg in self.legs]
+        held = [a for a in arms[1:] if a is not None]
+        for a in held:                  # waited on next: their ANNOUNCEs arm them meanwhile too
+            a.hold(1)
+        try:
+            for leg, arm in zip(self.legs, arms):
+                if arm is not None and not self._event.is_set():   # armed by the engine (src/announce.c)
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    if not arm.wait(left):
+                        return
+                    self._dec.adopt(self, leg)
+                    if self._event.is_set():    # completed by the adoption: nothing left to wait on
+                        return
+        finally:
+            for a in held:
+                a.hold(-1)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not self._armed.wait(left):
             return

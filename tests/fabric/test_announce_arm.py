@@ -210,6 +210,25 @@ def test_a_long_secret_is_a_key_too(pair):
     assert arm.close()[0] == 1
 
 
+def test_a_held_arm_counts_as_waited_on(linked):
+    """A Receive's later legs are held while its caller waits on the first: their ANNOUNCEs
+    arm them before their writes land, queued quiet, as for a caller inside wait()."""
+    a, b, ms, peer, rr = linked
+    arm = b.arm_announce(23, SRC, DST, 0, 1, 10)
+    arm.hold(1)
+    assert arm.waiting == 1
+    a.send(peer, _announce(1, 23, 1))
+    _until(lambda: arm.state == "armed")
+    arm.hold(-1)
+    assert arm.waiting == 0
+    _writes(a, ms, peer, rr, 23, 1)
+    assert arm.wait(10)
+    count, seq, c = arm.close()
+    assert count == 1 and c.state == "done"
+    with pytest.raises(InvalidArgumentError):
+        arm.hold(2)
+
+
 def test_arm_refusals(linked):
     a, b, ms, peer, rr = linked
     arm = b.arm_announce(21, SRC, DST, 0, 1, 10)
