@@ -11,9 +11,9 @@ writes of exactly one leg: the peer holding the lowest writing source rank). Eac
 also has an **arm** (``Engine.arm_announce``, src/announce.c): when its ANNOUNCE arrives
 after every write it counts has landed, or while a caller waits in ``Receive.wait``, the
 engine's reading thread checks it and arms the count itself, and that caller wakes from the
-engine at the last write, not from the messenger thread; the arm is closed (``_adopt``) before any other transition of its leg, and
-what it armed is taken as if the messenger thread had handled the ANNOUNCE then. Abort, timeout and
-failure span the legs: every leg not yet fenced is sent ABORT and fences on its own ABORTED
+engine at the last write, not from the messenger thread; the arm is closed (``_adopt``)
+before any other transition of its leg, and what it armed is taken as if the messenger
+thread had handled the ANNOUNCE then. Abort, timeout and failure span the legs: every leg not yet fenced is sent ABORT and fences on its own ABORTED
 count; a leg whose peer died is fenced once the peer is torn down. The pages are reused only
 when every leg is fenced. The pull road (``receive(..., pull=True)``: each leg's peer exposes
 its pages, this decoder reads them) is the mixin ``pullrecv.PullReader``.
@@ -218,11 +218,11 @@ class Decoder(PullReader):
     def _adopt(self, r: Receive, leg: Leg, before: Optional[int] = None) -> None:
         """Under the lock, first in every transition of ``leg``: close its arm. A transition
         that handles a message of seq ``before`` takes only an ANNOUNCE that came before it
-        (a later one's arming is undone: the messenger reads that ANNOUNCE itself afterwards). If an ANNOUNCE
-        had armed it, take it now as ``on_announce`` would have then: the count, the counter
-        (its callback asked for if not yet met), the Receive transferring, the leg complete
-        if its writes have all landed. The ANNOUNCE itself still reaches the messenger
-        thread, which then only accepts its seq."""
+        (a later one's arming is undone: the messenger reads that ANNOUNCE itself
+        afterwards). If an ANNOUNCE had armed it, take it now as ``on_announce`` would have
+        then: the count, the counter (its callback asked for if not yet met), the Receive
+        transferring, the leg complete if its writes have all landed. The ANNOUNCE itself
+        still reaches the messenger thread, which then only accepts its seq."""
         arm = leg.arm
         if arm is None:
             return
