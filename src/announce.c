@@ -93,14 +93,20 @@ static void kx_arm_unlink_locked(kx_hub *h, kx_arm *a)
     }
 }
 
+static kx_arm *kx_arm_find_locked(kx_hub *h, uint32_t imm)
+{
+    kx_arm *a = h->arms[kx_arm_bucket(imm)];
+    while (a && a->imm != imm)
+        a = a->next;
+    return a;
+}
+
 int kx_arm_try_locked(kx_hub *h, const char *data, size_t len)
 {
     if (!h->narms || len < 32 || data[3] != 4)
         return 0;
     uint32_t imm = kx_le32(data + 28);
-    kx_arm *a = h->arms[kx_arm_bucket(imm)];
-    while (a && a->imm != imm)
-        a = a->next;
+    kx_arm *a = kx_arm_find_locked(h, imm);
     if (!a)
         return 0;
     int64_t count = kx_announce_count(data, len, h->arm_key, h->arm_keylen, imm, a->src, a->dst, a->floor,
@@ -177,10 +183,7 @@ int kx_hub_arm_open(kx_hub *h, uint32_t imm, uint64_t src, uint64_t dst, uint64_
     a->least = least;
     a->most = most;
     pthread_mutex_lock(&h->lock);
-    int ret = h->open == 0 ? -FI_ECANCELED : 0;
-    for (kx_arm *b = h->arms[kx_arm_bucket(imm)]; b && !ret; b = b->next)
-        if (b->imm == imm)
-            ret = -FI_EBUSY;
+    int ret = h->open == 0 ? -FI_ECANCELED : kx_arm_find_locked(h, imm) ? -FI_EBUSY : 0;
     if (!ret) {
         size_t k = kx_arm_bucket(imm);
         a->next = h->arms[k];
@@ -241,24 +244,7 @@ int kx_hub_arm_close(kx_hub *h, kx_arm *a, uint64_t max_seq, uint64_t *count, ui
         *seq = a->seq;
         *counter = c;                  /* the caller's reference now */
     } else if (c) {
-        kx_imm_entry *s = NULL;
-        if (!c->done) {                /* pending: withdrawn, its credits banked again */
-            s = kx_imm_table_find(&h->table, c->imm);
-            if (s && s->active == c) {
-                s->active = NULL;
-                s->banked += c->arrived;
-                kx_counter_release_locked(c);      /* the table's reference */
-            }
-        } else if (!c->error) {        /* met: its arrivals banked again */
-            s = kx_imm_table_get(&h->table, c->imm);
-            if (s)
-                s->banked += c->count;
-            else
-                h->stat_lost += c->count;
-        }
-        if (s && !s->active && s->banked == 0)
-            kx_imm_table_del(&h->table, s);
-        kx_counter_release_locked(c);  /* the arm's */
+        kx_hub_counter_drop_locked(h, c, 1);   /* pending or met: its arrivals banked again */
     }
     a->state = KX_ARM_CLOSED;
     __atomic_store_n(&a->settled, 1, __ATOMIC_RELEASE);

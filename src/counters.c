@@ -231,11 +231,11 @@ int kx_hub_expect(kx_hub *h, uint32_t imm, uint64_t count, int want_callback, kx
     return 0;
 }
 
-/* the owner drops its counter; an unfinished expectation is withdrawn and the arrivals it
- * had been credited are banked again, so nothing is lost */
-void kx_hub_counter_drop(kx_hub *h, kx_counter *c)
+/* Under the lock: the owner drops its counter; an unfinished expectation is withdrawn and the
+ * arrivals it had been credited are banked again, so nothing is lost. With `rebank`, a met
+ * one's arrivals are banked again too (an arm's arming undone, announce.c). */
+void kx_hub_counter_drop_locked(kx_hub *h, kx_counter *c, int rebank)
 {
-    pthread_mutex_lock(&h->lock);
     if (!c->done) {
         kx_imm_entry *s = kx_imm_table_find(&h->table, c->imm);
         if (s && s->active == c) {
@@ -245,8 +245,20 @@ void kx_hub_counter_drop(kx_hub *h, kx_counter *c)
             if (s->banked == 0)
                 kx_imm_table_del(&h->table, s);
         }
+    } else if (rebank && !c->error) {
+        kx_imm_entry *s = kx_imm_table_get(&h->table, c->imm);
+        if (s)
+            s->banked += c->count;
+        else
+            h->stat_lost += c->count;
     }
     kx_counter_release_locked(c);
+}
+
+void kx_hub_counter_drop(kx_hub *h, kx_counter *c)
+{
+    pthread_mutex_lock(&h->lock);
+    kx_hub_counter_drop_locked(h, c, 0);
     pthread_mutex_unlock(&h->lock);
 }
 

@@ -130,11 +130,12 @@ struct kx_arm {
     uint64_t src, dst;     /* the ANNOUNCE's sender (the peer's uid) and receiver (ours) */
     uint64_t floor;        /* its seq must be above this */
     uint64_t least, most;  /* the count it may announce */
-    int settled;           /* futex-free flag the waiter waits on: armed or closed */
+    int settled;           /* the flag kx_arm_wait waits on first: armed or closed */
     int state;             /* KX_ARM_OPEN, KX_ARM_ARMED, KX_ARM_CLOSED */
-    int waiters;           /* callers in kx_arm_wait (atomic) */
+    int waiters;           /* callers in kx_arm_wait, and holds (kx_arm_hold; atomic) */
     uint64_t count, seq;   /* armed: what the ANNOUNCE said */
-    kx_counter *counter;   /* armed: the met expectation; the arm holds its owner's reference */
+    kx_counter *counter;   /* armed: its expectation (met, or pending with no callback); the
+                            * arm holds its owner's reference until kx_arm_close */
 };
 
 typedef struct kx_rxbuf {
@@ -328,8 +329,8 @@ int kx_hub_expect(kx_hub *h, uint32_t imm, uint64_t count, int want_callback, kx
 int kx_hub_expect_locked(kx_hub *h, kx_counter *c);   /* c: calloc'ed with imm, count, want_callback */
 uint64_t kx_hub_banked_locked(kx_hub *h, uint32_t imm);
 /* announce.c: under the hub lock, for a control message just received: 1 if it was an
- * ANNOUNCE an open arm took (its count met from banked arrivals), 2 if so and a caller
- * waits on that arm (the message is queued quiet), else 0 */
+ * ANNOUNCE an open arm took (its count met from banked arrivals), 2 if an arm took it with a
+ * caller waiting (met or not: the message is queued quiet), else 0 */
 int kx_arm_try_locked(kx_hub *h, const char *data, size_t len);
 void kx_arm_clear_locked(kx_hub *h);
 int kx_hub_arm_key(kx_hub *h, const uint8_t *key, size_t len);
@@ -338,6 +339,7 @@ int kx_hub_arm_open(kx_hub *h, uint32_t imm, uint64_t src, uint64_t dst, uint64_
 int kx_hub_arm_close(kx_hub *h, kx_arm *a, uint64_t max_seq, uint64_t *count, uint64_t *seq, kx_counter **counter);
 void kx_hub_arm_free(kx_hub *h, kx_arm *a);
 void kx_hub_counter_drop(kx_hub *h, kx_counter *c);
+void kx_hub_counter_drop_locked(kx_hub *h, kx_counter *c, int rebank);
 void kx_counter_release_locked(kx_counter *c);
 uint64_t kx_hub_banked(kx_hub *h, uint32_t imm);
 uint64_t kx_hub_discard(kx_hub *h, uint32_t imm, kx_counter **withdrawn);

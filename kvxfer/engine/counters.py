@@ -95,11 +95,15 @@ class _Counters:
             c = Counter(handle, imm, int(count), callback)
             if callback is not None:
                 self._callbacks[handle.address] = c
-                if self._dispatcher is None:
-                    self._dispatcher = threading.Thread(target=dispatch, name="kvxfer-dispatch", daemon=True,
-                                                        args=(self._rails[0], self._lock, self._callbacks))
-                    self._dispatcher.start()
+                self._start_dispatcher()
         return c
+
+    def _start_dispatcher(self) -> None:
+        """Under ``_lock``: the callback dispatcher thread, started by the first callback."""
+        if self._dispatcher is None:
+            self._dispatcher = threading.Thread(target=dispatch, name="kvxfer-dispatch", daemon=True,
+                                                args=(self._rails[0], self._lock, self._callbacks))
+            self._dispatcher.start()
 
     def set_callback(self, counter: Counter, callback: Callable[[Counter], Any]) -> bool:
         """``callback(counter)`` on the dispatcher thread once ``counter`` is met, for one made
@@ -117,10 +121,7 @@ class _Counters:
                 del self._callbacks[handle.address]
                 counter.callback = None
                 return False
-            if self._dispatcher is None:
-                self._dispatcher = threading.Thread(target=dispatch, name="kvxfer-dispatch", daemon=True,
-                                                    args=(self._rails[0], self._lock, self._callbacks))
-                self._dispatcher.start()
+            self._start_dispatcher()
         return True
 
     def announce_key(self, secret: Optional[bytes]) -> None:
@@ -139,10 +140,10 @@ class _Counters:
         checked = _check_imm(imm)
         if checked is None:
             raise InvalidArgumentError("arm_announce needs an imm")
-        vals = [as_int(v, name, minimum=0) for v, name in ((src, "src"), (dst, "dst"), (floor, "floor"),
-                                                            (least, "least"), (most, "most"))]
-        if any(v >= 2**64 for v in vals) or vals[3] > vals[4]:
-            raise InvalidArgumentError("arm_announce: uids, floor and bounds are u64, least <= most")
+        vals = [as_int(v, name, minimum=0, maximum=2**64 - 1)
+                for v, name in ((src, "src"), (dst, "dst"), (floor, "floor"), (least, "least"), (most, "most"))]
+        if vals[3] > vals[4]:
+            raise InvalidArgumentError(f"arm_announce: least {vals[3]} is above most {vals[4]}")
         return AnnounceArm(self._rails[0].arm_open(checked, *vals), checked)
 
     def banked(self, imm: int) -> int:

@@ -17,6 +17,8 @@ from kvxfer import _fabric
 from kvxfer.errors import DescriptorError, InvalidArgumentError
 from kvxfer.messenger import _codec as C
 
+from _data import until
+
 SECRET = b"a-secret-of-at-least-16-bytes"
 SRC, DST = 0x1111_2222_3333_4445, 0x5555_6666_7777_8889
 
@@ -42,10 +44,7 @@ def _writes(a, ms, peer, rr, imm, n):
 
 
 def _until(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.002)
+    assert until(pred, timeout), "timed out"
 
 
 def test_an_announce_after_its_writes_is_met_by_the_engine(linked):

@@ -9,11 +9,11 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from kvxfer.messenger import _codec as C
 
+from _data import until
 from _api import Cluster
 from _pair import open_pair
 
@@ -22,10 +22,7 @@ DROPS = ("drop_unknown_request", "drop_duplicate_announce", "drop_late_announce"
 
 
 def _until(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.002)
+    assert until(pred, timeout), "timed out"
 
 
 def _serve(cl, stop, ctx=b"context!"):
